@@ -1,0 +1,5 @@
+import sys
+
+from normswap.cli import main
+
+sys.exit(main())

@@ -1,0 +1,58 @@
+"""Adapters: one declarative ``Architecture`` per supported family, looked up by model type."""
+
+from __future__ import annotations
+
+from normswap.architectures.gpt2 import GPT2
+from normswap.architectures.spec import Architecture, EmbeddingNormBake, Norm, Reader, Writer
+from normswap.errors import NormswapError
+
+ARCHITECTURES: dict[str, Architecture] = {}
+for _architecture in (GPT2,):
+    for _model_type in _architecture.model_types:
+        ARCHITECTURES[_model_type] = _architecture
+
+_POST_LN_REASON = (
+    "it is a post-LN model: its LayerNorms sit after the residual additions, so the norm output "
+    "itself becomes the residual stream and mean removal cannot be moved into the weights; "
+    "no exact RMSNorm conversion exists"
+)
+# model type -> why it cannot be converted exactly
+POST_LN: dict[str, str] = {
+    name: _POST_LN_REASON
+    for name in ("bert", "roberta", "distilbert", "bart", "mbart", "electra", "albert", "xlm-roberta",
+                 "camembert", "deberta", "deberta-v2", "t5", "marian", "pegasus")
+}
+POST_LN["t5"] = "T5 already uses RMSNorm (T5LayerNorm); there is nothing to convert"
+
+
+def supported_model_types() -> list[str]:
+    return sorted(ARCHITECTURES)
+
+
+def architecture_for(config: dict) -> Architecture:
+    """The adapter for a checkpoint's config, or a NormswapError saying why there is none."""
+    model_type = config.get("model_type")
+    if model_type in POST_LN:
+        raise NormswapError(f"cannot convert model type '{model_type}': {POST_LN[model_type]}")
+    if model_type not in ARCHITECTURES:
+        raise NormswapError(
+            f"unsupported architecture '{model_type}'; supported: {', '.join(supported_model_types())}"
+        )
+    architecture = ARCHITECTURES[model_type]
+    reason = architecture.refuse(config)
+    if reason:
+        raise NormswapError(f"cannot convert this {model_type} checkpoint exactly: {reason}")
+    return architecture
+
+
+__all__ = [
+    "ARCHITECTURES",
+    "POST_LN",
+    "Architecture",
+    "EmbeddingNormBake",
+    "Norm",
+    "Reader",
+    "Writer",
+    "architecture_for",
+    "supported_model_types",
+]

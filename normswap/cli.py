@@ -1,0 +1,66 @@
+"""The ``normswap`` command line.
+
+Each subcommand lives beside the code it drives, in a module that offers two functions:
+``configure(parser)`` adds its arguments and ``run(args) -> int`` does the work. This file only
+dispatches, and turns every ``NormswapError`` into one line on stderr and a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+
+from normswap.errors import NormswapError
+
+# (subcommand, module implementing it, one-line help)
+SUBCOMMANDS: list[tuple[str, str, str]] = [
+    ("convert", "normswap.commands.convert", "convert a LayerNorm checkpoint into an exact RMSNorm checkpoint"),
+    ("inspect", "normswap.commands.inspect", "print the conversion plan for a checkpoint; writes nothing"),
+    ("verify", "normswap.commands.verify", "compare a converted checkpoint against its original"),
+    ("eval", "normswap.evaluation.cli", "perplexity and lm-eval scores, optionally side by side with a baseline"),
+    ("run", "normswap.evaluation.recipe_cli", "run a recipe: convert, verify, evaluate and report"),
+    ("geometry", "normswap.analysis.cli", "measure how hidden states use the all-ones direction"),
+]
+
+
+def build_parser(only: str | None = None) -> tuple[argparse.ArgumentParser, dict[str, object]]:
+    """The parser; with ``only``, just that subcommand's module is imported (startup stays fast)."""
+    from normswap import __version__
+
+    parser = argparse.ArgumentParser(prog="normswap", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"normswap {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    modules: dict[str, object] = {}
+    for name, module_name, help_text in SUBCOMMANDS:
+        sub_parser = sub.add_parser(name, help=help_text, description=help_text)
+        if only is None or name == only:
+            module = importlib.import_module(module_name)
+            module.configure(sub_parser)
+            modules[name] = module
+    return parser, modules
+
+
+def main(argv: list[str] | None = None) -> int:
+    # Hub and transformers chatter would bury our own one-line messages.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    argv = sys.argv[1:] if argv is None else argv
+    chosen = next((arg for arg in argv if not arg.startswith("-")), None)
+    known = {name for name, _, _ in SUBCOMMANDS}
+    parser, modules = build_parser(chosen if chosen in known else None)
+    args = parser.parse_args(argv)
+    try:
+        return int(modules[args.command].run(args) or 0)
+    except NormswapError as error:
+        print(f"normswap {args.command}: error: {error}", file=sys.stderr)
+        return error.exit_code
+    except KeyboardInterrupt:
+        print(f"normswap {args.command}: interrupted; nothing was written", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The core subcommands: convert, inspect, verify."""

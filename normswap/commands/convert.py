@@ -1,0 +1,44 @@
+"""``normswap convert SRC --out DIR``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from normswap.pipeline import convert_checkpoint
+from normswap.verify import format_table
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("src", help="hub id (gpt2), local checkpoint directory, or normswap:austen-gpt2")
+    parser.add_argument("--out", required=True, help="output directory (must be empty or absent)")
+    parser.add_argument("--fold-gains", action="store_true",
+                        help="fold each norm's gain and bias into the layers that read it")
+    parser.add_argument("--method", choices=["exact", "naive"], default="exact",
+                        help="exact: centre the residual writers (default); naive: swap only (inexact)")
+    parser.add_argument("--allow-inexact", action="store_true", help="required with --method naive")
+    parser.add_argument("--dtype", help="output dtype (float32, float16, bfloat16); default: the source's")
+    parser.add_argument("--atol", type=float, help="verification tolerance on max |Δlogit| (default by dtype)")
+    parser.add_argument("--rtol", type=float, help="relative part of the tolerance, times max |logit|")
+    parser.add_argument("--no-verify", action="store_true", help="skip verification (not recommended)")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    parser.add_argument("--trust-remote-code", action="store_true", help="allow the source's own code to run")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    provenance = convert_checkpoint(
+        args.src, args.out,
+        fold_gains=args.fold_gains, method=args.method, dtype=args.dtype, overwrite=args.overwrite,
+        trust_remote_code=args.trust_remote_code, atol=args.atol, rtol=args.rtol,
+        allow_inexact=args.allow_inexact, verify_output=not args.no_verify, quiet=args.quiet,
+    )
+    print(f"wrote {args.out}: {len(provenance['norms_swapped'])} norms swapped to RMSNorm, "
+          f"{provenance['writers_centred']} writers centred, {len(provenance['norms_folded'])} norms folded")
+    verification = provenance.get("verification")
+    if verification:
+        print(format_table(verification["loaders"]))
+        if args.method == "naive":
+            print("warning: --method naive is inexact by design; the figures above are its measured degradation",
+                  file=sys.stderr)
+    return 0

@@ -1,0 +1,59 @@
+"""``normswap inspect SRC``: print the conversion plan; writes nothing."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from normswap.errors import NormswapError
+from normswap.pipeline import plan_conversion
+from normswap.source import CheckpointReader, read_config, resolve_source
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("src", help="hub id, local checkpoint directory, or normswap:austen-gpt2")
+    parser.add_argument("--fold-gains", action="store_true", help="plan with gain folding")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument("--trust-remote-code", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    path = resolve_source(args.src, trust_remote_code=args.trust_remote_code)
+    config = read_config(path)
+    print(f"checkpoint: {path}")
+    print(f"architecture: {config.get('model_type')} ({', '.join(config.get('architectures') or ['?'])})")
+    try:
+        with CheckpointReader(path) as reader:
+            _, plan, _ = plan_conversion(path, config, reader, method="exact", fold_gains=args.fold_gains, dtype=None)
+    except NormswapError as error:
+        print(f"exact conversion: impossible: {error}")
+        return 1
+    if args.json:
+        print(json.dumps(plan_as_dict(plan), indent=2))
+        return 0
+    print("exact conversion: possible")
+    print(f"norms ({len(plan.norms)}):")
+    for norm in plan.norms:
+        detail = f"baked into {norm.baked_into}" if norm.baked_into else f"read by {', '.join(norm.readers) or '-'}"
+        fold = ""
+        if args.fold_gains:
+            fold = " [gains folded" + (", keeps β/γ" if norm.kept_bias else "") + "]" if norm.folded_gain else f" [not folded: {norm.note}]"
+        print(f"  {norm.name}: {detail}{fold}")
+    print(f"tensors to centre ({len(plan.writers)}):")
+    for name in plan.writers:
+        print(f"  {name}")
+    print("tied head: " + (", ".join(f"{head} untied from {emb}" for head, emb in plan.untied) or "not tied"))
+    if plan.structure:
+        print(f"structural changes: {plan.structure}")
+    if plan.dropped:
+        print(f"dropped (buffers rebuilt by transformers): {len(plan.dropped)}")
+    return 0
+
+
+def plan_as_dict(plan) -> dict:
+    return {
+        **plan.summary(),
+        "norms": [vars(norm) for norm in plan.norms],
+        "writers": plan.writers,
+        "tensors": {name: [type(step).__name__ for step in tensor.steps] for name, tensor in plan.tensors.items()},
+    }

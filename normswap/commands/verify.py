@@ -1,0 +1,31 @@
+"""``normswap verify ORIG CONVERTED``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from normswap.errors import VerificationError
+from normswap.pipeline import verify_checkpoint
+from normswap.verify import format_table
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("original", help="the original checkpoint (hub id or directory)")
+    parser.add_argument("converted", help="the converted checkpoint directory")
+    parser.add_argument("--atol", type=float, help="tolerance on max |Δ| (default by dtype)")
+    parser.add_argument("--rtol", type=float, help="relative part of the tolerance, times max |output|")
+    parser.add_argument("--json", help="also write the figures to this JSON file")
+
+
+def run(args: argparse.Namespace) -> int:
+    result = verify_checkpoint(args.original, args.converted, atol=args.atol, rtol=args.rtol)
+    print(format_table(result["loaders"]))
+    print(f"probe: {result['probe']} {result['probe_shape']}, tolerance {result['tolerance']['limit']:.3g}")
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump(result, file, indent=2)
+    if not result["passed"]:
+        raise VerificationError("the converted model does not match the original within tolerance")
+    print("verified: outputs match")
+    return 0

@@ -1,0 +1,131 @@
+"""Loading converted checkpoints as RMSNorm models, and converting models already in memory."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from pathlib import Path
+
+import torch
+import transformers
+from torch import nn
+
+from normswap.architectures import ARCHITECTURES, architecture_for
+from normswap.errors import NormswapError
+from normswap.modeling import build, remote
+from normswap.source import StateDictReader, read_config, resolve_source
+
+
+def _original_type(config: dict) -> str:
+    return (config.get("normswap") or {}).get("original_model_type", config.get("model_type"))
+
+
+def _kernel_class(base: type, own_type: bool) -> type:
+    """The RMSNorm class of ``base`` whose norms run normswap's kernels once built."""
+    rms = remote.rms_class(base, own_type=own_type)
+
+    def __init__(self, config, *args, **kwargs):
+        rms.__init__(self, config, *args, **kwargs)
+        from normswap.kernels.patch import patch
+
+        patch(self)
+
+    return type(rms.__name__, (rms,), {"__init__": __init__, "__module__": __name__})
+
+
+def load(path: str | Path, **from_pretrained_kwargs) -> nn.Module:
+    """A converted checkpoint as an RMSNorm model whose norms use normswap's kernels.
+
+    Keyword arguments go to ``from_pretrained`` (``dtype``, ``device_map``, ...).
+    """
+    path = resolve_source(path)
+    config = read_config(path)
+    block = config.get("normswap")
+    if block is None:
+        raise NormswapError(f"{path} is not a normswap checkpoint; convert it first with `normswap convert`")
+    architecture = architecture_for({**config, "model_type": _original_type(config)})
+    base = build.model_class(config, architecture.auto_class)
+    cls = _kernel_class(base, own_type=not block.get("stock_loadable", True))
+    return build.load_pretrained(cls, path, **from_pretrained_kwargs)
+
+
+def load_model(src: str | Path, *, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
+               **from_pretrained_kwargs):
+    """Any checkpoint and its tokenizer (or None): converted ones in RMSNorm form via ``load``."""
+    from normswap.verify import load_tokenizer
+
+    path = resolve_source(src, trust_remote_code=trust_remote_code)
+    config = read_config(path)
+    if "normswap" in config:
+        model = load(path, dtype=dtype, **from_pretrained_kwargs)
+    else:
+        model_type = config.get("model_type")
+        auto_class = ARCHITECTURES[model_type].auto_class if model_type in ARCHITECTURES else "AutoModelForCausalLM"
+        cls = build.model_class(config, auto_class)
+        try:
+            model = build.load_pretrained(cls, path, dtype=dtype, trust_remote_code=trust_remote_code,
+                                          **from_pretrained_kwargs)
+        except (OSError, ValueError) as error:
+            raise NormswapError(f"cannot load {src}: {str(error).splitlines()[0]}") from None
+    return model, load_tokenizer(path)
+
+
+def convert_model(model: nn.Module, *, fold_gains: bool = False, method: str = "exact") -> nn.Module:
+    """Convert a model already in memory; returns a new model in RMSNorm form (plain torch norms).
+
+    The same plan and tensor math as ``convert_checkpoint``, without files. Call
+    ``normswap.patch`` on the result to use the fused kernels.
+    """
+    from normswap.pipeline import plan_conversion, stock_can_hold
+    from normswap.write import compute_tensor
+
+    config = model.config.to_dict()
+    reader = StateDictReader({name: tensor.detach() for name, tensor in model.state_dict().items()})
+    architecture, plan, _ = plan_conversion(Path("<memory>"), config, reader, method=method,
+                                            fold_gains=fold_gains, dtype=None)
+    new_config = copy.deepcopy(model.config)
+    if plan.untied:
+        setattr(new_config, architecture.tie_flag, False)
+    new_config.normswap = {"structure": plan.structure, "original_model_type": plan.model_type,
+                           "stock_loadable": stock_can_hold(plan)}
+    state = {name: compute_tensor(tensor, reader.get) for name, tensor in plan.tensors.items()}
+    device = next(model.parameters()).device
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        converted = remote.rms_class(type(model))(new_config)
+    converted.load_state_dict(state, strict=False, assign=True)
+    _materialise_buffers(converted, model)
+    return converted.to(device).eval()
+
+
+def _materialise_buffers(converted: nn.Module, original: nn.Module) -> None:
+    """Copy non-persistent buffers (rotary tables, masks) that a state dict does not carry."""
+    original_buffers = dict(original.named_buffers())
+    for name, buffer in list(converted.named_buffers()):
+        if buffer.is_meta:
+            parent_name, _, leaf = name.rpartition(".")
+            parent = converted.get_submodule(parent_name) if parent_name else converted
+            source = original_buffers.get(name)
+            if source is None:
+                raise NormswapError(f"cannot materialise buffer {name} of the converted model")
+            parent.register_buffer(leaf, source.clone(), persistent=False)
+    for name, parameter in converted.named_parameters():
+        if parameter.is_meta:
+            raise NormswapError(f"the converted model has no value for {name}")
+
+
+def register_auto_classes() -> None:
+    """Let the Auto classes load normswap-only model types (``normswap_<type>``) without remote code.
+
+    Checkpoints that stock classes can hold keep their model type and load as stock models; for
+    those, ``normswap.load`` gives the RMSNorm model.
+    """
+    for model_type, architecture in ARCHITECTURES.items():
+        config_class = transformers.CONFIG_MAPPING.get(model_type)
+        if config_class is None:
+            continue
+        own_config = remote._lookup(remote.CLASS_PREFIX + config_class.__name__)
+        auto = getattr(transformers, architecture.auto_class)
+        transformers.AutoConfig.register(own_config.model_type, own_config, exist_ok=True)
+        base = auto._model_mapping[config_class]
+        auto.register(own_config, _kernel_class(base, own_type=True), exist_ok=True)

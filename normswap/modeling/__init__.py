@@ -1,0 +1,1 @@
+"""Model classes: the self-contained RMSNorm modeling file and helpers to build models."""

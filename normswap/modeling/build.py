@@ -1,0 +1,74 @@
+"""Model classes for configs: which transformers class a checkpoint uses, built cheaply on meta."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+import transformers
+from torch import nn
+
+from normswap.errors import NormswapError
+
+
+def config_object(config: dict, *, trust_remote_code: bool = False) -> transformers.PretrainedConfig:
+    """A transformers config object from a config.json dict."""
+    data = dict(config)
+    model_type = data.pop("model_type", None)
+    if model_type is None:
+        raise NormswapError("config.json has no model_type")
+    if "auto_map" in data and not trust_remote_code and model_type not in transformers.CONFIG_MAPPING:
+        raise NormswapError(
+            f"model type '{model_type}' needs the checkpoint's own code; pass --trust-remote-code to run it"
+        )
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return transformers.AutoConfig.for_model(model_type, **data)
+    except (ValueError, KeyError) as error:
+        raise NormswapError(f"cannot build a config for model type '{model_type}': {error}") from None
+
+
+def model_class(config: dict, default_auto_class: str) -> type:
+    """The class named in ``architectures`` when transformers has it, else the family's Auto class."""
+    for name in config.get("architectures") or []:
+        cls = getattr(transformers, name, None)
+        if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
+            return cls
+    return getattr(transformers, default_auto_class)
+
+
+def meta_model(config: dict, default_auto_class: str) -> nn.Module:
+    """The family's model on the meta device: names and module types, no memory."""
+    cls = model_class(config, default_auto_class)
+    config_obj = config_object(config)
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if cls.__name__.startswith("Auto"):
+            return cls.from_config(config_obj)
+        return cls(config_obj)
+
+
+def layer_norm_modules(model: nn.Module) -> list[str]:
+    """Qualified names of every ``nn.LayerNorm`` in ``model``."""
+    return [name for name, module in model.named_modules() if isinstance(module, nn.LayerNorm)]
+
+
+def load_pretrained(cls: type, path: Path | str, **kwargs) -> nn.Module:
+    """``cls.from_pretrained`` with transformers' load-time chatter silenced, in eval mode."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = cls.from_pretrained(str(path), **kwargs)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+    return model.eval()

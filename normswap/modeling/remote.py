@@ -1,0 +1,193 @@
+"""RMSNorm models for checkpoints written by normswap.
+
+This file is copied verbatim into every converted checkpoint as ``modeling_normswap.py`` and is
+what ``from_pretrained(..., trust_remote_code=True)`` runs. It therefore imports only torch and
+transformers, never normswap, and needs no network.
+
+A converted model is the stock transformers class for its family with every ``nn.LayerNorm``
+replaced by ``RMSNorm``. That is exact because normswap centred every tensor that writes the
+residual stream: a norm's input then has zero mean, and LayerNorm(x) = RMSNorm(x), eps included.
+A few families need a small structural change, which the checkpoint's ``config.normswap.structure``
+states and ``apply_structure`` performs:
+
+* ``identity``: modules replaced by ``nn.Identity`` (e.g. BLOOM's embedding norm, baked into the
+  embedding table);
+* ``centre_input``: modules whose first input is centred explicitly (Whisper's encoder, whose
+  stream starts as ``gelu(conv(...)) + positions``, a value no weight folding can centre);
+* ``centre_output``: modules whose output is centred explicitly (CLIP's ``pre_layrnorm``, a norm
+  whose output *is* the residual stream).
+
+Classes are made on demand: ``NormswapGPT2LMHeadModel`` is ``GPT2LMHeadModel`` with RMSNorms, and
+``NormswapBloomConfig`` is ``BloomConfig`` under the model type ``normswap_bloom`` (used when the
+stock class cannot hold the converted weights, so that stock loading refuses instead of silently
+computing something else).
+"""
+
+from __future__ import annotations
+
+import torch
+import transformers
+from torch import nn
+
+CLASS_PREFIX = "Normswap"
+# Model classes for checkpoints under their own model type: their config class is the Normswap one.
+OWN_TYPE_PREFIX = "NormswapOnly"
+MODEL_TYPE_PREFIX = "normswap_"
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x**2) + eps) * weight + bias over the last dimension.
+
+    Statistics, the weight multiply and the bias add are done in float32 whatever x's dtype, and
+    the result is rounded once to x's dtype at the end, as torch's LayerNorm kernels do. The
+    ``weight`` and ``bias`` names match LayerNorm's, so converted state dicts load unchanged.
+    """
+
+    is_normswap_rmsnorm = True
+
+    def __init__(
+        self,
+        normalized_shape: int | tuple[int, ...],
+        eps: float = 1e-5,
+        weight: bool = True,
+        bias: bool = True,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if isinstance(normalized_shape, int):
+            normalized_shape = (normalized_shape,)
+        self.normalized_shape = tuple(normalized_shape)
+        if len(self.normalized_shape) != 1:
+            raise ValueError("RMSNorm normalises over the last dimension only")
+        self.eps = float(eps)
+        factory = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.ones(self.normalized_shape, **factory)) if weight else None
+        self.bias = nn.Parameter(torch.zeros(self.normalized_shape, **factory)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight is not None:
+            y = y * self.weight.float()
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.normalized_shape}, eps={self.eps}, "
+            f"weight={self.weight is not None}, bias={self.bias is not None}"
+        )
+
+
+def rmsnorm_like(layer_norm: nn.LayerNorm) -> RMSNorm:
+    """An RMSNorm with the same shape, eps, parameters, device and dtype as ``layer_norm``."""
+    reference = layer_norm.weight if layer_norm.weight is not None else layer_norm.bias
+    factory = {} if reference is None else {"device": reference.device, "dtype": reference.dtype}
+    return RMSNorm(
+        layer_norm.normalized_shape,
+        eps=layer_norm.eps,
+        weight=layer_norm.weight is not None,
+        bias=layer_norm.bias is not None,
+        **factory,
+    )
+
+
+def _centre_last_dim(x: torch.Tensor) -> torch.Tensor:
+    return x - x.mean(-1, keepdim=True)
+
+
+def _centre_input_hook(module, args, kwargs):
+    if args:
+        return (_centre_last_dim(args[0]), *args[1:]), kwargs
+    kwargs["hidden_states"] = _centre_last_dim(kwargs["hidden_states"])
+    return args, kwargs
+
+
+def _centre_output_hook(module, args, output):
+    if isinstance(output, tuple):
+        return (_centre_last_dim(output[0]), *output[1:])
+    return _centre_last_dim(output)
+
+
+def swap_layer_norms(model: nn.Module) -> int:
+    """Replace every ``nn.LayerNorm`` in ``model`` by an equivalent ``RMSNorm``; returns the count."""
+    swapped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.LayerNorm):
+                setattr(parent, name, rmsnorm_like(child))
+                swapped += 1
+    return swapped
+
+
+def apply_structure(model: nn.Module, structure: dict | None) -> None:
+    """Apply a converted checkpoint's structural changes (see the module docstring)."""
+    structure = structure or {}
+    for path in structure.get("identity", []):
+        parent_path, _, name = path.rpartition(".")
+        setattr(model.get_submodule(parent_path) if parent_path else model, name, nn.Identity())
+    for path in structure.get("centre_input", []):
+        model.get_submodule(path).register_forward_pre_hook(_centre_input_hook, with_kwargs=True)
+    for path in structure.get("centre_output", []):
+        model.get_submodule(path).register_forward_hook(_centre_output_hook)
+
+
+def to_rmsnorm_model(model: nn.Module, config) -> nn.Module:
+    """Turn a stock model built from a converted config into its RMSNorm form, in place."""
+    block = getattr(config, "normswap", None) or {}
+    apply_structure(model, block.get("structure"))
+    swap_layer_norms(model)
+    return model
+
+
+def rms_class(base: type, own_type: bool = False) -> type:
+    """The RMSNorm subclass of a stock transformers model class.
+
+    With ``own_type`` its config class is the ``normswap_<type>`` one (see ``normswap_config_class``).
+    """
+
+    def __init__(self, config, *args, **kwargs):
+        base.__init__(self, config, *args, **kwargs)
+        to_rmsnorm_model(self, config)
+
+    namespace = {"__init__": __init__, "__module__": __name__}
+    if own_type:
+        namespace["config_class"] = _lookup(CLASS_PREFIX + base.config_class.__name__)
+    prefix = OWN_TYPE_PREFIX if own_type else CLASS_PREFIX
+    return type(prefix + base.__name__, (base,), namespace)
+
+
+def normswap_config_class(base: type) -> type:
+    """A stock config class under the model type ``normswap_<type>``."""
+    return type(
+        CLASS_PREFIX + base.__name__,
+        (base,),
+        {"model_type": MODEL_TYPE_PREFIX + base.model_type, "__module__": __name__},
+    )
+
+
+_made: dict[str, type] = {}
+
+
+def _lookup(name: str) -> type:
+    """The class called ``name``: NormswapOnlyX, NormswapX (model or config), made once."""
+    if name not in _made:
+        own_type = name.startswith(OWN_TYPE_PREFIX)
+        base_name = name[len(OWN_TYPE_PREFIX if own_type else CLASS_PREFIX):]
+        base = getattr(transformers, base_name, None)
+        if not isinstance(base, type):
+            raise AttributeError(name)
+        if issubclass(base, transformers.PretrainedConfig):
+            _made[name] = normswap_config_class(base)
+        else:
+            _made[name] = rms_class(base, own_type=own_type)
+    return _made[name]
+
+
+def __getattr__(name: str) -> type:
+    # transformers resolves auto_map entries with getattr(module, class_name); build them lazily.
+    if not name.startswith(CLASS_PREFIX):
+        raise AttributeError(name)
+    return _lookup(name)

@@ -1,0 +1,369 @@
+"""The conversion pipeline: load → plan → fold → write → verify, atomically.
+
+``convert_checkpoint`` writes into a temporary directory beside ``out`` and renames it into place
+only after verification passed, so a failed or interrupted conversion leaves nothing at ``out``.
+"""
+
+from __future__ import annotations
+
+import gc
+import shutil
+import signal
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import transformers
+from torch import nn
+
+from normswap import __version__, verify
+from normswap.architectures import Architecture, architecture_for
+from normswap.card import MODEL_CARD
+from normswap.errors import NormswapError, VerificationError
+from normswap.modeling import build, remote
+from normswap.plan import ConversionPlan, build_plan
+from normswap.source import CheckpointReader, read_config, resolve_source
+from normswap.write import copy_side_files, write_json, write_weights
+
+MODELING_FILE = "modeling_normswap.py"
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float64": torch.float64}
+
+
+def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
+    if name is None or isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise NormswapError(f"unknown dtype '{name}'; use one of {', '.join(sorted(DTYPES))}")
+    return DTYPES[name]
+
+
+def plan_conversion(
+    source_dir: Path, config: dict, reader: CheckpointReader, *, method: str, fold_gains: bool,
+    dtype: torch.dtype | None,
+) -> tuple[Architecture, ConversionPlan, nn.Module]:
+    """The adapter, the plan, and the family's model built on the meta device."""
+    if "normswap" in config:
+        raise NormswapError(f"{source_dir} was already converted by normswap; convert the original instead")
+    architecture = architecture_for(config)
+    meta = build.meta_model(config, architecture.auto_class)
+    plan = build_plan(
+        architecture, config, reader.tensors,
+        model_keys=set(meta.state_dict().keys()),
+        layer_norm_modules=build.layer_norm_modules(meta),
+        base_prefix=meta.base_model_prefix,
+        method=method, fold_gains=fold_gains, dtype=dtype,
+        read_small=reader.get,
+    )
+    return architecture, plan, meta
+
+
+def stock_can_hold(plan: ConversionPlan) -> bool:
+    """Whether the stock LayerNorm class computes the converted model exactly.
+
+    It does when every write is centred (LayerNorm's mean removal is then a no-op) and no module
+    was removed. A naive swap changes the function, and a baked embedding norm must not be applied
+    a second time, so those get their own model type, which stock transformers refuses to load.
+    """
+    return plan.method == "exact" and not plan.structure.get("identity")
+
+
+def converted_config(config: dict, plan: ConversionPlan, meta: nn.Module, architecture: Architecture,
+                     provenance: dict) -> dict:
+    """config.json of the output: the source's, untied, with auto_map and the provenance block."""
+    new = dict(config)
+    if plan.untied:
+        new[architecture.tie_flag] = False
+    dtypes = {tensor.dtype for tensor in plan.tensors.values() if tensor.dtype.is_floating_point}
+    if len(dtypes) == 1:
+        dtype_name = str(dtypes.pop()).removeprefix("torch.")
+        new["dtype"] = dtype_name
+        if "torch_dtype" in new:
+            new["torch_dtype"] = dtype_name
+    model_name = type(meta).__name__
+    new["architectures"] = [model_name]
+    if stock_can_hold(plan):
+        new["auto_map"] = {architecture.auto_class: f"modeling_normswap.{remote.CLASS_PREFIX}{model_name}"}
+    else:
+        config_name = type(meta.config).__name__
+        new["model_type"] = remote.MODEL_TYPE_PREFIX + config["model_type"]
+        new["auto_map"] = {
+            "AutoConfig": f"modeling_normswap.{remote.CLASS_PREFIX}{config_name}",
+            architecture.auto_class: f"modeling_normswap.{remote.OWN_TYPE_PREFIX}{model_name}",
+        }
+    new["normswap"] = provenance
+    return new
+
+
+def provenance_block(source: str, plan: ConversionPlan, options: dict) -> dict:
+    return {
+        "version": __version__,
+        "source": source,
+        "options": options,
+        "original_model_type": plan.model_type,
+        "norms_swapped": [norm.name for norm in plan.norms],
+        "norms_folded": [norm.name for norm in plan.norms if norm.folded_gain],
+        "writers_centred": len(plan.writers),
+        "untied": [head for head, _ in plan.untied],
+        "stock_loadable": stock_can_hold(plan),
+        "structure": plan.structure,
+    }
+
+
+def convert_checkpoint(
+    src: str | Path,
+    out: str | Path,
+    *,
+    fold_gains: bool = False,
+    method: str = "exact",
+    dtype: str | torch.dtype | None = None,
+    overwrite: bool = False,
+    trust_remote_code: bool = False,
+    atol: float | None = None,
+    rtol: float | None = None,
+    allow_inexact: bool = False,
+    verify_output: bool = True,
+    quiet: bool = True,
+) -> dict:
+    """Convert the LayerNorm checkpoint ``src`` into an exact RMSNorm checkpoint at ``out``.
+
+    Returns the provenance block written into ``out/config.json`` (with the verification
+    figures). Raises ``NormswapError`` for bad input and ``VerificationError`` when the converted
+    model does not match the original; in both cases nothing is left at ``out``.
+    """
+    if method == "naive" and not allow_inexact:
+        raise NormswapError("--method naive changes the model's outputs; pass --allow-inexact to accept that")
+    out_dtype = parse_dtype(dtype)
+    source_dir = resolve_source(src, trust_remote_code=trust_remote_code)
+    out = Path(out).expanduser()
+    _check_output_path(source_dir, out, overwrite)
+    config = read_config(source_dir)
+    with CheckpointReader(source_dir) as reader:
+        architecture, plan, meta = plan_conversion(
+            source_dir, config, reader, method=method, fold_gains=fold_gains, dtype=out_dtype
+        )
+        checkpoint_dtype = _main_dtype(plan)
+        options = {"method": method, "fold_gains": fold_gains, "dtype": str(checkpoint_dtype).removeprefix("torch.")}
+        provenance = provenance_block(str(src), plan, options)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with _temporary_output(out) as tmp:
+            progress = None if quiet else _progress_bar(plan)
+            write_weights(tmp, plan, reader, progress)
+            if progress is not None:
+                progress.close()
+            reader.close()
+            shutil.copyfile(Path(remote.__file__), tmp / MODELING_FILE)
+            copy_side_files(source_dir, tmp)
+            write_json(tmp / "config.json", converted_config(config, plan, meta, architecture, provenance))
+            if verify_output:
+                default_atol, default_rtol = verify.default_tolerance(checkpoint_dtype)
+                result = verify_checkpoint(
+                    source_dir, tmp,
+                    atol=default_atol if atol is None else atol,
+                    rtol=default_rtol if rtol is None else rtol,
+                )
+                provenance["verification"] = result
+                write_json(tmp / "config.json", converted_config(config, plan, meta, architecture, provenance))
+                if not result["passed"] and method == "exact":
+                    raise VerificationError(_failure_line(result))
+            (tmp / "README.md").write_text(model_card(provenance))
+            _install(tmp, out)
+    return provenance
+
+
+def _main_dtype(plan: ConversionPlan) -> torch.dtype:
+    counts: dict[torch.dtype, int] = {}
+    for tensor in plan.tensors.values():
+        if tensor.dtype.is_floating_point:
+            counts[tensor.dtype] = counts.get(tensor.dtype, 0) + 1
+    return max(counts, key=counts.get) if counts else torch.float32
+
+
+def _failure_line(result: dict) -> str:
+    worst = max(result["loaders"].items(), key=lambda item: item[1].get("max_abs_diff", 0.0))
+    return (
+        f"verification failed: {worst[0]} loader max |Δ| = {worst[1]['max_abs_diff']:.3g} exceeds "
+        f"tolerance {result['tolerance']['limit']:.3g}; nothing was written"
+    )
+
+
+def _check_output_path(source_dir: Path, out: Path, overwrite: bool) -> None:
+    source, target = source_dir.resolve(), out.resolve()
+    if target == source or source in target.parents or target in source.parents:
+        raise NormswapError(f"--out {out} overlaps the source checkpoint {source_dir}; refusing to overwrite the source")
+    if target.exists():
+        if not target.is_dir():
+            raise NormswapError(f"--out {out} exists and is not a directory")
+        if any(target.iterdir()) and not overwrite:
+            raise NormswapError(f"--out {out} exists and is not empty; pass --overwrite to replace it")
+
+
+@contextmanager
+def _temporary_output(out: Path):
+    """A fresh directory beside ``out``, removed on any failure, SIGTERM included."""
+    tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}-normswap-tmp-", dir=out.parent))
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    in_main_thread = _is_main_thread()
+    if in_main_thread:
+        signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield tmp
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _is_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def _install(tmp: Path, out: Path) -> None:
+    """Rename ``tmp`` to ``out``; an existing ``out`` (allowed by --overwrite) is removed only after."""
+    old = None
+    if out.exists():
+        old = out.with_name(f"{out.name}-normswap-old-{tmp.name.rsplit('-', 1)[-1]}")
+        out.rename(old)
+    tmp.rename(out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _progress_bar(plan: ConversionPlan):
+    from tqdm import tqdm
+
+    total = sum(_nbytes(tensor) for tensor in plan.tensors.values())
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="converting", leave=False)
+
+    class Progress:
+        def __call__(self, nbytes: int) -> None:
+            bar.update(nbytes)
+
+        def close(self) -> None:
+            bar.close()
+
+    return Progress()
+
+
+def _nbytes(tensor) -> int:
+    count = 1
+    for size in tensor.shape:
+        count *= size
+    return count * torch.empty((), dtype=tensor.dtype).element_size()
+
+
+# ---------------------------------------------------------------------------------------------
+# Verification
+
+
+def load_converted(path: Path, how: str, *, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Load a converted checkpoint with stock transformers (``stock``) or its remote code (``remote``)."""
+    config = read_config(path)
+    block = config.get("normswap") or {}
+    architecture = architecture_for({**config, "model_type": block.get("original_model_type", config.get("model_type"))})
+    auto = getattr(transformers, architecture.auto_class)
+    if how == "stock":
+        return build.load_pretrained(auto, path, dtype=dtype)
+    if how == "remote":
+        return build.load_pretrained(auto, path, dtype=dtype, trust_remote_code=True)
+    raise ValueError(how)
+
+
+def verify_checkpoint(original: str | Path, converted: str | Path, *, atol: float | None = None,
+                      rtol: float | None = None) -> dict:
+    """Run ``original`` and ``converted`` on the same probe; figures per loader and a verdict."""
+    original_dir = resolve_source(original)
+    converted_dir = Path(converted)
+    original_config, converted_config_ = read_config(original_dir), read_config(converted_dir)
+    block = converted_config_.get("normswap")
+    if block is None:
+        raise NormswapError(f"{converted_dir} is not a normswap checkpoint (its config.json has no normswap block)")
+    architecture = architecture_for(original_config)
+    method = block.get("options", {}).get("method", "exact")
+    checkpoint_dtype = parse_dtype(block.get("options", {}).get("dtype")) or torch.float32
+    default_atol, default_rtol = verify.default_tolerance(checkpoint_dtype)
+    atol = default_atol if atol is None else atol
+    rtol = default_rtol if rtol is None else rtol
+
+    original_model = build.load_pretrained(
+        build.model_class(original_config, architecture.auto_class), original_dir, dtype=torch.float32
+    )
+    probe = verify.PROBES[architecture.probe](original_model.config, verify.load_tokenizer(original_dir))
+    reference = verify.model_output(original_model, probe, architecture.probe)
+    del original_model
+    gc.collect()
+
+    labels = probe.inputs.get("input_ids") if architecture.probe == "causal_lm" else None
+    loaders = {}
+    for how in ("stock", "remote"):
+        if how == "stock" and not block.get("stock_loadable", True):
+            loaders["stock"] = {"refused": _stock_refuses(converted_dir, architecture)}
+            continue
+        model = load_converted(converted_dir, how)
+        if how == "remote" and any(isinstance(m, nn.LayerNorm) for m in model.modules()):
+            raise NormswapError("the remote-code model still has nn.LayerNorm modules")
+        candidate = verify.model_output(model, probe, architecture.probe)
+        del model
+        gc.collect()
+        figures = verify.compare_outputs(reference, candidate, distribution=architecture.probe == "causal_lm", labels=labels)
+        figures["passed"] = verify.within_tolerance(figures, atol, rtol)
+        loaders["stock" if how == "stock" else "remote_code"] = figures
+    compared = [figures for figures in loaders.values() if "max_abs_diff" in figures]
+    limit = atol + rtol * max(figures["max_abs_reference"] for figures in compared)
+    passed = all(figures["passed"] for figures in compared) and all(
+        figures.get("refused", True) for figures in loaders.values()
+    )
+    return {
+        "probe": probe.kind,
+        "probe_shape": list(next(iter(probe.inputs.values())).shape),
+        "compute_dtype": "float32",
+        "method": method,
+        "tolerance": {"atol": atol, "rtol": rtol, "limit": limit},
+        "loaders": loaders,
+        "passed": passed,
+    }
+
+
+def _stock_refuses(path: Path, architecture: Architecture) -> bool:
+    """True when stock transformers refuses to load ``path`` without trust_remote_code."""
+    auto = getattr(transformers, architecture.auto_class)
+    try:
+        build.load_pretrained(auto, path, trust_remote_code=False)
+    except Exception:
+        return True
+    return False
+
+
+def model_card(provenance: dict) -> str:
+    """README.md of a converted checkpoint: what was done, how to load it, and the measured figures."""
+    template = MODEL_CARD
+    verification = provenance.get("verification")
+    table = verify.format_table(verification["loaders"]) if verification else "(not verified)"
+    options = provenance["options"]
+    return template.format(
+        source=provenance["source"],
+        version=provenance["version"],
+        method=options["method"],
+        fold_gains=options["fold_gains"],
+        dtype=options["dtype"],
+        norms=len(provenance["norms_swapped"]),
+        folded=len(provenance["norms_folded"]),
+        writers=provenance["writers_centred"],
+        untied=", ".join(provenance["untied"]) or "nothing (the head was not tied)",
+        stock=(
+            "Stock transformers loads it and computes the original's outputs exactly."
+            if provenance["stock_loadable"]
+            else "Stock transformers refuses it on purpose (its model type is "
+            "normswap-specific): the stock class would not compute this model."
+        ),
+        table=table,
+        probe=(verification or {}).get("probe", "-"),
+        tolerance=(verification or {}).get("tolerance", {}).get("limit", float("nan")),
+    )

@@ -1,0 +1,321 @@
+"""Plan: from an adapter and a checkpoint's tensor list, what happens to every output tensor.
+
+The plan is data, computed before any weight is read: for each output tensor, the source tensor
+it starts from and the ordered steps applied to it (bake, centre, fold a gain, fold a bias, ...).
+``normswap inspect`` prints it; ``normswap.write`` executes it one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from normswap.architectures.spec import Architecture
+from normswap.errors import NormswapError
+from normswap.source import TensorInfo
+
+# ---------------------------------------------------------------------------------------------
+# Steps. "Slice-wise" steps act independently on every slice taken across ``axis`` (the axis that
+# indexes the hidden dimension), so they can run in float64 chunks of a large tensor.
+
+
+@dataclass(frozen=True)
+class Bake:
+    """Replace each row e by LayerNorm(e) with the given norm's γ, β and eps (slice-wise)."""
+
+    gain: str
+    bias: str
+    eps: float
+    axis: int
+    slice_wise = True
+
+
+@dataclass(frozen=True)
+class Centre:
+    """Subtract the mean along ``axis`` (slice-wise)."""
+
+    axis: int
+    slice_wise = True
+
+
+@dataclass(frozen=True)
+class FoldGain:
+    """Multiply the reader's input ``axis`` by the norm gain ``gain`` (slice-wise)."""
+
+    gain: str
+    axis: int
+    slice_wise = True
+
+
+@dataclass(frozen=True)
+class FoldBias:
+    """Reader bias b ← b + Wβ, with W the original reader weight ``weight`` read along ``axis``."""
+
+    weight: str
+    norm_bias: str
+    axis: int
+    slice_wise = False
+
+
+@dataclass(frozen=True)
+class DivideByGain:
+    """Norm bias β ← β ⊘ γ, for a norm whose γ is folded but whose β has nowhere to go."""
+
+    gain: str
+    slice_wise = False
+
+
+@dataclass(frozen=True)
+class Fill:
+    """Replace the values by a constant (a folded norm's unit gain or zero bias)."""
+
+    value: float
+    slice_wise = False
+
+
+Step = Bake | Centre | FoldGain | FoldBias | DivideByGain | Fill
+
+
+@dataclass
+class TensorPlan:
+    """How one output tensor is made."""
+
+    name: str
+    source: str | None  # source tensor the value starts from; None for a bias created from zeros
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    shard: str
+    steps: list[Step] = field(default_factory=list)
+
+
+@dataclass
+class NormPlan:
+    """What happens to one norm: always swapped; optionally its γ/β folded into its readers."""
+
+    name: str
+    readers: list[str]
+    folded_gain: bool = False
+    folded_bias: bool = False
+    kept_bias: str | None = None  # "β" or "β/γ" when the norm keeps a bias
+    baked_into: str | None = None
+    note: str = ""
+
+
+@dataclass
+class ConversionPlan:
+    """The whole conversion of one checkpoint, before any weight is read."""
+
+    model_type: str
+    method: str
+    fold_gains: bool
+    tensors: dict[str, TensorPlan]
+    norms: list[NormPlan]
+    writers: list[str]
+    untied: list[tuple[str, str]]
+    dropped: list[str]
+    renamed: dict[str, str]
+    structure: dict[str, list[str]]
+    shards: list[str]
+
+    def summary(self) -> dict:
+        return {
+            "model_type": self.model_type,
+            "method": self.method,
+            "fold_gains": self.fold_gains,
+            "norms": len(self.norms),
+            "writers_centred": len(self.writers),
+            "norms_folded": sum(norm.folded_gain for norm in self.norms),
+            "untied": [f"{head} <- {embedding}" for head, embedding in self.untied],
+            "dropped": self.dropped,
+            "structure": self.structure,
+            "shards": len(self.shards),
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def canonical_names(source_names: list[str], model_keys: set[str], base_prefix: str) -> dict[str, str]:
+    """Map checkpoint names to the model class's names, adding the base-model prefix if missing.
+
+    Hub GPT-2 stores ``h.0.ln_1.weight`` (saved from GPT2Model) where GPT2LMHeadModel expects
+    ``transformer.h.0.ln_1.weight``.
+    """
+    mapping = {}
+    for name in source_names:
+        prefixed = f"{base_prefix}.{name}" if base_prefix else name
+        mapping[name] = prefixed if name not in model_keys and prefixed in model_keys else name
+    return mapping
+
+
+def output_shard_names(source_shards: list[str]) -> dict[str, str]:
+    """Output shard for each source shard, named as transformers names them."""
+    if len(source_shards) == 1:
+        return {source_shards[0]: "model.safetensors"}
+    total = len(source_shards)
+    return {shard: f"model-{i:05d}-of-{total:05d}.safetensors" for i, shard in enumerate(source_shards, 1)}
+
+
+def build_plan(
+    architecture: Architecture,
+    config: dict,
+    tensors: dict[str, TensorInfo],
+    *,
+    model_keys: set[str],
+    layer_norm_modules: list[str],
+    base_prefix: str,
+    method: str = "exact",
+    fold_gains: bool = False,
+    dtype: torch.dtype | None = None,
+    read_small=None,
+) -> ConversionPlan:
+    """The plan for converting a checkpoint with ``tensors`` (source names -> info).
+
+    ``model_keys`` and ``layer_norm_modules`` come from the family's model class built on the
+    meta device: the canonical state-dict names and every ``nn.LayerNorm`` in it. Every one of
+    those norms must be covered by the adapter, or the conversion would not be exact.
+    ``read_small(name)`` reads a small tensor (a norm gain) now, to check it for zeros.
+    """
+    if method not in ("exact", "naive"):
+        raise NormswapError(f"unknown method '{method}'; use exact or naive")
+    renamed = canonical_names(list(tensors), model_keys, base_prefix)
+    shard_names = output_shard_names(sorted({info.shard for info in tensors.values()}))
+    by_name = {renamed[name]: info for name, info in tensors.items()}
+
+    def out_dtype(info: TensorInfo) -> torch.dtype:
+        return dtype if dtype is not None and info.dtype.is_floating_point else info.dtype
+
+    plans: dict[str, TensorPlan] = {}
+    dropped = []
+    for name, info in by_name.items():
+        if any(re.fullmatch(pattern, name) for pattern in architecture.ignore):
+            dropped.append(name)
+            continue
+        plans[name] = TensorPlan(name, info.name, info.shape, out_dtype(info), shard_names[info.shard])
+
+    untied = _untie(architecture, config, plans, model_keys)
+    structure = {key: list(value) for key, value in architecture.structure(config).items()}
+    norms = _find_norms(architecture, plans, layer_norm_modules)
+
+    # Bake embedding norms into their tables (before centring the table, below).
+    for bake in architecture.bake:
+        if bake.embedding not in plans:
+            continue
+        eps = float(config.get("layer_norm_epsilon", config.get("layer_norm_eps", 1e-5)))
+        plans[bake.embedding].steps.append(
+            Bake(plans[f"{bake.norm}.weight"].source, plans[f"{bake.norm}.bias"].source, eps, axis=1)
+        )
+        for suffix in (".weight", ".bias"):
+            dropped.append(bake.norm + suffix)
+            del plans[bake.norm + suffix]
+        structure.setdefault("identity", []).append(bake.norm)
+        norms.append(NormPlan(bake.norm, [], baked_into=bake.embedding))
+
+    writers = []
+    if method == "exact":
+        for name, plan in plans.items():
+            for writer in architecture.writers:
+                if re.fullmatch(writer.pattern, name):
+                    plan.steps.append(Centre(writer.hidden_axis))
+                    writers.append(name)
+                    break
+
+    if fold_gains:
+        for norm in norms:
+            if norm.baked_into is None:
+                _fold_norm(norm, architecture, plans, set(writers), read_small)
+
+    return ConversionPlan(
+        model_type=config.get("model_type", "?"),
+        method=method,
+        fold_gains=fold_gains,
+        tensors=dict(sorted(plans.items())),
+        norms=norms,
+        writers=writers,
+        untied=untied,
+        dropped=sorted(dropped),
+        renamed={old: new for old, new in renamed.items() if old != new},
+        structure=structure,
+        shards=sorted(set(shard_names.values())),
+    )
+
+
+def _untie(architecture: Architecture, config: dict, plans: dict[str, TensorPlan], model_keys: set[str]):
+    """Give a tied head its own copy of the original embedding: the head reads, it does not write."""
+    untied = []
+    tied_flag = bool(config.get(architecture.tie_flag, True))
+    for head, embedding in architecture.tied:
+        if embedding not in plans or head not in model_keys:
+            continue
+        if head in plans and not tied_flag:
+            continue  # already a separate matrix
+        source = plans[embedding]
+        plans[head] = TensorPlan(head, source.source, source.shape, source.dtype, source.shard)
+        untied.append((head, embedding))
+    return untied
+
+
+def _find_norms(architecture: Architecture, plans: dict[str, TensorPlan], layer_norm_modules: list[str]):
+    baked = {bake.norm for bake in architecture.bake}
+    norms = []
+    for module in layer_norm_modules:
+        if module in baked:
+            continue
+        spec = next((norm for norm in architecture.norms if re.fullmatch(norm.pattern, module)), None)
+        if spec is None:
+            raise NormswapError(
+                f"the {architecture.model_types[0]} adapter does not describe the norm '{module}'; "
+                "converting would not be exact"
+            )
+        groups = re.fullmatch(spec.pattern, module).groupdict()
+        readers = [reader.weight.format(**groups) for reader in spec.readers]
+        norms.append(NormPlan(module, readers))
+    return norms
+
+
+def _fold_norm(norm: NormPlan, architecture: Architecture, plans: dict[str, TensorPlan], writers: set[str], read_small) -> None:
+    """Fold a norm's γ (and β where every reader has a bias slot) into the layers that read it."""
+    spec = next(s for s in architecture.norms if re.fullmatch(s.pattern, norm.name))
+    if spec.output_is_model_output:
+        norm.note = "output is a model output; gains kept"
+        return
+    gain_name, bias_name = f"{norm.name}.weight", f"{norm.name}.bias"
+    if gain_name not in plans:
+        norm.note = "no gain"
+        return
+    groups = re.fullmatch(spec.pattern, norm.name).groupdict()
+    readers = []
+    for reader in spec.readers:
+        weight = reader.weight.format(**groups)
+        bias = reader.bias.format(**groups) if reader.bias else None
+        if weight not in plans:
+            raise NormswapError(f"norm {norm.name} should be read by {weight}, which the checkpoint lacks")
+        if weight in writers or (bias and bias in writers):
+            raise NormswapError(f"{weight} both reads a norm and writes the stream; not supported")
+        readers.append((reader, weight, bias if bias in plans else None))
+    if not readers:
+        norm.note = "no readers to fold into"
+        return
+    has_bias = bias_name in plans
+    bias_foldable = has_bias and all(bias is not None for _, _, bias in readers)
+    if has_bias and not bias_foldable and read_small is not None:
+        if bool((read_small(plans[gain_name].source) == 0).any()):
+            norm.note = "γ has zeros and β cannot be folded; kept unfolded"
+            return
+
+    gain_source = plans[gain_name].source
+    for reader, weight, bias in readers:
+        if bias_foldable:
+            plans[bias].steps.append(FoldBias(plans[weight].source, plans[bias_name].source, reader.input_axis))
+        plans[weight].steps.append(FoldGain(gain_source, reader.input_axis))
+    plans[gain_name].steps.append(Fill(1.0))
+    norm.folded_gain = True
+    if has_bias:
+        if bias_foldable:
+            plans[bias_name].steps.append(Fill(0.0))
+            norm.folded_bias = True
+        else:
+            plans[bias_name].steps.append(DivideByGain(gain_source))
+            norm.kept_bias = "β/γ"
