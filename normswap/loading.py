@@ -88,7 +88,8 @@ def convert_model(model: nn.Module, *, fold_gains: bool = False, method: str = "
         setattr(new_config, architecture.tie_flag, False)
     new_config.normswap = {"structure": plan.structure, "original_model_type": plan.model_type,
                            "stock_loadable": stock_can_hold(plan)}
-    state = {name: compute_tensor(tensor, reader.get) for name, tensor in plan.tensors.items()}
+    # clone: untouched tensors must not alias the original model's parameters
+    state = {name: compute_tensor(tensor, reader.get).clone() for name, tensor in plan.tensors.items()}
     device = next(model.parameters()).device
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -38,8 +38,9 @@ MODEL_TYPE_PREFIX = "normswap_"
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x**2) + eps) * weight + bias over the last dimension.
 
-    Statistics, the weight multiply and the bias add are done in float32 whatever x's dtype, and
-    the result is rounded once to x's dtype at the end, as torch's LayerNorm kernels do. The
+    Statistics, the weight multiply and the bias add are done in float32 (float64 for float64
+    inputs), and the result is rounded once to x's dtype at the end, as torch's LayerNorm kernels
+    do. The
     ``weight`` and ``bias`` names match LayerNorm's, so converted state dicts load unchanged.
     """
 
@@ -66,12 +67,13 @@ class RMSNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(self.normalized_shape, **factory)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        compute = torch.promote_types(x.dtype, torch.float32)
+        xf = x.to(compute)
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.weight is not None:
-            y = y * self.weight.float()
+            y = y * self.weight.to(compute)
         if self.bias is not None:
-            y = y + self.bias.float()
+            y = y + self.bias.to(compute)
         return y.to(x.dtype)
 
     def extra_repr(self) -> str:

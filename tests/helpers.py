@@ -1,0 +1,117 @@
+"""Shared test helpers: tiny random models that look trained, and exactness checks against float64.
+
+A random init leaves γ = 1, β = 0 and zero-mean embeddings, which would hide most mistakes. So
+``make_hard`` moves every norm's gain far from 1 and bias far from 0, gives embeddings and biases
+a large mean, and adds one "massive" residual dimension, as trained GPT-2 has.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+from torch import nn
+
+import normswap
+
+MASSIVE_DIM = 3
+
+
+@torch.no_grad()
+def make_hard(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Perturb a freshly initialised model so that every conversion step matters."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.rand(*shape, generator=generator)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator)
+
+    for module in model.modules():
+        if isinstance(module, nn.LayerNorm):
+            if module.weight is not None:
+                module.weight.copy_(0.5 + 1.5 * rand(module.weight.shape))
+            if module.bias is not None:
+                module.bias.copy_(0.5 * randn(module.bias.shape))
+        elif isinstance(module, nn.Embedding):
+            d = module.weight.shape[1]
+            offset = 0.3 + 0.2 * randn(d)
+            offset[MASSIVE_DIM % d] += 3.0
+            module.weight.add_(offset)
+        elif hasattr(module, "bias") and isinstance(getattr(module, "bias", None), nn.Parameter):
+            module.bias.copy_(0.2 * randn(module.bias.shape) + 0.3)
+    for name, parameter in model.named_parameters():
+        # learned position tables and class tokens that are bare parameters
+        if parameter.dim() >= 1 and any(key in name for key in ("position_embedding", "cls_token", "class_embedding")):
+            if not name.endswith(".weight") or "position_embedding" in name:
+                parameter.add_(0.5)
+    return model
+
+
+def save(model: nn.Module, path: Path, tokenizer=None) -> Path:
+    model.save_pretrained(path)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    return path
+
+
+def token_ids(vocab_size: int, batch: int = 2, length: int = 12, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, vocab_size, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def load(path: Path, how: str, dtype: torch.dtype, auto: str = "AutoModelForCausalLM") -> nn.Module:
+    """Load a checkpoint: ``stock`` classes, ``remote`` code, ``normswap`` loader, or the ``original``."""
+    cls = getattr(transformers, auto)
+    if how in ("stock", "original"):
+        model = cls.from_pretrained(path, dtype=dtype)
+    elif how == "remote":
+        model = cls.from_pretrained(path, dtype=dtype, trust_remote_code=True)
+    elif how == "normswap":
+        model = normswap.load(path, dtype=dtype)
+    else:
+        raise ValueError(how)
+    return model.eval()
+
+
+@torch.no_grad()
+def causal_logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids).logits.double()
+
+
+def assert_no_layer_norm(model: nn.Module) -> None:
+    layer_norms = [name for name, module in model.named_modules() if isinstance(module, nn.LayerNorm)]
+    assert not layer_norms, f"LayerNorm modules left: {layer_norms[:3]}"
+    assert any(getattr(module, "is_normswap_rmsnorm", False) for module in model.modules())
+
+
+def check_exact(
+    src: Path,
+    tmp: Path,
+    *,
+    forward=causal_logits,
+    inputs=None,
+    auto: str = "AutoModelForCausalLM",
+    fold_gains: bool = False,
+    loaders: tuple[str, ...] = ("stock", "remote"),
+    fp32_tol: float = 1e-4,
+    fp64_tol: float = 1e-9,
+) -> dict:
+    """Convert ``src`` twice (float64 and float32 weights) and compare every loader with the
+    original run in float64. Returns the max |Δ| found per (dtype, loader)."""
+    reference = forward(load(src, "original", torch.float64, auto), inputs)
+    errors = {}
+    for dtype, tolerance in ((torch.float64, fp64_tol), (torch.float32, fp32_tol)):
+        name = str(dtype).removeprefix("torch.")
+        out = tmp / f"{src.name}-{name}-{'fold' if fold_gains else 'plain'}"
+        normswap.convert_checkpoint(src, out, fold_gains=fold_gains, dtype=dtype if dtype == torch.float64 else None)
+        for how in loaders:
+            model = load(out, how, dtype, auto)
+            if how != "stock":
+                assert_no_layer_norm(model)
+            error = float((forward(model, inputs) - reference).abs().max())
+            errors[(name, how)] = error
+            scale = max(1.0, float(reference.abs().max()))
+            assert error <= tolerance * scale, f"{name} {how}: max |Δ| = {error:.3g} > {tolerance * scale:.3g}"
+    return errors
