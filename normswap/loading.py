@@ -122,8 +122,9 @@ def register_auto_classes() -> None:
     those, ``normswap.load`` gives the RMSNorm model.
     """
     for model_type, architecture in ARCHITECTURES.items():
-        config_class = transformers.CONFIG_MAPPING.get(model_type)
-        if config_class is None:
+        try:
+            config_class = transformers.CONFIG_MAPPING[model_type]
+        except KeyError:  # a family this transformers version lacks
             continue
         own_config = remote._lookup(remote.CLASS_PREFIX + config_class.__name__)
         auto = getattr(transformers, architecture.auto_class)

@@ -44,9 +44,7 @@ def plan_conversion(
     dtype: torch.dtype | None,
 ) -> tuple[Architecture, ConversionPlan, nn.Module]:
     """The adapter, the plan, and the family's model built on the meta device."""
-    if "normswap" in config:
-        raise NormswapError(f"{source_dir} was already converted by normswap; convert the original instead")
-    architecture = architecture_for(config)
+    architecture = check_convertible(source_dir, config)
     meta = build.meta_model(config, architecture.auto_class)
     plan = build_plan(
         architecture, config, reader.tensors,
@@ -57,6 +55,13 @@ def plan_conversion(
         read_small=reader.get,
     )
     return architecture, plan, meta
+
+
+def check_convertible(source_dir: Path, config: dict) -> Architecture:
+    """The adapter for ``config``, or a NormswapError saying why the checkpoint cannot be converted."""
+    if "normswap" in config:
+        raise NormswapError(f"{source_dir} was already converted by normswap; convert the original instead")
+    return architecture_for(config)
 
 
 def stock_can_hold(plan: ConversionPlan) -> bool:
@@ -139,6 +144,7 @@ def convert_checkpoint(
     out = Path(out).expanduser()
     _check_output_path(source_dir, out, overwrite)
     config = read_config(source_dir)
+    check_convertible(source_dir, config)  # before reading any weights
     with CheckpointReader(source_dir) as reader:
         architecture, plan, meta = plan_conversion(
             source_dir, config, reader, method=method, fold_gains=fold_gains, dtype=out_dtype

@@ -115,3 +115,9 @@ def test_naive_method_needs_allow_inexact(tmp_path):
     assert config["model_type"] == "normswap_gpt2"  # stock transformers must refuse it
     assert block["verification"]["loaders"]["stock"]["refused"] is True
     assert block["verification"]["loaders"]["remote_code"]["max_abs_diff"] > 1e-2
+    # after `import normswap` the Auto classes know the normswap-only model type
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "naive")
+    assert type(model).__name__ == "NormswapOnlyGPT2LMHeadModel"
+    assert getattr(model.transformer.ln_f, "is_normswap_rmsnorm", False)
