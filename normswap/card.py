@@ -27,9 +27,9 @@ the same function as `{source}` with every LayerNorm replaced by an RMSNorm.
 ## Loading
 
 ```python
-from transformers import AutoModelForCausalLM
-model = AutoModelForCausalLM.from_pretrained(PATH)                           # stock classes
-model = AutoModelForCausalLM.from_pretrained(PATH, trust_remote_code=True)   # RMSNorm modules
+from transformers import {auto_class}
+model = {auto_class}.from_pretrained(PATH)                           # stock classes
+model = {auto_class}.from_pretrained(PATH, trust_remote_code=True)   # RMSNorm modules
 
 import normswap
 model = normswap.load(PATH)                                                   # RMSNorm + fused kernels

@@ -101,7 +101,7 @@ def converted_config(config: dict, plan: ConversionPlan, meta: nn.Module, archit
     return new
 
 
-def provenance_block(source: str, plan: ConversionPlan, options: dict) -> dict:
+def provenance_block(source: str, plan: ConversionPlan, options: dict, auto_class: str) -> dict:
     return {
         "version": __version__,
         "source": source,
@@ -113,6 +113,7 @@ def provenance_block(source: str, plan: ConversionPlan, options: dict) -> dict:
         "untied": [head for head, _ in plan.untied],
         "stock_loadable": stock_can_hold(plan),
         "structure": plan.structure,
+        "auto_class": auto_class,
     }
 
 
@@ -151,7 +152,7 @@ def convert_checkpoint(
         )
         checkpoint_dtype = _main_dtype(plan)
         options = {"method": method, "fold_gains": fold_gains, "dtype": str(checkpoint_dtype).removeprefix("torch.")}
-        provenance = provenance_block(str(src), plan, options)
+        provenance = provenance_block(str(src), plan, options, architecture.auto_class)
         out.parent.mkdir(parents=True, exist_ok=True)
         with _temporary_output(out) as tmp:
             progress = None if quiet else _progress_bar(plan)
@@ -355,6 +356,7 @@ def model_card(provenance: dict) -> str:
     options = provenance["options"]
     return template.format(
         source=provenance["source"],
+        auto_class=provenance["auto_class"],
         version=provenance["version"],
         method=options["method"],
         fold_gains=options["fold_gains"],
