@@ -119,7 +119,9 @@ def register_auto_classes() -> None:
     """Let the Auto classes load normswap-only model types (``normswap_<type>``) without remote code.
 
     Checkpoints that stock classes can hold keep their model type and load as stock models; for
-    those, ``normswap.load`` gives the RMSNorm model.
+    those, ``normswap.load`` gives the RMSNorm model. Only the light config classes are imported
+    here: a family's modeling code is imported, and its model class registered, the first time
+    a config of its normswap type is built, so ``import normswap`` stays fast.
     """
     for model_type, architecture in ARCHITECTURES.items():
         try:
@@ -127,7 +129,18 @@ def register_auto_classes() -> None:
         except KeyError:  # a family this transformers version lacks
             continue
         own_config = remote._lookup(remote.CLASS_PREFIX + config_class.__name__)
-        auto = getattr(transformers, architecture.auto_class)
-        transformers.AutoConfig.register(own_config.model_type, own_config, exist_ok=True)
-        base = auto._model_mapping[config_class]
-        auto.register(own_config, _kernel_class(base, own_type=True), exist_ok=True)
+        registering = _registering_config(own_config, config_class, architecture.auto_class)
+        transformers.AutoConfig.register(own_config.model_type, registering, exist_ok=True)
+
+
+def _registering_config(own_config: type, config_class: type, auto_class: str) -> type:
+    """``own_config`` that registers its model class with ``auto_class`` when first built."""
+
+    def __init__(self, *args, **kwargs):
+        own_config.__init__(self, *args, **kwargs)
+        auto = getattr(transformers, auto_class)
+        if type(self) not in auto._model_mapping._extra_content:
+            base = auto._model_mapping[config_class]
+            auto.register(type(self), _kernel_class(base, own_type=True), exist_ok=True)
+
+    return type(own_config.__name__, (own_config,), {"__init__": __init__, "__module__": __name__})
