@@ -84,16 +84,25 @@ class RMSNorm(nn.Module):
 
 
 def rmsnorm_like(layer_norm: nn.LayerNorm) -> RMSNorm:
-    """An RMSNorm with the same shape, eps, parameters, device and dtype as ``layer_norm``."""
+    """An RMSNorm with the same shape, eps, γ, β, device and dtype as ``layer_norm``.
+
+    On the meta device (while a model is being built for loading) there are no values to copy.
+    """
     reference = layer_norm.weight if layer_norm.weight is not None else layer_norm.bias
     factory = {} if reference is None else {"device": reference.device, "dtype": reference.dtype}
-    return RMSNorm(
+    norm = RMSNorm(
         layer_norm.normalized_shape,
         eps=layer_norm.eps,
         weight=layer_norm.weight is not None,
         bias=layer_norm.bias is not None,
         **factory,
     )
+    if reference is not None and not reference.is_meta:
+        with torch.no_grad():
+            for name in ("weight", "bias"):
+                if getattr(layer_norm, name) is not None:
+                    getattr(norm, name).copy_(getattr(layer_norm, name))
+    return norm
 
 
 def _centre_last_dim(x: torch.Tensor) -> torch.Tensor:
@@ -139,8 +148,9 @@ def apply_structure(model: nn.Module, structure: dict | None) -> None:
 def to_rmsnorm_model(model: nn.Module, config) -> nn.Module:
     """Turn a stock model built from a converted config into its RMSNorm form, in place."""
     block = getattr(config, "normswap", None) or {}
-    apply_structure(model, block.get("structure"))
+    # swap first: a centring hook registered on a LayerNorm must land on the RMSNorm replacing it
     swap_layer_norms(model)
+    apply_structure(model, block.get("structure"))
     return model
 
 
