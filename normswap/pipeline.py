@@ -17,7 +17,7 @@ import torch
 import transformers
 from torch import nn
 
-from normswap import __version__, verify
+from normswap import __version__, verify, verify_layerwise
 from normswap.architectures import Architecture, architecture_for
 from normswap.card import MODEL_CARD
 from normswap.errors import NormswapError, VerificationError
@@ -27,6 +27,7 @@ from normswap.source import CheckpointReader, read_config, resolve_source
 from normswap.write import copy_side_files, write_json, write_weights
 
 MODELING_FILE = "modeling_normswap.py"
+VERIFICATION_MODES = ("auto", "layerwise", "full", "none")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float64": torch.float64}
 
@@ -53,6 +54,8 @@ def plan_conversion(
         base_prefix=meta.base_model_prefix,
         method=method, fold_gains=fold_gains, dtype=dtype,
         read_small=reader.get,
+        rename=build.checkpoint_renamer(meta),
+        module_names=[name for name, _ in meta.named_modules()],
     )
     return architecture, plan, meta
 
@@ -88,14 +91,17 @@ def converted_config(config: dict, plan: ConversionPlan, meta: nn.Module, archit
             new["torch_dtype"] = dtype_name
     model_name = type(meta).__name__
     new["architectures"] = [model_name]
+    # the family's Auto class, and every other Auto class that maps this type to this class
+    # (AutoModelForImageClassification for a ViTForImageClassification)
+    autos = [architecture.auto_class, *build.auto_classes_for(config["model_type"], model_name)]
     if stock_can_hold(plan):
-        new["auto_map"] = {architecture.auto_class: f"modeling_normswap.{remote.CLASS_PREFIX}{model_name}"}
+        new["auto_map"] = {auto: f"modeling_normswap.{remote.CLASS_PREFIX}{model_name}" for auto in autos}
     else:
         config_name = type(meta.config).__name__
         new["model_type"] = remote.MODEL_TYPE_PREFIX + config["model_type"]
         new["auto_map"] = {
             "AutoConfig": f"modeling_normswap.{remote.CLASS_PREFIX}{config_name}",
-            architecture.auto_class: f"modeling_normswap.{remote.OWN_TYPE_PREFIX}{model_name}",
+            **{auto: f"modeling_normswap.{remote.OWN_TYPE_PREFIX}{model_name}" for auto in autos},
         }
     new["normswap"] = provenance
     return new
@@ -131,13 +137,22 @@ def convert_checkpoint(
     allow_inexact: bool = False,
     verify_output: bool = True,
     quiet: bool = True,
+    verification: str = "auto",
 ) -> dict:
     """Convert the LayerNorm checkpoint ``src`` into an exact RMSNorm checkpoint at ``out``.
 
     Returns the provenance block written into ``out/config.json`` (with the verification
     figures). Raises ``NormswapError`` for bad input and ``VerificationError`` when the converted
     model does not match the original; in both cases nothing is left at ``out``.
+
+    Tensors stream from the source shards to the output shards one group at a time, so memory is
+    bounded by the largest tensor group, not the model. ``verification`` is ``auto`` (layer by
+    layer for models too big to hold twice, else whole models), ``layerwise``, ``full`` or
+    ``none`` (as is ``verify_output=False``). A failure, a full disk or SIGINT/SIGTERM leaves
+    nothing at ``out`` and no temporary directory.
     """
+    if verification not in VERIFICATION_MODES:
+        raise NormswapError(f"unknown verification '{verification}'; use one of {', '.join(VERIFICATION_MODES)}")
     if method == "naive" and not allow_inexact:
         raise NormswapError("--method naive changes the model's outputs; pass --allow-inexact to accept that")
     out_dtype = parse_dtype(dtype)
@@ -154,6 +169,7 @@ def convert_checkpoint(
         options = {"method": method, "fold_gains": fold_gains, "dtype": str(checkpoint_dtype).removeprefix("torch.")}
         provenance = provenance_block(str(src), plan, options, architecture.auto_class)
         out.parent.mkdir(parents=True, exist_ok=True)
+        _check_free_space(out.parent, plan)
         with _temporary_output(out) as tmp:
             progress = None if quiet else _progress_bar(plan)
             write_weights(tmp, plan, reader, progress)
@@ -163,12 +179,14 @@ def convert_checkpoint(
             shutil.copyfile(Path(remote.__file__), tmp / MODELING_FILE)
             copy_side_files(source_dir, tmp)
             write_json(tmp / "config.json", converted_config(config, plan, meta, architecture, provenance))
-            if verify_output:
+            if verify_output and verification != "none":
                 default_atol, default_rtol = verify.default_tolerance(checkpoint_dtype)
                 result = verify_checkpoint(
                     source_dir, tmp,
                     atol=default_atol if atol is None else atol,
                     rtol=default_rtol if rtol is None else rtol,
+                    layerwise={"auto": None, "layerwise": True, "full": False}[verification],
+                    quiet=quiet,
                 )
                 provenance["verification"] = result
                 write_json(tmp / "config.json", converted_config(config, plan, meta, architecture, provenance))
@@ -208,7 +226,12 @@ def _check_output_path(source_dir: Path, out: Path, overwrite: bool) -> None:
 
 @contextmanager
 def _temporary_output(out: Path):
-    """A fresh directory beside ``out``, removed on any failure, SIGTERM included."""
+    """A fresh directory beside ``out``, removed on any failure, SIGINT and SIGTERM included.
+
+    SIGTERM is turned into ``KeyboardInterrupt`` (as SIGINT already is), so the ``finally`` runs;
+    both signals are held back while the directory is removed, so a second one cannot leave half
+    of it behind.
+    """
     tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}-normswap-tmp-", dir=out.parent))
     previous = signal.getsignal(signal.SIGTERM)
 
@@ -221,9 +244,24 @@ def _temporary_output(out: Path):
     try:
         yield tmp
     finally:
-        if in_main_thread:
-            signal.signal(signal.SIGTERM, previous)
-        shutil.rmtree(tmp, ignore_errors=True)
+        with _signals_held(in_main_thread):
+            shutil.rmtree(tmp, ignore_errors=True)
+            if in_main_thread:
+                signal.signal(signal.SIGTERM, previous)
+
+
+@contextmanager
+def _signals_held(enabled: bool = True):
+    """Defer SIGINT and SIGTERM until the block is done (they are delivered afterwards)."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    if not enabled:
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _is_main_thread() -> bool:
@@ -233,24 +271,46 @@ def _is_main_thread() -> bool:
 
 
 def _install(tmp: Path, out: Path) -> None:
-    """Rename ``tmp`` to ``out``; an existing ``out`` (allowed by --overwrite) is removed only after."""
+    """Rename ``tmp`` to ``out``; an existing ``out`` (allowed by --overwrite) is removed only after.
+
+    Signals are held during the renames, so ``out`` is always either the old or the new directory.
+    """
     old = None
-    if out.exists():
-        old = out.with_name(f"{out.name}-normswap-old-{tmp.name.rsplit('-', 1)[-1]}")
-        out.rename(old)
-    tmp.rename(out)
+    with _signals_held(_is_main_thread()):
+        if out.exists():
+            old = out.with_name(f"{out.name}-normswap-old-{tmp.name.rsplit('-', 1)[-1]}")
+            out.rename(old)
+        tmp.rename(out)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def _check_free_space(directory: Path, plan: ConversionPlan) -> None:
+    """Refuse early when the output's filesystem cannot hold the converted weights."""
+    needed = sum(_nbytes(tensor) for tensor in plan.tensors.values())
+    free = shutil.disk_usage(directory).free
+    if free < needed:
+        raise NormswapError(
+            f"not enough disk space beside --out: the converted weights need {needed / 1e9:.2f} GB, "
+            f"{free / 1e9:.2f} GB are free"
+        )
+
+
 def _progress_bar(plan: ConversionPlan):
+    """A progress bar on stderr: bytes and tensors written, rate and ETA; shown after 1 s only."""
     from tqdm import tqdm
 
     total = sum(_nbytes(tensor) for tensor in plan.tensors.values())
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc="converting", leave=False)
+    count = len(plan.tensors)
+    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="converting", delay=1.0,
+               leave=False, dynamic_ncols=True)
 
     class Progress:
+        done = 0
+
         def __call__(self, nbytes: int) -> None:
+            self.done += 1
+            bar.set_postfix_str(f"{self.done}/{count} tensors", refresh=False)
             bar.update(nbytes)
 
         def close(self) -> None:
@@ -271,21 +331,32 @@ def _nbytes(tensor) -> int:
 
 
 def load_converted(path: Path, how: str, *, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """Load a converted checkpoint with stock transformers (``stock``) or its remote code (``remote``)."""
+    """Load a converted checkpoint with stock transformers (``stock``) or its remote code (``remote``).
+
+    The stock path uses the class named in ``architectures`` (a ``ViTForImageClassification``
+    must not load as the family Auto class's ``ViTModel``); the remote path goes through the
+    family's Auto class, whose ``auto_map`` entry names the RMSNorm form of that same class.
+    """
     config = read_config(path)
     block = config.get("normswap") or {}
     architecture = architecture_for({**config, "model_type": block.get("original_model_type", config.get("model_type"))})
     auto = getattr(transformers, architecture.auto_class)
     if how == "stock":
-        return build.load_pretrained(auto, path, dtype=dtype)
+        return build.load_pretrained(build.model_class(config, architecture.auto_class), path, dtype=dtype)
     if how == "remote":
         return build.load_pretrained(auto, path, dtype=dtype, trust_remote_code=True)
     raise ValueError(how)
 
 
 def verify_checkpoint(original: str | Path, converted: str | Path, *, atol: float | None = None,
-                      rtol: float | None = None) -> dict:
-    """Run ``original`` and ``converted`` on the same probe; figures per loader and a verdict."""
+                      rtol: float | None = None, layerwise: bool | None = None, quiet: bool = True) -> dict:
+    """Run ``original`` and ``converted`` on the same probe; figures per loader and a verdict.
+
+    ``layerwise``: True compares block by block within bounded memory (``verify_layerwise``),
+    False loads whole models, None (default) goes layer by layer above
+    ``verify_layerwise.LAYERWISE_ABOVE_BYTES`` of float32 weights. Families that cannot be run
+    block by block fall back to whole models, with a note in the result.
+    """
     original_dir = resolve_source(original)
     converted_dir = Path(converted)
     original_config, converted_config_ = read_config(original_dir), read_config(converted_dir)
@@ -299,6 +370,62 @@ def verify_checkpoint(original: str | Path, converted: str | Path, *, atol: floa
     atol = default_atol if atol is None else atol
     rtol = default_rtol if rtol is None else rtol
 
+    mode, note = _verification_mode(original_dir, architecture, layerwise)
+    probe = None
+    if mode == "layerwise":
+        try:
+            probe, loaders = verify_layerwise.compare_layerwise(
+                original_dir, converted_dir, architecture, stock_loadable=block.get("stock_loadable", True), quiet=quiet
+            )
+        except verify_layerwise.Unsupported as error:
+            mode, note = "full", f"layer by layer unavailable ({error}); compared whole models"
+        else:
+            for figures in loaders.values():
+                if "max_abs_diff" in figures:
+                    figures["passed"] = verify.within_tolerance(figures, atol, rtol)
+    if probe is None:
+        probe, loaders = _compare_whole(original_dir, converted_dir, original_config, architecture, block, atol, rtol)
+    compared = [figures for figures in loaders.values() if "max_abs_diff" in figures]
+    limit = atol + rtol * max(figures["max_abs_reference"] for figures in compared)
+    passed = all(figures["passed"] for figures in compared) and all(
+        figures.get("refused", True) for figures in loaders.values()
+    )
+    return {
+        "probe": probe.kind,
+        "probe_shape": list(next(iter(probe.inputs.values())).shape),
+        "compute_dtype": "float32",
+        "method": method,
+        "tolerance": {"atol": atol, "rtol": rtol, "limit": limit},
+        "loaders": loaders,
+        "passed": passed,
+        "mode": mode,
+        **({"note": note} if note else {}),
+        **({"worst_layer": _worst_layer(loaders)} if mode == "layerwise" else {}),
+    }
+
+
+def _worst_layer(loaders: dict[str, dict]) -> dict:
+    """The worst block over the loaders compared layer by layer, with the loader named."""
+    ranked = [(figures["worst_layer"]["relative"], name) for name, figures in loaders.items() if "worst_layer" in figures]
+    _, name = max(ranked)
+    return {"loader": name, **loaders[name]["worst_layer"]}
+
+
+def _verification_mode(original_dir: Path, architecture: Architecture, layerwise: bool | None) -> tuple[str, str | None]:
+    """``layerwise`` when asked for, or (``layerwise=None``) when the model is too big to hold twice."""
+    if layerwise is False:
+        return "full", None
+    if layerwise is None and not verify_layerwise.wants_layerwise(original_dir):
+        return "full", None
+    reason = verify_layerwise.unsupported_reason(architecture, original_dir)
+    if reason is not None:
+        return "full", f"layer by layer unavailable ({reason}); compared whole models"
+    return "layerwise", None
+
+
+def _compare_whole(original_dir: Path, converted_dir: Path, original_config: dict, architecture: Architecture,
+                   block: dict, atol: float, rtol: float) -> tuple[verify.Probe, dict[str, dict]]:
+    """Load each whole model in float32 and compare outputs: the probe and figures per loader."""
     original_model = build.load_pretrained(
         build.model_class(original_config, architecture.auto_class), original_dir, dtype=torch.float32
     )
@@ -319,33 +446,23 @@ def verify_checkpoint(original: str | Path, converted: str | Path, *, atol: floa
         candidate = verify.model_output(model, probe, architecture.probe)
         del model
         gc.collect()
-        figures = verify.compare_outputs(reference, candidate, distribution=architecture.probe == "causal_lm", labels=labels)
+        figures = verify.compare_outputs(reference, candidate, distribution=architecture.probe in verify.LOGIT_PROBES,
+                                         labels=labels)
         figures["passed"] = verify.within_tolerance(figures, atol, rtol)
         loaders["stock" if how == "stock" else "remote_code"] = figures
-    compared = [figures for figures in loaders.values() if "max_abs_diff" in figures]
-    limit = atol + rtol * max(figures["max_abs_reference"] for figures in compared)
-    passed = all(figures["passed"] for figures in compared) and all(
-        figures.get("refused", True) for figures in loaders.values()
-    )
-    return {
-        "probe": probe.kind,
-        "probe_shape": list(next(iter(probe.inputs.values())).shape),
-        "compute_dtype": "float32",
-        "method": method,
-        "tolerance": {"atol": atol, "rtol": rtol, "limit": limit},
-        "loaders": loaders,
-        "passed": passed,
-    }
+    return probe, loaders
 
 
 def _stock_refuses(path: Path, architecture: Architecture) -> bool:
-    """True when stock transformers refuses to load ``path`` without trust_remote_code."""
-    auto = getattr(transformers, architecture.auto_class)
-    try:
-        build.load_pretrained(auto, path, trust_remote_code=False)
-    except Exception:
-        return True
-    return False
+    """True when stock transformers refuses to load ``path`` without trust_remote_code.
+
+    Trying a load in this process proves nothing: ``import normswap`` registers the
+    ``normswap_<type>`` model types with the Auto classes, so the load would succeed. Stock
+    transformers on its own knows only its built-in model types, and refuses any other one.
+    """
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return read_config(path).get("model_type") not in CONFIG_MAPPING_NAMES
 
 
 def model_card(provenance: dict) -> str:

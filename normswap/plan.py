@@ -8,6 +8,7 @@ it starts from and the ordered steps applied to it (bake, centre, fold a gain, f
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -137,17 +138,43 @@ class ConversionPlan:
 # ---------------------------------------------------------------------------------------------
 
 
-def canonical_names(source_names: list[str], model_keys: set[str], base_prefix: str) -> dict[str, str]:
+def canonical_names(
+    source_names: list[str], model_keys: set[str], base_prefix: str, rename: Callable[[str], str] | None = None
+) -> dict[str, str]:
     """Map checkpoint names to the model class's names, adding the base-model prefix if missing.
 
     Hub GPT-2 stores ``h.0.ln_1.weight`` (saved from GPT2Model) where GPT2LMHeadModel expects
-    ``transformer.h.0.ln_1.weight``.
+    ``transformer.h.0.ln_1.weight``. ``rename`` applies transformers' own load-time key renamings
+    first (transformers 5 renames e.g. ViT's ``encoder.layer.0.attention.attention.query`` to
+    ``layers.0.attention.q_proj``), so adapters only ever see the model class's names.
     """
     mapping = {}
     for name in source_names:
-        prefixed = f"{base_prefix}.{name}" if base_prefix else name
-        mapping[name] = prefixed if name not in model_keys and prefixed in model_keys else name
+        renamed = rename(name) if rename is not None else name
+        if renamed not in model_keys and name in model_keys:
+            renamed = name
+        prefixed = f"{base_prefix}.{renamed}" if base_prefix else renamed
+        mapping[name] = prefixed if renamed not in model_keys and prefixed in model_keys else renamed
     return mapping
+
+
+def resolve_structure(structure: dict[str, list[str]], module_names: list[str]) -> dict[str, list[str]]:
+    """Turn the adapter's structure patterns into module paths of the model class.
+
+    Adapters give regular expressions (``(model\\.)?encoder\\.layers\\.0``) because one family's
+    classes nest the same module under different prefixes. Each pattern must match at least one
+    module: a structural change that silently applied nowhere would leave the model inexact.
+    """
+    resolved: dict[str, list[str]] = {}
+    for kind, patterns in structure.items():
+        paths = []
+        for pattern in patterns:
+            matched = [name for name in module_names if name and re.fullmatch(pattern, name)]
+            if not matched:
+                raise NormswapError(f"structure '{kind}': no module of the model class matches '{pattern}'")
+            paths.extend(name for name in matched if name not in paths)
+        resolved[kind] = paths
+    return resolved
 
 
 def output_shard_names(source_shards: list[str]) -> dict[str, str]:
@@ -170,6 +197,8 @@ def build_plan(
     fold_gains: bool = False,
     dtype: torch.dtype | None = None,
     read_small=None,
+    rename: Callable[[str], str] | None = None,
+    module_names: list[str] | None = None,
 ) -> ConversionPlan:
     """The plan for converting a checkpoint with ``tensors`` (source names -> info).
 
@@ -177,10 +206,17 @@ def build_plan(
     meta device: the canonical state-dict names and every ``nn.LayerNorm`` in it. Every one of
     those norms must be covered by the adapter, or the conversion would not be exact.
     ``read_small(name)`` reads a small tensor (a norm gain) now, to check it for zeros.
+    ``rename`` is transformers' load-time key renaming for the class (see ``canonical_names``);
+    the output is written under the renamed names, which must be fixed points of it.
+    ``module_names`` (every module path of the class) resolves the adapter's structure patterns.
     """
     if method not in ("exact", "naive"):
         raise NormswapError(f"unknown method '{method}'; use exact or naive")
-    renamed = canonical_names(list(tensors), model_keys, base_prefix)
+    renamed = canonical_names(list(tensors), model_keys, base_prefix, rename)
+    if rename is not None:
+        for name in renamed.values():
+            if name in model_keys and rename(name) != name:
+                raise NormswapError(f"transformers would rename the output tensor {name} on load; not supported")
     shard_names = output_shard_names(sorted({info.shard for info in tensors.values()}))
     by_name = {renamed[name]: info for name, info in tensors.items()}
 
@@ -197,6 +233,8 @@ def build_plan(
 
     untied = _untie(architecture, config, plans, model_keys)
     structure = {key: list(value) for key, value in architecture.structure(config).items()}
+    if module_names is not None:
+        structure = resolve_structure(structure, module_names)
     norms = _find_norms(architecture, plans, layer_norm_modules)
 
     # Bake embedding norms into their tables (before centring the table, below).
@@ -211,7 +249,7 @@ def build_plan(
             dropped.append(bake.norm + suffix)
             del plans[bake.norm + suffix]
         structure.setdefault("identity", []).append(bake.norm)
-        norms.append(NormPlan(bake.norm, [], baked_into=bake.embedding))
+        norms.append(NormPlan(bake.norm, [], baked_into=bake.embedding, note="baked into the table; nothing left to fold"))
 
     writers = []
     if method == "exact":
@@ -245,7 +283,10 @@ def build_plan(
 def _untie(architecture: Architecture, config: dict, plans: dict[str, TensorPlan], model_keys: set[str]):
     """Give a tied head its own copy of the original embedding: the head reads, it does not write."""
     untied = []
-    tied_flag = bool(config.get(architecture.tie_flag, True))
+    tied_flag = config.get(architecture.tie_flag)
+    if tied_flag is None:
+        tied_flag = _config_default(config, architecture.tie_flag, True)
+    tied_flag = bool(tied_flag)
     for head, embedding in architecture.tied:
         if embedding not in plans or head not in model_keys:
             continue
@@ -255,6 +296,20 @@ def _untie(architecture: Architecture, config: dict, plans: dict[str, TensorPlan
         plans[head] = TensorPlan(head, source.source, source.shape, source.dtype, source.shard)
         untied.append((head, embedding))
     return untied
+
+
+def _config_default(config: dict, key: str, fallback):
+    """The value transformers' config class gives ``key`` when config.json omits it.
+
+    Families differ: GPT-2 ties its head by default, GPT-J, GPT-NeoX, Phi and CodeGen do not, so a
+    config.json without ``tie_word_embeddings`` means different things per family.
+    """
+    from transformers import CONFIG_MAPPING
+
+    try:
+        return getattr(CONFIG_MAPPING[config.get("model_type")](), key, fallback)
+    except Exception:  # unknown type, or a config class that needs arguments
+        return fallback
 
 
 def _find_norms(architecture: Architecture, plans: dict[str, TensorPlan], layer_norm_modules: list[str]):
@@ -299,7 +354,8 @@ def _fold_norm(norm: NormPlan, architecture: Architecture, plans: dict[str, Tens
         norm.note = "no readers to fold into"
         return
     has_bias = bias_name in plans
-    bias_foldable = has_bias and all(bias is not None for _, _, bias in readers)
+    # β folds when every reader can take Wβ: into its bias, or dropped where a constant cancels
+    bias_foldable = has_bias and all(bias is not None or reader.constant_cancels for reader, _, bias in readers)
     if has_bias and not bias_foldable and read_small is not None:
         if bool((read_small(plans[gain_name].source) == 0).any()):
             norm.note = "γ has zeros and β cannot be folded; kept unfolded"
@@ -307,7 +363,7 @@ def _fold_norm(norm: NormPlan, architecture: Architecture, plans: dict[str, Tens
 
     gain_source = plans[gain_name].source
     for reader, weight, bias in readers:
-        if bias_foldable:
+        if bias_foldable and bias is not None:
             plans[bias].steps.append(FoldBias(plans[weight].source, plans[bias_name].source, reader.input_axis))
         plans[weight].steps.append(FoldGain(gain_source, reader.input_axis))
     plans[gain_name].steps.append(Fill(1.0))

@@ -4,14 +4,19 @@
 bundled example) into a local directory. ``CheckpointReader`` opens the weight files of that
 directory without reading them: tensors are fetched one at a time, so a conversion never holds
 more than the group of tensors it is working on.
+
+Safetensors shards are read with positioned reads (``os.preadv``) at the offsets named in their
+header, not memory-mapped: pages of a mapping stay resident (and count in the process's RSS) as
+long as the file is open, so reading a 100 GB checkpoint through ``safe_open`` would look like a
+100 GB process. A read copies exactly one tensor into memory the process owns and frees.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Iterator
-from contextlib import ExitStack
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -105,23 +110,124 @@ class TensorInfo:
         return count * torch.empty((), dtype=self.dtype).element_size()
 
 
+class SafetensorsShard:
+    """One safetensors file: its header parsed and checked at open, tensors read on demand.
+
+    The file is ``[8-byte little-endian header length n][n bytes of JSON][data]``; each header
+    entry gives a tensor's dtype, shape and ``data_offsets`` [begin, end) into the data section.
+    A header that does not parse, or promises bytes the file does not have (a truncated
+    download), is reported at once as a ``NormswapError``.
+    """
+
+    MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+    def __init__(self, file: Path) -> None:
+        self.file = file
+        self._fd = os.open(file, os.O_RDONLY)
+        try:
+            self.entries = self._parse_header()
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def _corrupt(self, why: str) -> NormswapError:
+        return NormswapError(f"weight file {self.file} is corrupt or truncated: {why}")
+
+    def _parse_header(self) -> dict[str, tuple[torch.dtype, tuple[int, ...], int, int]]:
+        size = os.fstat(self._fd).st_size
+        if size < 8:
+            raise self._corrupt(f"{size} bytes, too short for a safetensors header")
+        length = int.from_bytes(os.pread(self._fd, 8, 0), "little")
+        if length > min(size - 8, self.MAX_HEADER_BYTES):
+            raise self._corrupt(f"header length {length} does not fit in the file's {size} bytes")
+        try:
+            header = json.loads(os.pread(self._fd, length, 8))
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise self._corrupt(f"unreadable header ({error})") from None
+        if not isinstance(header, dict):
+            raise self._corrupt("the header is not a JSON object")
+        self.data_start = 8 + length
+        entries = {}
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            entries[name] = self._check_entry(name, entry, size - self.data_start)
+        return entries
+
+    def _check_entry(self, name: str, entry: object, data_bytes: int) -> tuple[torch.dtype, tuple[int, ...], int, int]:
+        try:
+            dtype = _SAFETENSORS_DTYPES[entry["dtype"]]
+            shape = tuple(int(size) for size in entry["shape"])
+            begin, end = (int(offset) for offset in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise self._corrupt(f"bad header entry for {name}") from None
+        count = 1
+        for size in shape:
+            count *= size
+        if end - begin != count * _itemsize(dtype) or begin < 0:
+            raise self._corrupt(f"{name}: data_offsets {begin}..{end} do not match shape {list(shape)}")
+        if end > data_bytes:
+            raise self._corrupt(f"{name} ends at byte {end} of a data section of {data_bytes} bytes")
+        return dtype, shape, begin, end
+
+    def read(self, name: str) -> torch.Tensor:
+        """The tensor ``name``, copied from the file into fresh memory."""
+        dtype, shape, begin, end = self.entries[name]
+        buffer = torch.empty(end - begin, dtype=torch.uint8)
+        self._pread(name, buffer, begin)
+        return buffer.view(dtype).reshape(shape)
+
+    def read_rows(self, name: str, start: int, count: int, buffer: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ``start``..``start+count`` (along the first axis) of ``name``, read into ``buffer``
+        (a uint8 tensor, reused by the caller) when given."""
+        dtype, shape, begin, end = self.entries[name]
+        row = (end - begin) // shape[0]
+        raw = torch.empty(row * count, dtype=torch.uint8) if buffer is None else buffer[: row * count]
+        self._pread(name, raw, begin + start * row)
+        return raw.view(dtype).reshape(count, *shape[1:])
+
+    def _pread(self, name: str, into: torch.Tensor, offset: int) -> None:
+        view = memoryview(into.numpy())
+        done = 0
+        while done < len(view):
+            got = os.preadv(self._fd, [view[done:]], self.data_start + offset + done)
+            if got <= 0:
+                raise self._corrupt(f"{name} ends early (the file shrank while it was read)")
+            done += got
+
+    def locate(self, name: str) -> tuple[int, int]:
+        """The open file descriptor and absolute offset of the bytes of ``name``."""
+        _, _, begin, _ = self.entries[name]
+        return self._fd, self.data_start + begin
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
 class CheckpointReader:
     """Lazy, read-only access to the tensors of a checkpoint directory.
 
-    Safetensors shards are memory-mapped with ``safe_open``. Pickled ``.bin`` shards are loaded
-    with ``weights_only=True`` (no arbitrary code) and ``mmap=True``, one shard at a time.
+    Safetensors shards are read tensor by tensor (``SafetensorsShard``). Pickled ``.bin`` shards
+    are loaded with ``weights_only=True`` (no arbitrary code) and ``mmap=True``, one shard at a
+    time: their tensors are views of the mapped file, so memory holds the pages touched in the
+    current shard, never a whole model.
     """
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.shards = _weight_shards(path)
         self.is_safetensors = self.shards[0].endswith(".safetensors")
-        self._stack = ExitStack()
         self._open: dict[str, object] = {}
         self.tensors: dict[str, TensorInfo] = {}
-        for shard in self.shards:
-            for info in self._scan(shard):
-                self.tensors[info.name] = info
+        try:
+            for shard in self.shards:
+                for info in self._scan(shard):
+                    self.tensors[info.name] = info
+        except BaseException:
+            self.close()
+            raise
 
     def __enter__(self) -> CheckpointReader:
         return self
@@ -130,15 +236,15 @@ class CheckpointReader:
         self.close()
 
     def close(self) -> None:
-        self._stack.close()
+        for handle in self._open.values():
+            if isinstance(handle, SafetensorsShard):
+                handle.close()
         self._open.clear()
 
     def _scan(self, shard: str) -> Iterator[TensorInfo]:
         if shard.endswith(".safetensors"):
-            handle = self._handle(shard)
-            for name in handle.keys():
-                view = handle.get_slice(name)
-                yield TensorInfo(name, shard, _SAFETENSORS_DTYPES[view.get_dtype()], tuple(view.get_shape()))
+            for name, (dtype, shape, _, _) in self._handle(shard).entries.items():
+                yield TensorInfo(name, shard, dtype, shape)
         else:
             for name, tensor in self._handle(shard).items():
                 yield TensorInfo(name, shard, tensor.dtype, tuple(tensor.shape))
@@ -148,16 +254,11 @@ class CheckpointReader:
             file = self.path / shard
             try:
                 if shard.endswith(".safetensors"):
-                    from safetensors import safe_open
-
-                    self._open[shard] = self._stack.enter_context(safe_open(str(file), framework="pt"))
+                    self._open[shard] = SafetensorsShard(file)
                 else:
                     # bin shards are whole pickles; keep only one mapped at a time
                     self._open = {k: v for k, v in self._open.items() if k.endswith(".safetensors")}
-                    state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-                    if not isinstance(state, dict):
-                        raise NormswapError(f"{file} does not hold a state dict")
-                    self._open[shard] = state
+                    self._open[shard] = _load_pickle_shard(file)
             except NormswapError:
                 raise
             except Exception as error:
@@ -169,16 +270,67 @@ class CheckpointReader:
         info = self.tensors[name]
         try:
             if self.is_safetensors:
-                return self._handle(info.shard).get_tensor(name)
+                return self._handle(info.shard).read(name)
             return self._handle(info.shard)[name]
         except NormswapError:
             raise
         except Exception as error:
             raise NormswapError(f"cannot read tensor {name} from {info.shard}: {_first_line(error)}") from None
 
+    def read_rows(self, name: str, start: int, count: int, buffer: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ``start``..``start+count`` of ``name`` along its first axis, read now (into
+        ``buffer``, a reusable uint8 tensor, for safetensors shards)."""
+        info = self.tensors[name]
+        try:
+            if self.is_safetensors:
+                return self._handle(info.shard).read_rows(name, start, count, buffer)
+            return self._handle(info.shard)[name].narrow(0, start, count)
+        except NormswapError:
+            raise
+        except Exception as error:
+            raise NormswapError(f"cannot read tensor {name} from {info.shard}: {_first_line(error)}") from None
+
+    def read_as(self, name: str, dtype: torch.dtype, slice_bytes: int = 8 << 20) -> torch.Tensor:
+        """The tensor ``name`` converted to ``dtype``, read in row slices of about ``slice_bytes``,
+        so that the source-dtype copy never exists whole beside the converted one."""
+        info = self.tensors[name]
+        if len(info.shape) == 0 or info.shape[0] == 0 or info.nbytes <= slice_bytes:
+            return self.get(name).to(dtype)
+        out = torch.empty(info.shape, dtype=dtype)
+        rows = max(1, slice_bytes // (info.nbytes // info.shape[0]))
+        buffer = torch.empty(rows * (info.nbytes // info.shape[0]), dtype=torch.uint8)
+        for start in range(0, info.shape[0], rows):
+            count = min(rows, info.shape[0] - start)
+            out.narrow(0, start, count).copy_(self.read_rows(name, start, count, buffer))
+        return out
+
+    def locate(self, name: str) -> tuple[int, int] | None:
+        """(file descriptor, offset) of the raw bytes of ``name`` in a safetensors shard, else None."""
+        if not self.is_safetensors:
+            return None
+        return self._handle(self.tensors[name].shard).locate(name)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Every tensor, read now (for small models and tests)."""
         return {name: self.get(name) for name in self.tensors}
+
+
+def _load_pickle_shard(file: Path) -> dict[str, torch.Tensor]:
+    """A ``.bin`` state dict, memory-mapped, with no code run (``weights_only``)."""
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError as error:
+        if "zip" not in str(error).lower() and "mmap" not in str(error).lower():
+            raise
+        # pickles from before torch 1.6 (not zip archives) cannot be mapped: load that shard whole
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    if not isinstance(state, dict):
+        raise NormswapError(f"{file} does not hold a state dict")
+    return state
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def _first_line(error: BaseException) -> str:

@@ -74,16 +74,110 @@ def causal_lm_probe(config, tokenizer, seed: int = 0) -> Probe:
     return Probe({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, "random")
 
 
-PROBES = {"causal_lm": causal_lm_probe}
+def seq2seq_speech_probe(config, tokenizer, seed: int = 0) -> Probe:
+    """Whisper: random log-mel features and decoder ids (text through the tokenizer, else random).
+
+    The encoder insists on exactly 2·max_source_positions frames (its second conv has stride 2);
+    features are N(0, 1), the scale of Whisper's normalised log-mel input.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    frames = 2 * int(config.max_source_positions)
+    features = torch.randn(PROBE_BATCH, int(config.num_mel_bins), frames, generator=generator)
+    length = min(PROBE_TOKENS, int(config.max_target_positions))
+    kind = "random"
+    ids = None
+    if tokenizer is not None:
+        text_ids = tokenizer(probe_text(), return_tensors="pt")["input_ids"][0]
+        if text_ids.numel() >= PROBE_BATCH * length:
+            ids, kind = text_ids[: PROBE_BATCH * length].reshape(PROBE_BATCH, length), "text"
+    if ids is None:
+        ids = torch.randint(0, config.vocab_size, (PROBE_BATCH, length), generator=generator)
+    return Probe({"input_features": features, "decoder_input_ids": ids}, kind)
+
+
+def _pixels(vision_config, generator: torch.Generator) -> torch.Tensor:
+    size = vision_config.image_size
+    height, width = (size, size) if isinstance(size, int) else tuple(size)
+    channels = int(getattr(vision_config, "num_channels", 3))
+    return torch.randn(PROBE_BATCH, channels, int(height), int(width), generator=generator)
+
+
+def vision_probe(config, tokenizer, seed: int = 0) -> Probe:
+    """Random N(0, 1) pixel values [PROBE_BATCH, channels, size, size] (normalised-image scale)."""
+    return Probe({"pixel_values": _pixels(config, torch.Generator().manual_seed(seed))}, "random")
+
+
+def clip_probe(config, tokenizer, seed: int = 0) -> Probe:
+    """Token ids ending in the end-of-text token (the CLIP text tower pools there) and/or pixels.
+
+    ``clip`` configs get both, ``clip_text_model`` ids only, ``clip_vision_model`` pixels only.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    inputs = {}
+    model_type = getattr(config, "model_type", "clip")
+    if model_type != "clip_vision_model":
+        text = getattr(config, "text_config", None) or config
+        length = min(PROBE_TOKENS, int(text.max_position_embeddings))
+        ids = torch.randint(0, text.vocab_size, (PROBE_BATCH, length), generator=generator)
+        eos = getattr(text, "eos_token_id", None)
+        if isinstance(eos, int) and 0 <= eos < text.vocab_size:
+            ids[:, -1] = eos
+        inputs["input_ids"] = ids
+    if model_type != "clip_text_model":
+        inputs["pixel_values"] = _pixels(getattr(config, "vision_config", None) or config, generator)
+    return Probe(inputs, "random")
+
+
+PROBES = {"causal_lm": causal_lm_probe, "seq2seq_speech": seq2seq_speech_probe, "vision": vision_probe,
+          "clip": clip_probe}
+# probe kinds whose compared output is a tensor of logits (distribution figures apply)
+LOGIT_PROBES = ("causal_lm", "seq2seq_speech")
+
+
+def _centred(x: torch.Tensor) -> torch.Tensor:
+    return x - x.mean(-1, keepdim=True)
+
+
+def _encoder_outputs(outputs, stream_last_hidden_state: bool) -> list[torch.Tensor]:
+    """Pooled and last hidden states of an encoder output; the latter centred when it is the raw
+    residual stream (CLIP's vision tower returns the stream itself, un-normalised: the conversion
+    exactly removes its mean component, so only its centred part can be, and is, preserved)."""
+    parts = []
+    for key in ("logits", "text_embeds", "image_embeds", "pooler_output", "last_hidden_state"):
+        value = outputs.get(key) if hasattr(outputs, "get") else None
+        if value is None:
+            continue
+        parts.append(_centred(value) if key == "last_hidden_state" and stream_last_hidden_state else value)
+    return parts
 
 
 @torch.no_grad()
 def model_output(model, probe: Probe, kind: str) -> torch.Tensor:
-    """The compared output of ``model`` on ``probe``, as float64."""
+    """The compared output of ``model`` on ``probe``, as float64.
+
+    ``causal_lm`` and ``seq2seq_speech``: the logits. ``vision``: the logits of a classifier, or
+    the last hidden state and pooled output of a bare encoder. ``clip``: CLIPModel's
+    logits_per_image, both embeddings and both towers' pooled / last hidden states; a tower
+    model's pooled output, projected embeddings and last hidden state (centred for the vision
+    tower, whose last hidden state is the raw residual stream). Several parts are flattened and
+    concatenated.
+    """
     outputs = model(**probe.inputs)
-    if kind == "causal_lm":
+    if kind in LOGIT_PROBES:
         return outputs.logits.double()
-    raise NormswapError(f"unknown probe kind {kind}")
+    if kind == "vision":
+        parts = _encoder_outputs(outputs, stream_last_hidden_state=False)
+    elif kind == "clip":
+        model_type = getattr(model.config, "model_type", "clip")
+        if model_type == "clip":
+            parts = [outputs.logits_per_image, outputs.text_embeds, outputs.image_embeds]
+            parts += _encoder_outputs(outputs.text_model_output, stream_last_hidden_state=False)
+            parts += _encoder_outputs(outputs.vision_model_output, stream_last_hidden_state=True)
+        else:
+            parts = _encoder_outputs(outputs, stream_last_hidden_state=model_type == "clip_vision_model")
+    else:
+        raise NormswapError(f"unknown probe kind {kind}")
+    return torch.cat([part.double().flatten() for part in parts])
 
 
 def compare_outputs(reference: torch.Tensor, candidate: torch.Tensor, *, distribution: bool, labels=None) -> dict:

@@ -42,6 +42,9 @@ def make_hard(model: nn.Module, seed: int = 0) -> nn.Module:
             module.weight.add_(offset)
         elif hasattr(module, "bias") and isinstance(getattr(module, "bias", None), nn.Parameter):
             module.bias.copy_(0.2 * randn(module.bias.shape) + 0.3)
+        if isinstance(module, nn.Conv2d):
+            # patch embeddings write the stream: give every output channel a shared mean
+            module.weight.add_(0.02 + 0.01 * randn(1, *module.weight.shape[1:]))
     for name, parameter in model.named_parameters():
         # learned position tables and class tokens that are bare parameters
         if parameter.dim() >= 1 and any(key in name for key in ("position_embedding", "cls_token", "class_embedding")):

@@ -103,7 +103,7 @@ def test_corrupt_weights(gpt2_dir, tmp_path, capsys):
     shutil.copytree(gpt2_dir, src)
     (src / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}")
     code, err = run_cli(capsys, "convert", str(src), "--out", str(tmp_path / "out"))
-    assert_one_line_error(code, err, "cannot read")
+    assert_one_line_error(code, err, "corrupt")
     assert not (tmp_path / "out").exists()
     assert leftovers(tmp_path) == []
 

@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+from normswap.architectures.bloom import BLOOM
+from normswap.architectures.clip import CLIP
+from normswap.architectures.codegen import CODEGEN
+from normswap.architectures.falcon import FALCON
 from normswap.architectures.gpt2 import GPT2
+from normswap.architectures.gpt_bigcode import GPT_BIGCODE
+from normswap.architectures.gpt_neo import GPT_NEO
+from normswap.architectures.gpt_neox import GPT_NEOX
+from normswap.architectures.gptj import GPTJ
+from normswap.architectures.opt import OPT
+from normswap.architectures.phi import PHI
 from normswap.architectures.spec import Architecture, EmbeddingNormBake, Norm, Reader, Writer
+from normswap.architectures.vit import VIT
+from normswap.architectures.whisper import WHISPER
 from normswap.errors import NormswapError
 
 ARCHITECTURES: dict[str, Architecture] = {}
-for _architecture in (GPT2,):
+for _architecture in (
+    GPT2, WHISPER, VIT, CLIP, GPT_NEO, GPTJ, GPT_NEOX, OPT, BLOOM, PHI, FALCON, GPT_BIGCODE, CODEGEN,
+):
     for _model_type in _architecture.model_types:
         ARCHITECTURES[_model_type] = _architecture
 
@@ -42,7 +56,7 @@ def architecture_for(config: dict) -> Architecture:
     reason = architecture.refuse(config)
     if reason:
         raise NormswapError(f"cannot convert this {model_type} checkpoint exactly: {reason}")
-    return architecture
+    return architecture.for_config(config)
 
 
 __all__ = [

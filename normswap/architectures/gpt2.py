@@ -29,6 +29,7 @@ GPT2 = Architecture(
         Norm(r"transformer\.ln_f", (Reader("lm_head.weight", LINEAR_IN_AXIS),)),
     ),
     tied=(("lm_head.weight", "transformer.wte.weight"),),
+    blocks="transformer.h",
     # the causal-mask buffers that old checkpoints carry; current classes rebuild them
     ignore=(H + r"\.(attn|crossattention)\.(bias|masked_bias)",),
 )

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 # The Conv1D of GPT-2-style models stores weights as [in, out]; nn.Linear stores [out, in].
@@ -39,11 +39,17 @@ class Reader:
 
     ``weight`` and ``bias`` are templates filled with the named groups of the norm's pattern,
     e.g. ``"h.{layer}.attn.c_attn.weight"``. ``bias`` is None when the layer has no bias slot.
+
+    ``constant_cancels``: a constant added to this layer's output has no effect downstream, so
+    the term Wβ may be dropped when the layer has no bias slot. Attention keys are the case:
+    score_ij = q_i·(k_j + c) = q_i·k_j + q_i·c shifts every score of query i by the same amount,
+    and softmax over j is invariant to that (masked scores stay masked).
     """
 
     weight: str
     input_axis: int
     bias: str | None = None
+    constant_cancels: bool = False
 
 
 @dataclass(frozen=True)
@@ -88,8 +94,23 @@ class Architecture:
     structure: Callable[[dict], dict[str, list[str]]] = lambda config: {}
     # how verification builds inputs: "causal_lm", "seq2seq_speech", "vision", "clip"
     probe: str = "causal_lm"
+    # attribute path of the ModuleList of residual blocks ("transformer.h"), for layer-by-layer
+    # verification; None: the longest list of same-class modules is taken (see verify_layerwise)
+    blocks: str | None = None
     notes: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    # config -> replacements for the fields above, for families whose wiring depends on the config
+    # (OPT's project_in/project_out, Falcon's parallel block); see ``for_config``
+    variant: Callable[[dict], dict[str, Any]] = lambda config: {}
+
+    def for_config(self, config: dict) -> Architecture:
+        """This adapter as it applies to one checkpoint's config: ``variant``'s fields replaced.
+
+        A variant only swaps declarative fields (which tensors write, which layers read a norm);
+        the surgery stays the same for every variant.
+        """
+        changes = self.variant(config)
+        return replace(self, **changes) if changes else self
 
 
 def full_match(pattern: str, name: str) -> re.Match[str] | None:

@@ -7,6 +7,7 @@ import sys
 
 from normswap.pipeline import convert_checkpoint
 from normswap.verify import format_table
+from normswap.verify_layerwise import describe_mode
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -20,7 +21,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", help="output dtype (float32, float16, bfloat16); default: the source's")
     parser.add_argument("--atol", type=float, help="verification tolerance on max |Δlogit| (default by dtype)")
     parser.add_argument("--rtol", type=float, help="relative part of the tolerance, times max |logit|")
-    parser.add_argument("--no-verify", action="store_true", help="skip verification (not recommended)")
+    parser.add_argument("--verify", dest="verification", choices=["auto", "layerwise", "full", "none"], default="auto",
+                        help="layerwise: block by block within bounded memory; full: whole models; "
+                             "auto (default): layerwise for models above 1 GiB of float32 weights")
+    parser.add_argument("--no-verify", action="store_true", help="skip verification (same as --verify none)")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow the source's own code to run")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -32,12 +36,14 @@ def run(args: argparse.Namespace) -> int:
         fold_gains=args.fold_gains, method=args.method, dtype=args.dtype, overwrite=args.overwrite,
         trust_remote_code=args.trust_remote_code, atol=args.atol, rtol=args.rtol,
         allow_inexact=args.allow_inexact, verify_output=not args.no_verify, quiet=args.quiet,
+        verification=args.verification,
     )
     print(f"wrote {args.out}: {len(provenance['norms_swapped'])} norms swapped to RMSNorm, "
           f"{provenance['writers_centred']} writers centred, {len(provenance['norms_folded'])} norms folded")
     verification = provenance.get("verification")
     if verification:
         print(format_table(verification["loaders"]))
+        print(describe_mode(verification))
         if args.method == "naive":
             print("warning: --method naive is inexact by design; the figures above are its measured degradation",
                   file=sys.stderr)

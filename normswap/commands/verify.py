@@ -8,6 +8,7 @@ import json
 from normswap.errors import VerificationError
 from normswap.pipeline import verify_checkpoint
 from normswap.verify import format_table
+from normswap.verify_layerwise import describe_mode
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -16,11 +17,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--atol", type=float, help="tolerance on max |Δ| (default by dtype)")
     parser.add_argument("--rtol", type=float, help="relative part of the tolerance, times max |output|")
     parser.add_argument("--json", help="also write the figures to this JSON file")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--layerwise", action="store_const", const=True, dest="layerwise",
+                      help="compare block by block within bounded memory (default above 1 GiB of float32 weights)")
+    mode.add_argument("--full", action="store_const", const=False, dest="layerwise",
+                      help="compare whole models (default for small models)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def run(args: argparse.Namespace) -> int:
-    result = verify_checkpoint(args.original, args.converted, atol=args.atol, rtol=args.rtol)
+    result = verify_checkpoint(args.original, args.converted, atol=args.atol, rtol=args.rtol,
+                               layerwise=args.layerwise, quiet=args.quiet)
     print(format_table(result["loaders"]))
+    print(describe_mode(result))
     print(f"probe: {result['probe']} {result['probe_shape']}, tolerance {result['tolerance']['limit']:.3g}")
     if args.json:
         with open(args.json, "w") as file:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 from pathlib import Path
 
@@ -48,6 +49,58 @@ def meta_model(config: dict, default_auto_class: str) -> nn.Module:
         if cls.__name__.startswith("Auto"):
             return cls.from_config(config_obj)
         return cls(config_obj)
+
+
+def checkpoint_renamer(model: nn.Module):
+    """transformers' load-time renaming of checkpoint keys for ``model``'s class, as name -> name.
+
+    transformers 5 renames some families' keys when loading (ViT's legacy
+    ``encoder.layer.0.attention.attention.query`` becomes ``layers.0.attention.q_proj``; an old
+    ``CLIPVisionModel`` checkpoint's ``vision_model.`` prefix is dropped). The plan applies the same
+    renaming so that adapters see the class's own names. Converters that merge or split tensors
+    are not renamings and are left out: a checkpoint that needs them fails the adapter's coverage
+    checks instead of being converted wrongly. Identity when transformers offers no such API.
+    """
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, rename_source_key
+
+        transforms = get_model_conversion_mapping(model)
+    except Exception:  # another transformers version: no renaming layer to mirror
+        return lambda name: name
+    renamings = [transform for transform in transforms if not isinstance(transform, WeightConverter)]
+
+    def rename(name: str) -> str:
+        return rename_source_key(name, renamings, [])[0]
+
+    return rename
+
+
+def auto_classes_for(model_type: str, class_name: str) -> list[str]:
+    """Names of the transformers Auto classes that map ``model_type`` to ``class_name``.
+
+    A converted ``ViTForImageClassification`` should load as RMSNorm model through
+    ``AutoModelForImageClassification`` too, not only through its family's ``AutoModel``.
+    """
+    names = []
+    for name, table in _auto_model_tables().items():
+        target = table.get(model_type)
+        if target == class_name or (isinstance(target, (list, tuple)) and class_name in target):
+            names.append(name)
+    return names
+
+
+@functools.cache
+def _auto_model_tables() -> dict[str, dict]:
+    """Auto class name -> its model-type -> class-name table (listing transformers costs ~0.3 s)."""
+    tables = {}
+    for name in dir(transformers):
+        if name.startswith("AutoModel"):
+            mapping = getattr(getattr(transformers, name, None), "_model_mapping", None)
+            table = getattr(mapping, "_model_mapping", None)
+            if isinstance(table, dict):
+                tables[name] = table
+    return tables
 
 
 def layer_norm_modules(model: nn.Module) -> list[str]:

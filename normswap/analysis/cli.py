@@ -1,0 +1,129 @@
+"""``normswap geometry MODEL [--compare CONVERTED]``: how a model's norm inputs use the all-ones direction."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from normswap.analysis.collect import DEFAULT_TEXT, run_geometry
+from normswap.analysis.report import build_report, format_comparison, format_report
+from normswap.errors import NormswapError
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# A token is rarely longer than this many characters; reading only that much keeps huge files cheap.
+_CHARS_PER_TOKEN = 16
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="model to measure: hub id, local directory or normswap:austen-gpt2")
+    parser.add_argument("--compare", metavar="CONVERTED",
+                        help="also measure this (converted) model on the same tokens and print both side by side")
+    parser.add_argument("--text", type=Path, default=None,
+                        help=f"text to run the model on (default: the bundled excerpt {DEFAULT_TEXT.name})")
+    parser.add_argument("--random-tokens", action="store_true",
+                        help="use uniformly random token ids instead of text (for models without a tokenizer)")
+    parser.add_argument("--max-tokens", type=int, default=4096, help="number of tokens to measure (default 4096)")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="window length (default: the model's context length, at most 1024)")
+    parser.add_argument("--batch-size", type=int, default=4, help="windows per forward pass (default 4)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                        help="dtype to run the model in; statistics are always float64 (default float32)")
+    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    parser.add_argument("--trust-remote-code", action="store_true", help="allow the checkpoint's own modeling code")
+    parser.add_argument("--top-dims", type=int, default=5, help="dimensions listed per norm as carrying the mean")
+    parser.add_argument("--seed", type=int, default=0, help="seed for --random-tokens")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="write the full report as JSON")
+    parser.add_argument("--plot", type=Path, metavar="PNG", help="write per-norm plots as a PNG")
+
+
+def read_text(path: Path, max_chars: int) -> str:
+    """The first ``max_chars`` characters of a UTF-8 text file; one-line error if unreadable or empty."""
+    if not path.is_file():
+        raise NormswapError(f"text file not found: {path}")
+    try:
+        with path.open(encoding="utf-8", errors="replace") as handle:
+            text = handle.read(max_chars)
+    except OSError as error:
+        raise NormswapError(f"cannot read text file {path}: {error.strerror or error}") from None
+    if not text.strip():
+        raise NormswapError(f"text file is empty: {path}")
+    return text
+
+
+def token_ids(args: argparse.Namespace, tokenizer, vocab_size: int | None) -> tuple[torch.Tensor, str]:
+    """The 1-D token ids to measure on, and a description of where they came from."""
+    if args.random_tokens:
+        if not vocab_size:
+            raise NormswapError("--random-tokens needs the model's vocab_size, which its config does not give")
+        generator = torch.Generator().manual_seed(args.seed)
+        return torch.randint(0, vocab_size, (args.max_tokens,), generator=generator), f"random ids (seed {args.seed})"
+    path = args.text or DEFAULT_TEXT
+    text = read_text(path, args.max_tokens * _CHARS_PER_TOKEN)
+    if tokenizer is None:
+        raise NormswapError(f"{args.model} has no tokenizer; pass --random-tokens to measure on random token ids")
+    ids = torch.tensor(tokenizer(text)["input_ids"][: args.max_tokens], dtype=torch.long)
+    if ids.numel() < 2:
+        raise NormswapError(f"{path} gives fewer than 2 tokens")
+    return ids, str(path)
+
+
+def _load(src: str, args: argparse.Namespace):
+    import normswap
+
+    model, tokenizer = normswap.load_model(src, dtype=DTYPES[args.dtype], trust_remote_code=args.trust_remote_code)
+    return model.to(args.device), tokenizer
+
+
+def measure(src: str, model, ids: torch.Tensor, text: str, args: argparse.Namespace) -> dict:
+    """Run one model over ``ids`` and build its report."""
+    seq_len = args.seq_len or 1024
+    norms = run_geometry(model, ids, seq_len=seq_len, batch_size=args.batch_size, top_dims=args.top_dims)
+    return build_report(norms, model=src, dtype=DTYPES[args.dtype], tokens=int(ids.numel()), text=text)
+
+
+def _json_safe(value):
+    # JSON has no inf/nan; write them as null rather than emitting invalid JSON.
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.max_tokens < 2:
+        raise NormswapError("--max-tokens must be at least 2")
+    if args.text is not None and not args.random_tokens and not args.text.is_file():
+        raise NormswapError(f"text file not found: {args.text}")  # before spending time on loading
+
+    model, tokenizer = _load(args.model, args)
+    converted, converted_tokenizer = _load(args.compare, args) if args.compare else (None, None)
+    vocab_size = getattr(model.config, "vocab_size", None)
+    ids, text = token_ids(args, tokenizer if tokenizer is not None else converted_tokenizer, vocab_size)
+
+    original = measure(args.model, model, ids, text, args)
+    reports = {"original": original}
+    if converted is not None:
+        reports["converted"] = measure(args.compare, converted, ids, text, args)
+        print(format_comparison(original, reports["converted"]))
+    else:
+        print(format_report(original))
+
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        payload = reports if converted is not None else original
+        args.json.write_text(json.dumps(_json_safe(payload), indent=1) + "\n")
+        print(f"wrote {args.json}")
+    if args.plot:
+        from normswap.analysis.plot import plot_reports
+
+        args.plot.parent.mkdir(parents=True, exist_ok=True)
+        plot_reports(reports, args.plot)
+        print(f"wrote {args.plot}")
+    return 0

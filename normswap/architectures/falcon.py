@@ -1,0 +1,55 @@
+"""Falcon: parallel blocks (one shared norm, or ln_attn/ln_mlp), sequential blocks, rotary or ALiBi.
+
+transformers' FalconDecoderLayer has three wirings, all pre-LN:
+
+* ``new_decoder_architecture`` with ``num_ln_in_parallel_attn`` 2 (Falcon-40B/180B): x +
+  attn(ln_attn(x)) + mlp(ln_mlp(x)); each norm has one reader;
+* ``parallel_attn`` with one norm (Falcon-7B; new architecture with ``num_ln_in_parallel_attn``
+  1, as Falcon2-11B): x + attn(ln(x)) + mlp(ln(x)); ``input_layernorm`` is read by both
+  ``query_key_value`` and ``dense_h_to_4h``;
+* sequential (``parallel_attn`` false, e.g. falcon-rw): ``input_layernorm`` feeds attention and
+  ``post_attention_layernorm`` the MLP.
+
+Only ``input_layernorm``'s readers depend on the config, which ``_variant`` states. Writers are
+the token table, ``self_attention.dense`` and ``mlp.dense_4h_to_h`` (and their biases when
+``bias``); multi-query and grouped-query attention only change ``query_key_value``'s output
+width. Rotary and ALiBi never write the stream. With ``bias=False`` the readers have no bias
+slot, so every norm keeps β/γ when γ is folded.
+"""
+
+from normswap.architectures.spec import LINEAR_IN_AXIS, LINEAR_OUT_AXIS, Architecture, Norm, Reader, Writer
+
+H = r"transformer\.h\.(?P<layer>\d+)"
+L = "transformer.h.{layer}"
+
+_ATTN = Reader(f"{L}.self_attention.query_key_value.weight", LINEAR_IN_AXIS, f"{L}.self_attention.query_key_value.bias")
+_MLP = Reader(f"{L}.mlp.dense_h_to_4h.weight", LINEAR_IN_AXIS, f"{L}.mlp.dense_h_to_4h.bias")
+
+
+def _norms(parallel: bool) -> tuple[Norm, ...]:
+    return (
+        Norm(H + r"\.ln_attn", (_ATTN,)),
+        Norm(H + r"\.ln_mlp", (_MLP,)),
+        Norm(H + r"\.input_layernorm", (_ATTN, _MLP) if parallel else (_ATTN,)),
+        Norm(H + r"\.post_attention_layernorm", (_MLP,)),
+        Norm(r"transformer\.ln_f", (Reader("lm_head.weight", LINEAR_IN_AXIS),)),
+    )
+
+
+def _variant(config: dict) -> dict:
+    return {} if config.get("parallel_attn", True) else {"norms": _norms(parallel=False)}
+
+
+FALCON = Architecture(
+    model_types=("falcon",),
+    auto_class="AutoModelForCausalLM",
+    writers=(
+        Writer(r"transformer\.word_embeddings\.weight", hidden_axis=1),
+        Writer(H + r"\.(self_attention\.dense|mlp\.dense_4h_to_h)\.weight", hidden_axis=LINEAR_OUT_AXIS),
+        Writer(H + r"\.(self_attention\.dense|mlp\.dense_4h_to_h)\.bias", hidden_axis=0),
+    ),
+    norms=_norms(parallel=True),
+    tied=(("lm_head.weight", "transformer.word_embeddings.weight"),),
+    variant=_variant,
+    blocks="transformer.h",
+)

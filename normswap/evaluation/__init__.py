@@ -1,0 +1,32 @@
+"""Evaluation: strided perplexity, lm-eval tasks, side-by-side comparison, recipes.
+
+``normswap eval`` lives in ``cli.py``, ``normswap run`` in ``recipe_cli.py``; the Python entry point
+is ``normswap.evaluation.evaluate``. See README.md in this folder for single-GPU, CPU, data-parallel
+and ``device_map="auto"`` commands.
+
+Names are imported lazily so that building the command line does not import torch and lm-eval.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "evaluate": "normswap.evaluation.api",
+    "EvalSettings": "normswap.evaluation.runner",
+    "Tolerances": "normswap.evaluation.compare",
+    "default_tolerances": "normswap.evaluation.compare",
+    "strided_perplexity": "normswap.evaluation.perplexity",
+    "StridedResult": "normswap.evaluation.perplexity",
+    "load_recipe": "normswap.evaluation.recipe",
+    "run_recipe": "normswap.evaluation.recipe",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'normswap.evaluation' has no attribute {name!r}")

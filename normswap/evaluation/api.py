@@ -1,0 +1,46 @@
+"""One call for the whole evaluation: score the model(s), compare, build the report."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from normswap.evaluation.compare import Comparison, Tolerances, compare, default_tolerances
+from normswap.evaluation.report import build_report
+from normswap.evaluation.runner import EvalSettings, Evaluator, ModelEval
+
+
+def evaluate(
+    model: str,
+    *,
+    baseline: str | None = None,
+    settings: EvalSettings | None = None,
+    tolerances: Tolerances | None = None,
+    reference: dict[str, float] | None = None,
+    reference_source: str | None = None,
+    workdir: Path | None = None,
+) -> dict[str, Any]:
+    """Evaluate ``model`` (and ``baseline`` first, under identical settings); return the report.
+
+    With a baseline, the report carries a comparison with deltas, per-document maxima and a
+    ``verdict`` of ``"pass"`` or ``"fail"``; without one it lists the scores.
+    """
+    settings = settings or EvalSettings()
+    evaluator = Evaluator(settings, workdir=workdir)
+    try:
+        results: list[ModelEval] = []
+        if baseline is not None:
+            results.append(evaluator.evaluate("original", baseline))
+        results.append(evaluator.evaluate("converted" if baseline is not None else "model", model))
+    finally:
+        evaluator.close()
+    comparison: Comparison | None = None
+    if baseline is not None:
+        comparison = compare(results[0], results[1], tolerances or default_tolerances(settings.dtype))
+    text = None
+    if evaluator.text is not None:
+        text = {"name": evaluator.text.name, "documents": len(evaluator.text.documents), **evaluator.text.origin}
+    return build_report(
+        results, settings, comparison=comparison, reference=reference, reference_source=reference_source,
+        text=text, extra={"max_length": evaluator.max_length, "tasks": evaluator.plan.all},
+    )

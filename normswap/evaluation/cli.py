@@ -1,0 +1,119 @@
+"""``normswap eval MODEL [--baseline ORIG]``: perplexity and lm-eval scores, side by side.
+
+Exit status: 0 when the comparison passes (or there is none), 3 when a tolerance is exceeded,
+2 for user errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from normswap.errors import NormswapError, VerificationError
+
+
+def add_eval_options(parser: argparse.ArgumentParser) -> None:
+    """Options shared by ``eval`` and ``run``; all default to None (for ``run``: keep the recipe's)."""
+    default = None
+    group = parser.add_argument_group("evaluation settings (identical for both models)")
+    group.add_argument("--dtype", default=default, help="weights and activations dtype (eval default: float32; run: the recipe's)")
+    group.add_argument("--batch-size", type=int, default=default, help="fixed batch size (eval default: 8; run: the recipe's)")
+    group.add_argument("--max-length", type=int, default=default,
+                       help="tokens per window / lm-eval max length (default: the model's context)")
+    group.add_argument("--device", default=default, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    group.add_argument("--device-map", default=default,
+                       help="'auto' spreads a big model over all visible GPUs (accelerate)")
+    group.add_argument("--limit", type=float, default=default,
+                       help="at most this many documents per lm-eval task (quick checks only)")
+    group.add_argument("--trust-remote-code", action="store_true", default=default,
+                       help="allow the checkpoints' own modeling code to run")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="checkpoint to evaluate: local dir, hub id, or normswap:austen-gpt2")
+    parser.add_argument("--baseline", help="the original checkpoint; evaluate both and compare")
+    parser.add_argument("--text", help="perplexity text: FILE, DIR of .txt, 'bundled' (default) or wikitext-2-raw-v1")
+    parser.add_argument("--stride", type=int, help="strided perplexity stride in tokens (default: --max-length)")
+    parser.add_argument("--no-perplexity", action="store_true", help="skip both perplexity measurements")
+    parser.add_argument("--tasks", default="",
+                        help="comma-separated lm-eval tasks: local ones from evals/ ('local' = all of them) "
+                             "or standard ones (lambada_openai, hellaswag, ...; need the hub)")
+    parser.add_argument("--out", type=Path, help="folder for report.json, report.md (and report.png)")
+    parser.add_argument("--plot", action="store_true", help="also write report.png, a bar chart (needs --out)")
+    parser.add_argument("--ppl-rtol", type=float, help="relative tolerance for perplexities (default by dtype)")
+    parser.add_argument("--acc-atol", type=float, help="absolute tolerance for accuracies (default by dtype)")
+    parser.add_argument("--doc-ll-atol", type=float,
+                        help="tolerance for the max per-document |Δ loglikelihood| in nats (default by dtype)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_eval_options(parser)
+    parser.set_defaults(dtype="float32", batch_size=8, trust_remote_code=False)
+
+
+def _limit(value: float | None) -> int | float | None:
+    # lm-eval reads a limit below 1 as a fraction of the task and 1 or more as a count.
+    if value is None:
+        return None
+    if value <= 0:
+        raise NormswapError("--limit must be positive")
+    return int(value) if value >= 1 else value
+
+
+def settings_from_args(args: argparse.Namespace, **overrides):
+    """``EvalSettings`` from parsed ``eval`` arguments."""
+    from normswap.evaluation.runner import EvalSettings, parse_dtype
+
+    parse_dtype(args.dtype)  # fail early on a typo
+    if args.batch_size is not None and args.batch_size < 1:
+        raise NormswapError("--batch-size must be at least 1")
+    tasks = [t.strip() for t in (args.tasks or "").split(",") if t.strip()]
+    values = dict(
+        dtype=args.dtype, batch_size=args.batch_size, max_length=args.max_length, stride=args.stride,
+        text=args.text, perplexity=not args.no_perplexity, tasks=tasks, limit=_limit(args.limit),
+        device=args.device, device_map=args.device_map, trust_remote_code=bool(args.trust_remote_code),
+        progress=not args.no_progress and sys.stderr.isatty(),
+    )
+    values.update(overrides)
+    return EvalSettings(**values)
+
+
+def tolerances_from_args(args: argparse.Namespace, dtype: str, base=None):
+    """Default tolerances for the dtype (or ``base``), overridden by any --*-tol options given."""
+    from normswap.evaluation.compare import default_tolerances
+
+    tol = base or default_tolerances(dtype)
+    for name in ("ppl_rtol", "acc_atol", "doc_ll_atol"):
+        value = getattr(args, name, None)
+        if value is not None:
+            setattr(tol, name, value)
+    return tol
+
+
+def finish(report: dict, out: Path | None, plot: bool) -> int:
+    """Print the Markdown, write the files, and turn the verdict into the exit status."""
+    from normswap.evaluation.report import to_markdown, write_report
+
+    print(to_markdown(report))
+    if out is not None:
+        paths = write_report(report, out, plot=plot)
+        print("wrote " + ", ".join(str(p) for p in paths.values()), file=sys.stderr)
+    if report.get("verdict") == "fail":
+        print("normswap: FAIL: the converted model differs from the original beyond tolerance", file=sys.stderr)
+        return VerificationError.exit_code
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    from normswap.evaluation.api import evaluate
+
+    if args.plot and args.out is None:
+        raise NormswapError("--plot needs --out DIR")
+    if args.no_perplexity and not args.tasks:
+        raise NormswapError("nothing to evaluate: --no-perplexity and no --tasks")
+    settings = settings_from_args(args)
+    tolerances = tolerances_from_args(args, settings.dtype) if args.baseline else None
+    report = evaluate(args.model, baseline=args.baseline, settings=settings, tolerances=tolerances)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0  # under accelerate launch only the main process reports
+    return finish(report, args.out, args.plot)

@@ -1,0 +1,258 @@
+"""lm-eval integration: local task folders, task resolution, and runs on already-loaded models.
+
+Models are handed to lm-eval as objects (``HFLM(pretrained=model, tokenizer=tokenizer)``) so both
+models of a comparison are evaluated exactly as loaded, with the same batch size and max length.
+Under ``accelerate launch`` with several processes lm-eval must load the model itself to shard the
+data, so there ``HFLM`` gets the checkpoint path instead (see README.md beside this file).
+
+Local tasks live in ``evals/`` as ordinary lm-eval YAMLs whose ``data_files`` are relative to the
+YAML. lm-eval resolves relative paths against the working directory, so before each run the YAMLs
+are copied into a scratch folder with ``data_files`` rewritten to absolute paths.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from normswap.errors import NormswapError
+from normswap.evaluation.text import TextSource
+
+# The task generated at run time over the --text documents (rolling loglikelihood).
+TEXT_TASK = "normswap_text"
+# Shorthand for all tasks shipped in evals/.
+LOCAL_ALIAS = "local"
+# Standard lm-eval tasks the recipes use; anything else is looked up in lm-eval's full index.
+KNOWN_HUB_TASKS = {"wikitext", "lambada_openai", "lambada_standard", "hellaswag", "piqa", "arc_easy",
+                   "arc_challenge", "winogrande", "openbookqa", "boolq", "sciq"}
+
+
+def evals_dir() -> Path:
+    """The ``evals/`` folder: ``$NORMSWAP_EVALS_DIR``, else the one beside the package (a checkout)."""
+    override = os.environ.get("NORMSWAP_EVALS_DIR")
+    path = Path(override) if override else Path(__file__).resolve().parents[2] / "evals"
+    if not path.is_dir():
+        raise NormswapError(f"local task folder {path} not found; set NORMSWAP_EVALS_DIR to a copy of evals/")
+    return path
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as error:
+        raise NormswapError(f"task file {path} is not valid YAML: {str(error).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise NormswapError(f"task file {path} does not describe an lm-eval task")
+    return data
+
+
+def local_tasks(folder: Path | None = None) -> dict[str, Path]:
+    """Task name -> YAML file for every task YAML directly inside ``folder`` (default ``evals/``)."""
+    folder = folder or evals_dir()
+    tasks: dict[str, Path] = {}
+    for path in sorted(folder.glob("*.yaml")):
+        name = _read_yaml(path).get("task")
+        if isinstance(name, str):
+            tasks[name] = path
+    return tasks
+
+
+def _absolutise_data_files(config: dict[str, Any], base: Path) -> dict[str, Any]:
+    """Rewrite ``dataset_kwargs.data_files`` entries relative to ``base`` into absolute paths."""
+    kwargs = config.get("dataset_kwargs") or {}
+    files = kwargs.get("data_files")
+    if files is None:
+        return config
+
+    def fix(entry: Any) -> Any:
+        if isinstance(entry, list):
+            return [fix(item) for item in entry]
+        path = Path(str(entry))
+        path = path if path.is_absolute() else (base / path).resolve()
+        if not path.exists():
+            raise NormswapError(f"data file {path} of task {config.get('task')} does not exist")
+        return str(path)
+
+    kwargs["data_files"] = {split: fix(entry) for split, entry in files.items()} if isinstance(files, dict) else fix(files)
+    config["dataset_kwargs"] = kwargs
+    return config
+
+
+def materialise_tasks(workdir: Path, names: list[str], text: TextSource | None = None) -> Path:
+    """Write runnable YAMLs for the local tasks in ``names`` (and the text task) into ``workdir``."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    available = local_tasks() if any(name != TEXT_TASK for name in names) else {}
+    for name in names:
+        if name == TEXT_TASK:
+            continue
+        source = available[name]
+        config = _absolutise_data_files(_read_yaml(source), source.parent)
+        (workdir / source.name).write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+    if TEXT_TASK in names:
+        if text is None:
+            raise NormswapError(f"task {TEXT_TASK} needs a text source")
+        data = workdir / f"{TEXT_TASK}.jsonl"
+        with data.open("w", encoding="utf-8") as handle:
+            for document in text.documents:
+                handle.write(json.dumps({"text": document}, ensure_ascii=False) + "\n")
+        config = {
+            "task": TEXT_TASK,
+            "dataset_path": "json",
+            "dataset_kwargs": {"data_files": {"test": str(data)}},
+            "test_split": "test",
+            "output_type": "loglikelihood_rolling",
+            "doc_to_text": "",
+            "doc_to_target": "{{text}}",
+            "metric_list": [
+                {"metric": m, "aggregation": agg, "higher_is_better": False}
+                for m, agg in (("word_perplexity", "weighted_perplexity"),
+                               ("byte_perplexity", "weighted_perplexity"),
+                               ("bits_per_byte", "bits_per_byte"))
+            ],
+            "metadata": {"version": 1.0, "source": text.name},
+        }
+        (workdir / f"{TEXT_TASK}.yaml").write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+    return workdir
+
+
+@dataclass
+class TaskPlan:
+    """Which requested tasks are local (run from scratch YAMLs) and which come from lm-eval itself."""
+
+    local: list[str]
+    hub: list[str]
+
+    @property
+    def all(self) -> list[str]:
+        return self.local + self.hub
+
+
+def plan_tasks(requested: list[str], *, with_text_task: bool = False) -> TaskPlan:
+    """Split task names into local and standard ones; expand ``local``; reject unknown names early.
+
+    Names that are neither local nor common standard tasks are checked against lm-eval's own index
+    (online only; indexing every lm-eval task costs about 14 s).
+    """
+    local_names = set(local_tasks()) if requested else set()
+    local: list[str] = []
+    hub: list[str] = []
+    for name in requested:
+        if name == LOCAL_ALIAS:
+            local.extend(sorted(n for n in local_names if n not in local))
+        elif name in local_names or name == TEXT_TASK:
+            if name not in local:
+                local.append(name)
+        elif name not in hub:
+            hub.append(name)
+    if with_text_task and TEXT_TASK not in local:
+        local.append(TEXT_TASK)
+    unknown = [name for name in hub if name not in KNOWN_HUB_TASKS]
+    if unknown:
+        from normswap.evaluation.hub import hub_reachable
+
+        known_local = ", ".join(sorted(local_names)) or "none"
+        if not hub_reachable():
+            # Offline, a name that is not local cannot run whatever it is: say both things at once.
+            raise NormswapError(
+                f"unknown task(s) {', '.join(unknown)}: not in evals/ (local tasks: {known_local}, or "
+                f"'{LOCAL_ALIAS}'), and standard lm-eval tasks need the Hugging Face hub, which is unreachable"
+            )
+        from lm_eval.tasks import TaskManager
+
+        index = set(TaskManager().all_tasks)
+        missing = [name for name in unknown if name not in index]
+        if missing:
+            raise NormswapError(
+                f"unknown lm-eval task(s): {', '.join(missing)}; local tasks are {known_local} "
+                f"(or '{LOCAL_ALIAS}' for all of them)"
+            )
+    return TaskPlan(local=local, hub=hub)
+
+
+@dataclass
+class TaskResults:
+    """Aggregate metrics and per-document values of one lm-eval run of one model."""
+
+    metrics: dict[str, dict[str, float]] = field(default_factory=dict)  # task -> metric -> value
+    stderr: dict[str, dict[str, float]] = field(default_factory=dict)
+    # task -> doc_id -> loglikelihoods (one per request: the document, the target, or each choice)
+    per_doc: dict[str, dict[int, list[float]]] = field(default_factory=dict)
+    n_docs: dict[str, int] = field(default_factory=dict)
+
+
+def _doc_loglikelihoods(sample: dict[str, Any]) -> list[float]:
+    """The loglikelihood(s) lm-eval computed for one logged sample, whatever the output type."""
+    values: list[float] = []
+    for response in sample.get("filtered_resps") or sample.get("resps") or []:
+        while isinstance(response, (list, tuple)) and response:
+            response = response[0]  # (loglikelihood, is_greedy) or [[...]] nestings
+        if isinstance(response, (int, float)) and not isinstance(response, bool):
+            values.append(float(response))
+    return values
+
+
+def parse_results(raw: dict[str, Any]) -> TaskResults:
+    """Turn ``simple_evaluate``'s dict into ``TaskResults`` (metric names without the ``,none`` filter)."""
+    out = TaskResults()
+    for task, entries in raw.get("results", {}).items():
+        for key, value in entries.items():
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or "," not in key:
+                continue
+            metric, _filter = key.split(",", 1)
+            if metric.endswith("_stderr"):
+                if isinstance(value, float) and math.isfinite(value):
+                    out.stderr.setdefault(task, {})[metric[: -len("_stderr")]] = float(value)
+            else:
+                out.metrics.setdefault(task, {})[metric] = float(value)
+    for task, samples in (raw.get("samples") or {}).items():
+        out.per_doc[task] = {int(s["doc_id"]): _doc_loglikelihoods(s) for s in samples}
+        out.n_docs[task] = len(samples)
+    return out
+
+
+def make_lm(model, tokenizer, *, batch_size: int, max_length: int | None):
+    """Wrap a loaded model for lm-eval (``HFLM``), quietly."""
+    from lm_eval.models.huggingface import HFLM
+
+    # HFLM warns that a model object ignores its loading arguments; that is the point here.
+    logging.getLogger("lm_eval.models.huggingface").setLevel(logging.ERROR)
+    return HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
+
+
+def make_task_manager(plan: TaskPlan, include_dir: Path | None):
+    """A TaskManager that indexes only our scratch folder when every task is local (fast)."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_defaults=bool(plan.hub), include_path=str(include_dir) if include_dir else None)
+
+
+def run_tasks(lm, task_manager, tasks: list[str], *, limit: int | float | None = None) -> TaskResults:
+    """Run ``tasks`` on an HFLM with lm-eval's Python API, logging samples for per-document deltas."""
+    import lm_eval
+
+    for name in ("lm_eval", "lm_eval.api.task", "lm_eval.evaluator"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    try:
+        raw = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=tasks,
+            task_manager=task_manager,
+            limit=limit,
+            log_samples=True,
+            bootstrap_iters=0,  # stderr by bootstrap is slow and not needed for the comparison
+        )
+    except (ConnectionError, OSError) as error:
+        raise NormswapError(
+            f"lm-eval could not load a task's data ({type(error).__name__}: {str(error).splitlines()[0][:160]}); "
+            "standard tasks need the Hugging Face hub"
+        ) from None
+    if raw is None:  # non-zero ranks under accelerate launch get nothing back
+        return TaskResults()
+    return parse_results(raw)

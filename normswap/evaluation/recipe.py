@@ -1,0 +1,246 @@
+"""Recipes: one YAML file that names a model, how to convert it, and how to judge the result.
+
+    name: austen-gpt2                 # optional; defaults to the file name
+    description: ...                  # optional
+    source: normswap:austen-gpt2      # hub id, local checkpoint dir, or the bundled example
+    convert:                          # keyword arguments of normswap.convert_checkpoint
+      fold_gains: false
+      method: exact
+      dtype: null
+      trust_remote_code: false
+    verify:                           # the conversion's built-in logit check
+      atol: null                      # max |Δlogit|; null: the default for the dtype
+      rtol: null
+      allow_inexact: false
+      verification: auto              # auto, layerwise, full
+    eval:                             # identical for original and converted (see EvalSettings)
+      dtype: float32
+      batch_size: 8
+      max_length: null
+      stride: null
+      text: bundled                   # file, dir, bundled, or wikitext-2-raw-v1
+      perplexity: true
+      tasks: [local]
+      limit: null
+    tolerances:                       # verdict limits; omitted ones take the dtype's defaults
+      ppl_rtol: 1.0e-4
+      acc_atol: 0.005
+      doc_ll_atol: 1.0e-2
+    reference:                        # published figures for the original, shown beside ours
+      source: "where they come from"
+      figures:
+        strided/token_perplexity: 29.94
+
+``run_recipe`` executes convert → verify → eval → report into one output folder.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from normswap.errors import NormswapError
+
+SECTIONS = {"name", "description", "source", "convert", "verify", "eval", "tolerances", "reference"}
+CONVERT_KEYS = {"fold_gains": bool, "method": str, "dtype": str, "trust_remote_code": bool}
+VERIFY_KEYS = {"atol": float, "rtol": float, "allow_inexact": bool, "verification": str}
+EVAL_KEYS = {"dtype": str, "batch_size": int, "max_length": int, "stride": int, "text": str,
+             "perplexity": bool, "tasks": list, "limit": float, "device": str, "device_map": str}
+TOLERANCE_KEYS = {"ppl_rtol": float, "acc_atol": float, "doc_ll_atol": float}
+RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
+
+
+@dataclass
+class Recipe:
+    """A validated recipe."""
+
+    name: str
+    source: str
+    path: Path
+    description: str = ""
+    convert: dict[str, Any] = field(default_factory=dict)
+    verify: dict[str, Any] = field(default_factory=dict)
+    eval: dict[str, Any] = field(default_factory=dict)
+    tolerances: dict[str, float] = field(default_factory=dict)
+    reference: dict[str, float] = field(default_factory=dict)
+    reference_source: str | None = None
+
+
+def _coerce(value: Any, kind: type, where: str) -> Any:
+    """Check one value's type. YAML 1.1 reads ``1e-4`` as a string, so numbers in strings are accepted."""
+    if value is None:
+        return None
+    if kind is float:
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif kind is list:
+        if isinstance(value, str):
+            return [v.strip() for v in value.split(",") if v.strip()]
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return value
+    elif isinstance(value, kind):
+        return value
+    raise NormswapError(f"{where} must be {'a list of names' if kind is list else kind.__name__} (got {value!r})")
+
+
+def _section(data: dict[str, Any], name: str, keys: dict[str, type], origin: str) -> dict[str, Any]:
+    section = data.get(name) or {}
+    if not isinstance(section, dict):
+        raise NormswapError(f"{origin}: '{name}' must be a mapping")
+    unknown = sorted(set(section) - set(keys))
+    if unknown:
+        raise NormswapError(f"{origin}: unknown key(s) in '{name}': {', '.join(unknown)} "
+                            f"(allowed: {', '.join(keys)})")
+    return {key: _coerce(value, keys[key], f"{origin}: {name}.{key}") for key, value in section.items()}
+
+
+def find_recipe(spec: str | Path) -> Path:
+    """A recipe file: the path as given, else ``recipes/<spec>.yaml`` of the source tree."""
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return path
+    candidate = RECIPES_DIR / f"{spec}.yaml"
+    if not path.suffix and candidate.is_file():
+        return candidate
+    raise NormswapError(f"recipe {spec} not found (pass a YAML file, or a name from {RECIPES_DIR})")
+
+
+def load_recipe(spec: str | Path) -> Recipe:
+    """Read and validate a recipe; every problem is a one-line ``NormswapError``."""
+    path = find_recipe(spec)
+    origin = f"recipe {path}"
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as error:
+        raise NormswapError(f"{origin} is not valid YAML: {str(error).splitlines()[0]}") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise NormswapError(f"cannot read {origin}: {error}") from None
+    if not isinstance(data, dict):
+        raise NormswapError(f"{origin} must be a YAML mapping with at least 'source'")
+    unknown = sorted(set(data) - SECTIONS)
+    if unknown:
+        raise NormswapError(f"{origin}: unknown section(s) {', '.join(unknown)} (allowed: {', '.join(sorted(SECTIONS))})")
+    source = data.get("source")
+    if not isinstance(source, str) or not source.strip():
+        raise NormswapError(f"{origin}: 'source' (the model to convert) is required")
+    reference = data.get("reference") or {}
+    if not isinstance(reference, dict) or set(reference) - {"source", "figures"}:
+        raise NormswapError(f"{origin}: 'reference' must be a mapping with 'source' and 'figures'")
+    figures = reference.get("figures") or {}
+    if not isinstance(figures, dict):
+        raise NormswapError(f"{origin}: reference.figures must map task/metric to a number")
+    recipe = Recipe(
+        name=str(data.get("name") or path.stem),
+        description=str(data.get("description") or ""),
+        source=source.strip(),
+        path=path,
+        convert=_section(data, "convert", CONVERT_KEYS, origin),
+        verify=_section(data, "verify", VERIFY_KEYS, origin),
+        eval=_section(data, "eval", EVAL_KEYS, origin),
+        tolerances=_section(data, "tolerances", TOLERANCE_KEYS, origin),
+        reference={str(k): _coerce(v, float, f"{origin}: reference.figures.{k}") for k, v in figures.items()},
+        reference_source=reference.get("source"),
+    )
+    for key in recipe.reference:
+        if "/" not in key:
+            raise NormswapError(f"{origin}: reference figure '{key}' must be named task/metric")
+    return recipe
+
+
+def hub_needs(recipe: Recipe, settings) -> list[str]:
+    """What in this recipe needs the Hugging Face hub (empty when it runs offline)."""
+    from normswap.evaluation.lmeval import LOCAL_ALIAS, TEXT_TASK, local_tasks
+    from normswap.evaluation.text import DATASETS
+    from normswap.source import EXAMPLE_MODEL
+
+    needs = []
+    looks_local = recipe.source.startswith(("/", ".", "~")) or Path(recipe.source).expanduser().exists()
+    if recipe.source != EXAMPLE_MODEL and not looks_local:
+        needs.append(f"model {recipe.source}")
+    local = set(local_tasks()) | {LOCAL_ALIAS, TEXT_TASK}
+    hub_tasks = [t for t in settings.tasks if t not in local]
+    if hub_tasks:
+        needs.append(f"task(s) {', '.join(hub_tasks)}")
+    if settings.perplexity and settings.text in DATASETS:
+        needs.append(f"dataset {settings.text}")
+    return needs
+
+
+def prepare_out(out: Path, overwrite: bool) -> None:
+    """Create the output folder; refuse a non-empty one unless ``overwrite``."""
+    if out.exists() and not out.is_dir():
+        raise NormswapError(f"--out {out} exists and is not a folder")
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise NormswapError(f"--out {out} exists and is not empty; pass --overwrite to replace it")
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def convert_kwargs(recipe: Recipe) -> dict[str, Any]:
+    """Keyword arguments for ``normswap.convert_checkpoint``: the recipe's, with verification on."""
+    import inspect
+
+    import normswap
+
+    accepted = inspect.signature(normswap.convert_checkpoint).parameters
+    kwargs = {**recipe.convert, **recipe.verify, "overwrite": False}
+    # Verification always runs in a recipe; the flag's name is the converter's business.
+    for flag in ("verify_output", "verify"):
+        if flag in accepted:
+            kwargs[flag] = True
+            break
+    unsupported = sorted(set(kwargs) - set(accepted))
+    if unsupported:
+        raise NormswapError(f"recipe {recipe.path}: this normswap cannot convert with {', '.join(unsupported)}")
+    return kwargs
+
+
+def run_recipe(recipe: Recipe, out: Path, *, settings, tolerances, overwrite: bool = False,
+               plot: bool = True, log=print) -> dict[str, Any]:
+    """convert → verify → eval → report, everything in ``out``; returns the report.
+
+    ``settings`` (EvalSettings) and ``tolerances`` are the recipe's, already merged with any
+    command-line overrides. A failed verification raises ``VerificationError`` before evaluation.
+    """
+    import normswap
+    from normswap.evaluation.api import evaluate
+    from normswap.evaluation.hub import hub_reachable
+    from normswap.evaluation.report import write_report
+
+    needs = hub_needs(recipe, settings)
+    if needs and not hub_reachable():
+        raise NormswapError(
+            f"recipe {recipe.name} needs the Hugging Face hub ({'; '.join(needs)}), which is unreachable; "
+            "run it online, or try the offline recipe recipes/austen-gpt2.yaml"
+        )
+    prepare_out(out, overwrite)
+    shutil.copyfile(recipe.path, out / "recipe.yaml")
+    converted = out / "converted"
+    log(f"[1/3] convert + verify {recipe.source} -> {converted}")
+    provenance = normswap.convert_checkpoint(recipe.source, converted, **convert_kwargs(recipe))
+    (out / "conversion.json").write_text(json.dumps(provenance, indent=2, default=str) + "\n", encoding="utf-8")
+    log(f"[2/3] evaluate original and converted ({', '.join(settings.tasks) or 'perplexity only'})")
+    report = evaluate(
+        str(converted), baseline=recipe.source, settings=settings, tolerances=tolerances,
+        reference=recipe.reference or None, reference_source=recipe.reference_source, workdir=out / "work",
+    )
+    report["recipe"] = {"name": recipe.name, "path": str(recipe.path), "description": recipe.description}
+    report["conversion"] = provenance
+    log(f"[3/3] report -> {out}")
+    write_report(report, out, plot=plot)
+    shutil.rmtree(out / "work", ignore_errors=True)
+    return report

@@ -1,0 +1,63 @@
+"""``normswap run RECIPE``: convert → verify → eval → report into one output folder.
+
+The folder holds ``converted/`` (the checkpoint), ``conversion.json`` (its provenance and
+verification figures), ``recipe.yaml`` (a copy), ``report.json``, ``report.md`` and ``report.png``.
+Command-line evaluation options override the recipe's. Exit status: 0 pass, 3 verification or
+comparison failure, 2 user error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from normswap.evaluation.cli import add_eval_options, finish, settings_from_args
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("recipe", help="recipe YAML file, or a name from recipes/ (e.g. austen-gpt2)")
+    parser.add_argument("--out", type=Path, help="output folder (default: runs/<recipe name>)")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    parser.add_argument("--no-plot", action="store_true", help="do not write report.png")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_eval_options(parser)
+
+
+def _merged_settings(recipe, args: argparse.Namespace):
+    """Recipe eval settings, overridden by the command-line options that were given."""
+    from normswap.evaluation.runner import EvalSettings
+
+    base = EvalSettings(**{k: v for k, v in recipe.eval.items() if k != "limit" and v is not None})
+    limit = recipe.eval.get("limit")
+    merged = argparse.Namespace(
+        dtype=args.dtype or base.dtype,
+        batch_size=args.batch_size or base.batch_size,
+        max_length=args.max_length or base.max_length,
+        stride=base.stride,
+        text=base.text,
+        no_perplexity=not base.perplexity,
+        tasks=",".join(base.tasks),
+        limit=args.limit if args.limit is not None else limit,
+        device=args.device or base.device,
+        device_map=args.device_map or base.device_map,
+        trust_remote_code=bool(args.trust_remote_code or recipe.convert.get("trust_remote_code")),
+        no_progress=args.no_progress,
+    )
+    return settings_from_args(merged)
+
+
+def run(args: argparse.Namespace) -> int:
+    from normswap.evaluation.compare import Tolerances, default_tolerances
+    from normswap.evaluation.recipe import load_recipe, run_recipe
+
+    recipe = load_recipe(args.recipe)
+    settings = _merged_settings(recipe, args)
+    tolerances = Tolerances(**{**default_tolerances(settings.dtype).as_dict(), **recipe.tolerances})
+    out = args.out or Path("runs") / recipe.name
+    report = run_recipe(
+        recipe, out, settings=settings, tolerances=tolerances, overwrite=args.overwrite,
+        plot=not args.no_plot, log=lambda message: print(message, file=sys.stderr),
+    )
+    # finish() prints the Markdown and maps the verdict to the exit status; files are written.
+    return finish(report, None, False)

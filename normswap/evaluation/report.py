@@ -1,0 +1,194 @@
+"""The evaluation report: one JSON document, a Markdown rendering of it, and an optional bar chart."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from normswap.evaluation.compare import Comparison, reference_rows
+from normswap.evaluation.runner import EvalSettings, ModelEval
+
+
+def _version() -> str:
+    try:
+        from normswap import __version__
+
+        return str(__version__)
+    except Exception:  # the report must not fail over a missing version string
+        return "unknown"
+
+
+def build_report(
+    models: list[ModelEval],
+    settings: EvalSettings,
+    *,
+    comparison: Comparison | None = None,
+    reference: dict[str, float] | None = None,
+    reference_source: str | None = None,
+    text: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Everything measured, as a JSON-ready dict (per-document values are reduced to the maxima)."""
+    report: dict[str, Any] = {
+        "normswap_version": _version(),
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "settings": settings.as_dict(),
+        "text": text,
+        "models": {
+            m.label: {"source": m.source, "metrics": dict(m.metrics), "details": m.details} for m in models
+        },
+        "comparison": comparison.as_dict() if comparison else None,
+        "verdict": None if comparison is None else ("pass" if comparison.passed else "fail"),
+        "reference": None,
+    }
+    if reference:
+        report["reference"] = {"source": reference_source, "rows": reference_rows(reference, models)}
+    if extra:
+        report.update(extra)
+    return report
+
+
+def _fmt(value: Any, digits: int = 6) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return str(value)
+        if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e6):
+            return f"{value:.3e}"
+        return f"{value:.{digits}g}"
+    return str(value)
+
+
+def _ok(ok: bool) -> str:
+    return "yes" if ok else "**FAIL**"
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_fmt(cell) for cell in row) + " |" for row in rows]
+    return lines
+
+
+def _flatten(prefix: str, value: Any) -> list[tuple[str, Any]]:
+    if isinstance(value, dict):
+        return [item for key, sub in value.items() for item in _flatten(f"{prefix}.{key}" if prefix else str(key), sub)]
+    return [(prefix, value)]
+
+
+def _conversion_lines(conversion: dict[str, Any]) -> list[str]:
+    """The conversion's options and its built-in verification figures, as a two-column table."""
+    lines = ["## Conversion and verification", ""]
+    shown = {k: v for k, v in conversion.items() if k in ("source", "options", "verification")}
+    # The figures that carry the claim; the rest stays in report.json and conversion.json.
+    noise = ("max_abs_reference", "probe_shape", "compute_dtype", "perplexity_", "tolerance.rtol")
+    rows = [[k, v] for k, v in _flatten("", shown or conversion) if not any(n in k for n in noise)]
+    lines += _table(["field", "value"], rows)
+    return lines + [""]
+
+
+def to_markdown(report: dict[str, Any]) -> str:
+    """Render a report (as built by ``build_report``) as Markdown."""
+    recipe = report.get("recipe")
+    lines = [f"# normswap run: {recipe['name']}" if recipe else "# normswap evaluation", ""]
+    if recipe and recipe.get("description"):
+        lines += [recipe["description"].strip(), ""]
+    settings = report["settings"]
+    lines.append(
+        f"dtype {settings['dtype']}, batch size {settings['batch_size']}, max length "
+        f"{report.get('max_length') or settings['max_length']}, stride {settings['stride'] or 'max length'}, "
+        f"lm-eval limit {settings['limit'] or 'none'}; text: {(report.get('text') or {}).get('name', '–')}"
+    )
+    lines.append("")
+    models = report["models"]
+    for label, model in models.items():
+        lines.append(f"- **{label}**: `{model['source']}`")
+    lines.append("")
+    conversion = report.get("conversion")
+    if isinstance(conversion, dict):
+        lines += _conversion_lines(conversion)
+    comparison = report.get("comparison")
+    if comparison:
+        verdict = "PASS" if comparison["passed"] else "FAIL"
+        lines += [f"## Comparison: {verdict}", ""]
+        lines += _table(
+            ["task/metric", "original", "converted", "Δ", "rel Δ", "tolerance", "ok"],
+            [[r["key"], r["original"], r["converted"], r["delta"], r["rel_delta"], r["limit"], _ok(r["ok"])]
+             for r in comparison["metrics"]],
+        )
+        lines += ["", "Per-document loglikelihood (nats; strided: per window):", ""]
+        lines += _table(
+            ["task", "documents", "max abs Δ loglik", "worst doc", "tolerance", "ok"],
+            [[d["task"], d["n_docs"], d["max_abs_delta_ll"], d["worst_doc"], d["limit"], _ok(d["ok"])]
+             for d in comparison["documents"]],
+        )
+        for problem in comparison["problems"]:
+            lines.append(f"- problem: {problem}")
+        lines.append("")
+    else:
+        lines += ["## Scores", ""]
+        keys = sorted({k for m in models.values() for k in m["metrics"]})
+        lines += _table(["task/metric", *models], [[k, *(m["metrics"].get(k) for m in models.values())] for k in keys])
+        lines.append("")
+    reference = report.get("reference")
+    if reference:
+        labels = list(models)
+        lines += [f"## Reference figures ({reference.get('source') or 'published'})", ""]
+        header = ["task/metric", "reference"] + [h for label in labels for h in (label, f"{label} − ref")]
+        lines += _table(header, [[r["key"], r["reference"], *(r[h] for label in labels for h in (label, f"{label}_delta"))]
+                                 for r in reference["rows"]])
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_report(report: dict[str, Any], out_dir: Path, *, plot: bool = False) -> dict[str, Path]:
+    """Write ``report.json`` and ``report.md`` (and ``report.png``) into ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out_dir / "report.json", "markdown": out_dir / "report.md"}
+    paths["json"].write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
+    paths["markdown"].write_text(to_markdown(report) + "\n", encoding="utf-8")
+    if plot:
+        paths["plot"] = plot_report(report, out_dir / "report.png")
+    return paths
+
+
+def plot_report(report: dict[str, Any], path: Path) -> Path:
+    """Bar chart, one panel per metric (their scales differ), one bar per model (and reference)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless: no display on servers and CI
+    import matplotlib.pyplot as plt
+
+    models = report["models"]
+    reference = {r["key"]: r["reference"] for r in (report.get("reference") or {}).get("rows", [])}
+    keys = sorted({k for m in models.values() for k in m["metrics"]})
+    if not keys:
+        keys = ["(no metrics)"]
+    columns = min(4, len(keys))
+    rows = math.ceil(len(keys) / columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(3.2 * columns, 2.8 * rows), squeeze=False)
+    colours = ["#4c72b0", "#dd8452", "#55a868", "#8172b3"]
+    for ax, key in zip(axes.flat, keys, strict=False):
+        labels = list(models)
+        values = [models[label]["metrics"].get(key, float("nan")) for label in labels]
+        if key in reference:
+            labels.append("reference")
+            values.append(reference[key])
+        bars = ax.bar(range(len(values)), values, color=colours[: len(values)])
+        ax.bar_label(bars, fmt="%.4g", fontsize=7)
+        ax.set_xticks(range(len(values)), labels, rotation=20, fontsize=8)
+        ax.set_title(key, fontsize=9)
+        ax.tick_params(axis="y", labelsize=8)
+    for ax in list(axes.flat)[len(keys):]:
+        ax.axis("off")
+    verdict = report.get("verdict")
+    fig.suptitle("normswap eval" + (f": {verdict.upper()}" if verdict else ""), fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

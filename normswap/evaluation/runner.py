@@ -1,0 +1,220 @@
+"""Evaluate one or more models under identical settings: strided perplexity plus lm-eval tasks.
+
+Every model of a run shares one text source, one tokenised-text length limit (``max_length``), one
+batch size, one dtype and one lm-eval task manager, so the only difference between an original
+and its converted checkpoint is the checkpoint.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from normswap.errors import NormswapError
+from normswap.evaluation import lmeval
+from normswap.evaluation.hub import require_hub
+from normswap.evaluation.perplexity import model_max_length, strided_perplexity, tokenize_text
+from normswap.evaluation.text import TextSource, load_text
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "float64": torch.float64, "fp64": torch.float64,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16,
+}
+STRIDED_TASK = "strided"
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """``torch.dtype`` for a user-facing name (fp32, bf16, float16, ...)."""
+    try:
+        return DTYPES[name.lower()]
+    except KeyError:
+        raise NormswapError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}") from None
+
+
+@dataclass
+class EvalSettings:
+    """Everything that must be identical across the models of one comparison."""
+
+    dtype: str = "float32"
+    batch_size: int = 8
+    max_length: int | None = None  # None: the first model's context length, then fixed for all
+    stride: int | None = None  # None: equal to max_length (non-overlapping windows)
+    text: str | None = None  # None: the bundled held-out text
+    perplexity: bool = True
+    tasks: list[str] = field(default_factory=list)
+    limit: int | float | None = None  # per lm-eval task; for quick checks only
+    device: str | None = None  # None: cuda when available, else cpu
+    device_map: str | None = None  # "auto" spreads a big model over the visible GPUs
+    trust_remote_code: bool = False
+    progress: bool = True
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class ModelEval:
+    """Scores of one model: flat ``task/metric`` values and per-document loglikelihoods."""
+
+    label: str
+    source: str
+    metrics: dict[str, float] = field(default_factory=dict)
+    per_doc: dict[str, dict[int, list[float]]] = field(default_factory=dict)
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+def data_parallel_world() -> int:
+    """Number of processes when started by ``accelerate launch`` / torchrun, else 1."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_for_eval(source: str, settings: EvalSettings):
+    """Load ``source`` (original or converted checkpoint) with ``normswap.load_model``.
+
+    Converted checkpoints come back in RMSNorm form, which is what the comparison is about. With
+    ``device_map`` the model is placed by accelerate over the visible GPUs instead of moved whole.
+    """
+    from normswap import load_model
+
+    dtype = parse_dtype(settings.dtype)
+    kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": settings.trust_remote_code}
+    if settings.device_map:
+        kwargs["device_map"] = settings.device_map
+    model, tokenizer = load_model(source, **kwargs)
+    if tokenizer is None:
+        raise NormswapError(f"{source} has no tokenizer files; evaluation needs one")
+    if not settings.device_map:
+        model = model.to(settings.device or _default_device())
+    model.eval()
+    return model, tokenizer
+
+
+class Evaluator:
+    """Runs the same evaluation on each model; build once, call ``evaluate`` per model."""
+
+    def __init__(self, settings: EvalSettings, workdir: Path | None = None) -> None:
+        self.settings = settings
+        if settings.stride is not None and (
+            settings.stride < 1 or (settings.max_length is not None and settings.stride > settings.max_length)
+        ):
+            raise NormswapError(f"--stride must be between 1 and --max-length (got {settings.stride})")
+        if settings.max_length is not None and settings.max_length < 2:
+            raise NormswapError(f"--max-length must be at least 2 (got {settings.max_length})")
+        self.text: TextSource | None = load_text(settings.text) if settings.perplexity else None
+        requested = list(settings.tasks)
+        with_text_task = False
+        if self.text is not None:
+            if self.text.lm_eval_task:  # e.g. wikitext: lm-eval's own task over the same text
+                requested.append(self.text.lm_eval_task)
+            else:
+                with_text_task = True
+        self.plan = lmeval.plan_tasks(requested, with_text_task=with_text_task)
+        if self.plan.hub:
+            require_hub(f"lm-eval task(s) {', '.join(self.plan.hub)}")
+        self._tmp = None
+        if workdir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="normswap-eval-")
+            workdir = Path(self._tmp.name)
+        self.task_dir = lmeval.materialise_tasks(workdir / "tasks", self.plan.local, self.text)
+        self._task_manager = None
+        self.max_length = settings.max_length
+
+    def close(self) -> None:
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def _tasks(self):
+        if self._task_manager is None and self.plan.all:
+            self._task_manager = lmeval.make_task_manager(self.plan, self.task_dir)
+        return self._task_manager
+
+    def _fix_max_length(self, model) -> int:
+        # Fixed by the first model evaluated, so every later model uses the same windows.
+        if self.max_length is None:
+            self.max_length = model_max_length(model)
+            if self.max_length is None:
+                raise NormswapError("the model config states no context length; pass --max-length")
+        limit = model_max_length(model)
+        if limit is not None and self.max_length > limit:
+            raise NormswapError(f"--max-length {self.max_length} exceeds the model's context length {limit}")
+        return self.max_length
+
+    def evaluate(self, label: str, source: str) -> ModelEval:
+        """Load ``source`` and score it; the model is released before returning."""
+        result = ModelEval(label=label, source=str(source))
+        started = time.perf_counter()
+        if data_parallel_world() > 1:
+            return self._evaluate_data_parallel(result, started)
+        model, tokenizer = load_for_eval(source, self.settings)
+        try:
+            max_length = self._fix_max_length(model)
+            if self.text is not None:
+                self._strided(result, model, tokenizer, max_length)
+            if self.plan.all:
+                lm = lmeval.make_lm(model, tokenizer, batch_size=self.settings.batch_size, max_length=max_length)
+                self._record_tasks(result, lmeval.run_tasks(lm, self._tasks(), self.plan.all, limit=self.settings.limit))
+                del lm
+        finally:
+            del model
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        result.details["seconds"] = round(time.perf_counter() - started, 2)
+        return result
+
+    def _strided(self, result: ModelEval, model, tokenizer, max_length: int) -> None:
+        assert self.text is not None
+        ids = tokenize_text(tokenizer, self.text.joined)
+        stride = self.settings.stride or max_length
+        strided = strided_perplexity(
+            model, ids, max_length=max_length, stride=stride,
+            batch_size=self.settings.batch_size, progress=self.settings.progress,
+        )
+        result.metrics[f"{STRIDED_TASK}/token_perplexity"] = strided.token_perplexity
+        result.details[STRIDED_TASK] = strided.as_dict()
+        # Windows play the role of documents for the per-document comparison.
+        result.per_doc[STRIDED_TASK] = {i: [-nll] for i, nll in enumerate(strided.window_nll)}
+
+    def _record_tasks(self, result: ModelEval, tasks: lmeval.TaskResults) -> None:
+        for task, metrics in tasks.metrics.items():
+            for metric, value in metrics.items():
+                result.metrics[f"{task}/{metric}"] = value
+        result.per_doc.update(tasks.per_doc)
+        result.details["lm_eval_docs"] = tasks.n_docs
+
+    def _evaluate_data_parallel(self, result: ModelEval, started: float) -> ModelEval:
+        """Under ``accelerate launch``: lm-eval loads the checkpoint per process and shards the data.
+
+        Strided perplexity is not sharded; it runs on the main process only.
+        """
+        from lm_eval.models.huggingface import HFLM
+
+        from normswap.source import resolve_source
+
+        path = resolve_source(result.source, trust_remote_code=self.settings.trust_remote_code)
+        lm = HFLM(
+            pretrained=str(path), dtype=self.settings.dtype, batch_size=self.settings.batch_size,
+            max_length=self.settings.max_length, trust_remote_code=self.settings.trust_remote_code,
+        )
+        max_length = self._fix_max_length(lm.model)
+        if self.text is not None and lm.rank == 0:
+            self._strided(result, lm.model, lm.tokenizer, max_length)
+        if self.plan.all:
+            self._record_tasks(result, lmeval.run_tasks(lm, self._tasks(), self.plan.all, limit=self.settings.limit))
+        result.details["seconds"] = round(time.perf_counter() - started, 2)
+        result.details["data_parallel_processes"] = data_parallel_world()
+        return result

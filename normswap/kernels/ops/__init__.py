@@ -1,0 +1,1 @@
+"""Raw Triton kernels and their autograd / custom-op glue (``rms_norm``: the RMSNorm op)."""

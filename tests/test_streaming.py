@@ -1,0 +1,299 @@
+"""Streaming conversion: bounded memory, sharded and .bin inputs, atomicity, determinism, and
+layer-by-layer verification."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import causal_logits, load, make_hard, save, token_ids
+from safetensors.torch import load_file, save_file
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import normswap
+from normswap import fold, verify_layerwise, write
+from normswap.cli import main
+from normswap.errors import NormswapError
+from normswap.plan import Centre, FoldGain
+from normswap.source import CheckpointReader
+
+VOCAB = 97
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny_gpt2(path: Path, *, n_layer: int = 3, n_embd: int = 32, shard_size: str | None = None) -> Path:
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=4, vocab_size=VOCAB, n_positions=32,
+                        bos_token_id=0, eos_token_id=0)
+    model = make_hard(GPT2LMHeadModel(config))
+    if shard_size is None:
+        return save(model, path)
+    model.save_pretrained(path, max_shard_size=shard_size)
+    return path
+
+
+def leftovers(parent: Path) -> list[str]:
+    """Temporary or partial outputs normswap might have left in ``parent``."""
+    return sorted(p.name for p in parent.iterdir() if "normswap-tmp" in p.name or "normswap-old" in p.name)
+
+
+def tree_hash(path: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir())}
+
+
+def max_logit_diff(src: Path, out: Path) -> float:
+    ids = token_ids(VOCAB)
+    return float((causal_logits(load(src, "original", torch.float32), ids)
+                  - causal_logits(load(out, "stock", torch.float32), ids)).abs().max())
+
+
+# ---------------------------------------------------------------------------------------------
+# Formats
+
+
+def test_sharded_safetensors_in_and_out(tmp_path):
+    src = tiny_gpt2(tmp_path / "src", shard_size="40KB")
+    source_shards = sorted(p.name for p in src.glob("*.safetensors"))
+    assert len(source_shards) >= 3
+    out = tmp_path / "rms"
+    block = normswap.convert_checkpoint(src, out, fold_gains=True, verification="none")
+    total = len(source_shards)
+    assert sorted(p.name for p in out.glob("*.safetensors")) == [
+        f"model-{i:05d}-of-{total:05d}.safetensors" for i in range(1, total + 1)
+    ]
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    tensors = {}
+    for shard in set(index["weight_map"].values()):
+        tensors.update(load_file(out / shard))
+    assert set(index["weight_map"]) == set(tensors)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors.values())
+    assert "verification" not in block
+    assert max_logit_diff(src, out) < 1e-4
+
+
+def test_sharded_bin_input(tmp_path):
+    """pytorch_model-0000k-of-0000N.bin with an index: mapped shard by shard, written as safetensors."""
+    src = tiny_gpt2(tmp_path / "src")
+    state = GPT2LMHeadModel.from_pretrained(src).state_dict()
+    state.pop("lm_head.weight")
+    names = sorted(state)
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    weight_map = {}
+    for i, part in enumerate((names[: len(names) // 2], names[len(names) // 2:]), 1):
+        file = f"pytorch_model-{i:05d}-of-00002.bin"
+        torch.save({name: state[name].clone() for name in part}, legacy / file)
+        weight_map.update(dict.fromkeys(part, file))
+    (legacy / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (legacy / "config.json").write_text((src / "config.json").read_text())
+    out = tmp_path / "rms"
+    normswap.convert_checkpoint(legacy, out, verification="full")
+    assert sorted(p.name for p in out.glob("*.safetensors")) == [
+        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+    ]
+    assert not list(out.glob("*.bin"))
+    assert max_logit_diff(src, out) < 1e-4
+    layerwise = normswap.verify_checkpoint(legacy, out, layerwise=True)  # weights from the mapped pickles
+    assert layerwise["mode"] == "layerwise" and layerwise["passed"]
+
+
+def test_slice_kernels_match_fold_bit_for_bit():
+    """The in-place float64 slice kernels compute exactly what fold.chunked over fold.* computes."""
+    x = torch.randn(300, 64, dtype=torch.float16) + 0.3
+    gain = torch.rand(64) + 0.5
+    cases = [([Centre(1)], lambda p: fold.centre(p, 1), 1), ([Centre(0)], lambda p: fold.centre(p, 0), 0),
+             ([FoldGain("g", 1)], lambda p: fold.fold_gain(p, gain, 1), 1)]
+    for steps, transform, keep in cases:
+        ours = write.apply_slice_steps(x, steps, {"g": gain}.__getitem__, torch.float16, slice_elements=1000)
+        reference = fold.chunked(x, lambda p, t=transform: t(p.double()), keep_axis=keep, out_dtype=torch.float16,
+                                 chunk_elements=1000)
+        assert torch.equal(ours, reference)
+
+
+# ---------------------------------------------------------------------------------------------
+# Failures leave nothing
+
+
+def test_disk_full_leaves_nothing(tmp_path, monkeypatch):
+    src = tiny_gpt2(tmp_path / "src", shard_size="40KB")
+    calls = []
+    real = write._write_at
+
+    def full_after_first(fd, offset, data):
+        calls.append(offset)
+        if len(calls) > 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd, offset, data)
+
+    monkeypatch.setattr(write, "_write_at", full_after_first)
+    out = tmp_path / "rms"
+    with pytest.raises(NormswapError, match="no space left"):
+        normswap.convert_checkpoint(src, out, verification="none")
+    assert len(calls) > 2
+    assert not out.exists()
+    assert leftovers(tmp_path) == []
+
+
+def test_corrupt_shards_are_one_line_errors(tmp_path, capsys):
+    src = tiny_gpt2(tmp_path / "src", shard_size="40KB")
+    shards = sorted(src.glob("*.safetensors"))
+    data = shards[-1].read_bytes()
+    shards[-1].write_bytes(data[: len(data) - 100])  # a truncated download
+    out = tmp_path / "rms"
+    capsys.readouterr()
+    assert main(["convert", str(src), "--out", str(out), "--quiet"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert "corrupt or truncated" in error and shards[-1].name in error and "\n" not in error
+    assert not out.exists() and leftovers(tmp_path) == []
+
+    shards[-1].write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all" + data[24:])
+    with pytest.raises(NormswapError, match="unreadable header"):
+        normswap.convert_checkpoint(src, out)
+    assert not out.exists() and leftovers(tmp_path) == []
+
+
+def test_shard_shrinking_while_streamed_is_detected(tmp_path):
+    src = tiny_gpt2(tmp_path / "src")
+    with CheckpointReader(src) as reader:
+        os.truncate(src / "model.safetensors", 4096)
+        with pytest.raises(NormswapError, match="ends early|corrupt"):
+            for name in reader.tensors:
+                reader.get(name)
+
+
+_INTERRUPTED = textwrap.dedent("""
+    import sys, time
+    import normswap.write as write
+    from normswap.cli import main
+
+    real = write._write_tensor
+    def slow(*args):
+        print("writing", flush=True)
+        time.sleep(0.05)
+        return real(*args)
+    write._write_tensor = slow
+    sys.exit(main(["convert", sys.argv[1], "--out", sys.argv[2], "--quiet"]))
+""")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_kill_signal_leaves_nothing(tmp_path, signum):
+    src = tiny_gpt2(tmp_path / "src", n_layer=6)
+    out = tmp_path / "rms"
+    child = subprocess.Popen([sys.executable, "-c", _INTERRUPTED, str(src), str(out)], cwd=ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "writing"  # mid-conversion: the temporary output exists
+    assert leftovers(tmp_path)
+    child.send_signal(signum)
+    _, stderr = child.communicate(timeout=60)
+    assert child.returncode == 130, stderr
+    assert "interrupted" in stderr
+    assert not out.exists()
+    assert leftovers(tmp_path) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Determinism and memory
+
+
+def test_same_input_gives_byte_identical_output(tmp_path):
+    src = tiny_gpt2(tmp_path / "src", shard_size="40KB")
+    hashes = []
+    for name in ("a", "b"):
+        normswap.convert_checkpoint(src, tmp_path / name, fold_gains=True, verification="full")
+        hashes.append(tree_hash(tmp_path / name))
+    assert hashes[0] == hashes[1]
+    assert any(name.endswith(".safetensors") for name in hashes[0])
+
+
+def _peak_rss_growth(function) -> int:
+    """Bytes by which the process's peak RSS rose above its RSS at the start while ``function`` ran."""
+    def status(key: str) -> int:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+        raise KeyError(key)
+
+    Path("/proc/self/clear_refs").write_text("5")  # reset the peak to the current RSS
+    before = status("VmRSS")
+    function()
+    return status("VmHWM") - before
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc peak-RSS reset")
+def test_peak_memory_does_not_grow_with_depth(tmp_path):
+    """A 24-layer checkpoint 12x the size of a 2-layer one converts (and verifies layer by layer)
+    within the same memory: peak RSS is bounded by the largest tensor group, not the model."""
+    width = 256
+    shallow = tiny_gpt2(tmp_path / "shallow", n_layer=2, n_embd=width)
+    deep = tiny_gpt2(tmp_path / "deep", n_layer=24, n_embd=width)
+    deep_bytes = sum(p.stat().st_size for p in deep.glob("*.safetensors"))
+    block_bytes = 12 * width * width * 4
+    normswap.convert_checkpoint(shallow, tmp_path / "warm-up", verification="layerwise")  # imports, caches
+
+    def convert(src: Path, out: Path):
+        return lambda: normswap.convert_checkpoint(src, out, verification="layerwise")
+
+    growth_shallow = _peak_rss_growth(convert(shallow, tmp_path / "shallow-rms"))
+    growth_deep = _peak_rss_growth(convert(deep, tmp_path / "deep-rms"))
+    assert deep_bytes > 20 * block_bytes
+    # the deep model's extra 22 blocks (~70 MB) must not show up in the peak
+    assert growth_deep - growth_shallow < 5 * block_bytes, (growth_shallow, growth_deep, deep_bytes)
+    assert growth_deep < deep_bytes / 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Layer-by-layer verification
+
+
+def test_layerwise_agrees_with_whole_model(tmp_path, monkeypatch, capsys):
+    src = tiny_gpt2(tmp_path / "src", shard_size="40KB")
+    out = tmp_path / "rms"
+    full = normswap.convert_checkpoint(src, out, fold_gains=True, verification="full")["verification"]
+    layerwise = normswap.verify_checkpoint(src, out, layerwise=True)
+    assert full["mode"] == "full" and layerwise["mode"] == "layerwise"
+    assert layerwise["passed"] and full["passed"]
+    for loader in ("stock", "remote_code"):
+        a, b = full["loaders"][loader], layerwise["loaders"][loader]
+        assert abs(a["max_abs_diff"] - b["max_abs_diff"]) < 1e-5
+        assert a["top1_agreement"] == b["top1_agreement"]
+        assert abs(a["perplexity_reference"] - b["perplexity_reference"]) < 1e-6 * a["perplexity_reference"]
+        assert [layer["layer"] for layer in b["layers"]] == [0, 1, 2]
+        assert all(layer["max_abs_diff"] < 1e-4 for layer in b["layers"])
+    assert 0 <= layerwise["worst_layer"]["layer"] <= 2
+
+    # automatic choice by size, and the CLI flags
+    monkeypatch.setattr(verify_layerwise, "LAYERWISE_ABOVE_BYTES", 0)
+    assert main(["verify", str(src), str(out), "--json", str(tmp_path / "v.json")]) == 0
+    assert json.loads((tmp_path / "v.json").read_text())["mode"] == "layerwise"
+    assert "worst block" in capsys.readouterr().out
+    assert main(["verify", str(src), str(out), "--full", "--json", str(tmp_path / "v.json")]) == 0
+    assert json.loads((tmp_path / "v.json").read_text())["mode"] == "full"
+    assert main(["convert", str(src), "--out", str(tmp_path / "cli"), "--verify", "layerwise", "--quiet"]) == 0
+    config = json.loads((tmp_path / "cli" / "config.json").read_text())
+    assert config["normswap"]["verification"]["mode"] == "layerwise"
+
+
+def test_layerwise_pinpoints_a_corrupted_block(tmp_path):
+    src = tiny_gpt2(tmp_path / "src", n_layer=4)
+    out = tmp_path / "rms"
+    normswap.convert_checkpoint(src, out, verification="none")
+    state = load_file(out / "model.safetensors")
+    state["transformer.h.2.mlp.c_fc.weight"] *= 1.05
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    result = normswap.verify_checkpoint(src, out, layerwise=True)
+    assert not result["passed"]
+    assert result["worst_layer"]["layer"] == 2
+    layers = result["loaders"]["remote_code"]["layers"]
+    others = max(layer["block_max_abs_diff"] for layer in layers if layer["layer"] != 2)
+    assert others < 1e-4 and layers[2]["block_max_abs_diff"] > 100 * others
+    assert layers[1]["max_abs_diff"] < 1e-4 < layers[3]["max_abs_diff"]  # free run: damage starts at block 2
