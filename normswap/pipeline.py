@@ -135,7 +135,6 @@ def convert_checkpoint(
     atol: float | None = None,
     rtol: float | None = None,
     allow_inexact: bool = False,
-    verify_output: bool = True,
     quiet: bool = True,
     verification: str = "auto",
 ) -> dict:
@@ -148,7 +147,7 @@ def convert_checkpoint(
     Tensors stream from the source shards to the output shards one group at a time, so memory is
     bounded by the largest tensor group, not the model. ``verification`` is ``auto`` (layer by
     layer for models too big to hold twice, else whole models), ``layerwise``, ``full`` or
-    ``none`` (as is ``verify_output=False``). A failure, a full disk or SIGINT/SIGTERM leaves
+    ``none``. A failure, a full disk or SIGINT/SIGTERM leaves
     nothing at ``out`` and no temporary directory.
     """
     if verification not in VERIFICATION_MODES:
@@ -179,7 +178,7 @@ def convert_checkpoint(
             shutil.copyfile(Path(remote.__file__), tmp / MODELING_FILE)
             copy_side_files(source_dir, tmp)
             write_json(tmp / "config.json", converted_config(config, plan, meta, architecture, provenance))
-            if verify_output and verification != "none":
+            if verification != "none":
                 default_atol, default_rtol = verify.default_tolerance(checkpoint_dtype)
                 result = verify_checkpoint(
                     source_dir, tmp,
@@ -381,8 +380,9 @@ def verify_checkpoint(original: str | Path, converted: str | Path, *, atol: floa
             mode, note = "full", f"layer by layer unavailable ({error}); compared whole models"
         else:
             for figures in loaders.values():
-                if "max_abs_diff" in figures:
-                    figures["passed"] = verify.within_tolerance(figures, atol, rtol)
+                figures["passed"] = verify.within_tolerance(figures, atol, rtol)
+            if not block.get("stock_loadable", True):
+                loaders = {"stock": {"refused": _stock_refuses(converted_dir, architecture)}, **loaders}
     if probe is None:
         probe, loaders = _compare_whole(original_dir, converted_dir, original_config, architecture, block, atol, rtol)
     compared = [figures for figures in loaders.values() if "max_abs_diff" in figures]

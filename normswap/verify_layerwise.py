@@ -217,6 +217,7 @@ def dispatched(model: nn.Module, checkpoint: Path, blocks_path: str, device: tor
     from accelerate import dispatch_model
     from accelerate.hooks import remove_hook_from_module
 
+    map_large_allocations()
     release_memory()
     with CheckpointReader(checkpoint) as reader:
         weights = Float32Weights(model, reader)
@@ -236,6 +237,15 @@ def release_memory() -> None:
     gc.collect()
     if _LIBC is not None:
         _LIBC.malloc_trim(0)
+
+
+def map_large_allocations(threshold: int = 4 << 20) -> None:
+    """Have glibc serve allocations above ``threshold`` with their own mappings, returned to the
+    system when freed. By default glibc raises that threshold (up to 32 MB) after each large free,
+    after which block-sized weights come from the heap and fragment it; loading one block after
+    another then ratchets the RSS up. (Process-wide; glibc only.)"""
+    if _LIBC is not None and hasattr(_LIBC, "mallopt"):
+        _LIBC.mallopt(-3, threshold)  # M_MMAP_THRESHOLD
 
 
 def _libc():
@@ -436,9 +446,10 @@ def _progress(total: int, quiet: bool):
 
 def compare_layerwise(original_dir: Path, converted_dir: Path, architecture: Architecture, *,
                       stock_loadable: bool, quiet: bool = True) -> tuple[verify.Probe, dict[str, dict]]:
-    """The probe and, per loader, the logit figures plus per-block figures and the worst layer.
+    """The probe and, per loader run, the logit figures plus per-block figures and the worst layer.
 
-    Raises ``Unsupported`` when the model cannot be run this way.
+    The stock class runs only when ``stock_loadable`` (the caller records whether stock
+    transformers refuses the others). Raises ``Unsupported`` when the model cannot be run this way.
     """
     device = execution_device()
     original = original_model(original_dir, architecture)
@@ -459,8 +470,6 @@ def compare_layerwise(original_dir: Path, converted_dir: Path, architecture: Arc
             trace = trace_original(original, blocks, inputs, step)
         del original
         loaders: dict[str, dict] = {}
-        if not stock_loadable:
-            loaders["stock"] = {"refused": _stock_refuses(converted_dir)}
         labels = probe.inputs.get("input_ids")
         for how in hows:
             model = converted_model(converted_dir, architecture, how)
@@ -479,16 +488,6 @@ def compare_layerwise(original_dir: Path, converted_dir: Path, architecture: Arc
     finally:
         bar.close()
     return probe, loaders
-
-
-def _stock_refuses(path: Path) -> bool:
-    """True when stock transformers refuses the checkpoint (its model type is normswap's own)."""
-    try:
-        with _quiet():
-            transformers.AutoConfig.from_pretrained(path)
-    except Exception:
-        return True
-    return False
 
 
 def describe_mode(result: dict) -> str:

@@ -220,6 +220,15 @@ class ShardSource:
         self.reader = reader
         self.read = read if read is not None else RecentReads(reader.get)
         self._direct = reader is not None and getattr(reader, "is_safetensors", False)
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def buffer(self, role: str, nbytes: int) -> torch.Tensor:
+        """A uint8 scratch buffer of at least ``nbytes``, kept for the next tensor: allocating
+        fresh multi-MB buffers per tensor fragments the heap and ratchets RSS up."""
+        held = self._buffers.get(role)
+        if held is None or held.numel() < nbytes:
+            held = self._buffers[role] = torch.empty(nbytes, dtype=torch.uint8)
+        return held[:nbytes]
 
     def unchanged(self, plan: TensorPlan) -> tuple[int, int] | None:
         if not self._direct or plan.steps or plan.source is None or not hasattr(os, "copy_file_range"):
@@ -290,9 +299,9 @@ def _stream_rows(fd: int, position: int, plan: TensorPlan, source: ShardSource,
     rows = max(1, slice_elements // row)
     kernels = [_in_place(step, source.read) for step in plan.steps]
     source_dtype = source.reader.tensors[plan.source].dtype
-    raw = torch.empty(rows * row * source_dtype.itemsize, dtype=torch.uint8)
-    work = torch.empty(rows * row, dtype=torch.float64)
-    out = torch.empty(rows * row, dtype=plan.dtype)
+    raw = source.buffer("raw", rows * row * source_dtype.itemsize)
+    work = source.buffer("work", rows * row * 8).view(torch.float64)
+    out = source.buffer("out", rows * row * plan.dtype.itemsize).view(plan.dtype)
     out_row_bytes = row * plan.dtype.itemsize
     for start in range(0, rows_total, rows):
         count = min(rows, rows_total - start)

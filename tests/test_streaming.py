@@ -231,24 +231,24 @@ def _peak_rss_growth(function) -> int:
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc peak-RSS reset")
 def test_peak_memory_does_not_grow_with_depth(tmp_path):
-    """A 24-layer checkpoint 12x the size of a 2-layer one converts (and verifies layer by layer)
-    within the same memory: peak RSS is bounded by the largest tensor group, not the model."""
-    width = 256
+    """A 24-layer checkpoint converts, and verifies layer by layer, within about the memory of a
+    2-layer one: the 22 extra blocks (~280 MB of weights) must not show up in the peak RSS.
+    (What does grow is a few hundred kB of module objects per layer.)"""
+    width = 512
     shallow = tiny_gpt2(tmp_path / "shallow", n_layer=2, n_embd=width)
     deep = tiny_gpt2(tmp_path / "deep", n_layer=24, n_embd=width)
-    deep_bytes = sum(p.stat().st_size for p in deep.glob("*.safetensors"))
-    block_bytes = 12 * width * width * 4
-    normswap.convert_checkpoint(shallow, tmp_path / "warm-up", verification="layerwise")  # imports, caches
+    size = {src: sum(p.stat().st_size for p in src.glob("*.safetensors")) for src in (shallow, deep)}
+    # warm up: imports, transformers' caches, and the allocator's first-time growth
+    normswap.convert_checkpoint(shallow, tmp_path / "warm-up", verification="layerwise")
+    normswap.convert_checkpoint(deep, tmp_path / "warm-up-deep", verification="none")
 
-    def convert(src: Path, out: Path):
-        return lambda: normswap.convert_checkpoint(src, out, verification="layerwise")
+    def convert(src: Path):
+        return lambda: normswap.convert_checkpoint(src, tmp_path / f"{src.name}-rms", verification="layerwise")
 
-    growth_shallow = _peak_rss_growth(convert(shallow, tmp_path / "shallow-rms"))
-    growth_deep = _peak_rss_growth(convert(deep, tmp_path / "deep-rms"))
-    assert deep_bytes > 20 * block_bytes
-    # the deep model's extra 22 blocks (~70 MB) must not show up in the peak
-    assert growth_deep - growth_shallow < 5 * block_bytes, (growth_shallow, growth_deep, deep_bytes)
-    assert growth_deep < deep_bytes / 2
+    growth = {src: _peak_rss_growth(convert(src)) for src in (shallow, deep)}
+    extra_weights = size[deep] - size[shallow]
+    assert extra_weights > 250e6
+    assert growth[deep] - growth[shallow] < 0.15 * extra_weights, (growth, size)
 
 
 # ---------------------------------------------------------------------------------------------

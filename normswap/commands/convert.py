@@ -24,7 +24,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verify", dest="verification", choices=["auto", "layerwise", "full", "none"], default="auto",
                         help="layerwise: block by block within bounded memory; full: whole models; "
                              "auto (default): layerwise for models above 1 GiB of float32 weights")
-    parser.add_argument("--no-verify", action="store_true", help="skip verification (same as --verify none)")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow the source's own code to run")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -35,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
         args.src, args.out,
         fold_gains=args.fold_gains, method=args.method, dtype=args.dtype, overwrite=args.overwrite,
         trust_remote_code=args.trust_remote_code, atol=args.atol, rtol=args.rtol,
-        allow_inexact=args.allow_inexact, verify_output=not args.no_verify, quiet=args.quiet,
+        allow_inexact=args.allow_inexact, quiet=args.quiet,
         verification=args.verification,
     )
     print(f"wrote {args.out}: {len(provenance['norms_swapped'])} norms swapped to RMSNorm, "

@@ -198,11 +198,8 @@ def convert_kwargs(recipe: Recipe) -> dict[str, Any]:
 
     accepted = inspect.signature(normswap.convert_checkpoint).parameters
     kwargs = {**recipe.convert, **recipe.verify, "overwrite": False}
-    # Verification always runs in a recipe; the flag's name is the converter's business.
-    for flag in ("verify_output", "verify"):
-        if flag in accepted:
-            kwargs[flag] = True
-            break
+    if kwargs.get("verification") == "none":
+        raise NormswapError(f"recipe {recipe.path}: a recipe always verifies; remove verification: none")
     unsupported = sorted(set(kwargs) - set(accepted))
     if unsupported:
         raise NormswapError(f"recipe {recipe.path}: this normswap cannot convert with {', '.join(unsupported)}")
