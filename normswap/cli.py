@@ -30,7 +30,9 @@ def build_parser(only: str | None = None) -> tuple[argparse.ArgumentParser, dict
     """The parser; with ``only``, just that subcommand's module is imported (startup stays fast)."""
     from normswap import __version__
 
-    parser = argparse.ArgumentParser(prog="normswap", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="normswap", description="Exact LayerNorm -> RMSNorm conversion of transformer checkpoints."
+    )
     parser.add_argument("--version", action="version", version=f"normswap {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     modules: dict[str, object] = {}
