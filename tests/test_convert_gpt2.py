@@ -121,3 +121,23 @@ def test_naive_method_needs_allow_inexact(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "naive")
     assert type(model).__name__ == "NormswapOnlyGPT2LMHeadModel"
     assert getattr(model.transformer.ln_f, "is_normswap_rmsnorm", False)
+
+
+def test_bundled_model_perplexity_is_unchanged(tmp_path):
+    """The shipped Austen model: converted held-out perplexity equals the original's to 1e-4 (fp32)."""
+    from normswap.evaluation.perplexity import strided_perplexity, tokenize_text
+    from normswap.source import EXAMPLE_MODEL, example_model_path
+
+    if not (example_model_path() / "model.safetensors").is_file():
+        pytest.skip("the bundled example model is not installed")
+    text = (example_model_path().parent / "text" / "persuasion-excerpt.txt").read_text(encoding="utf-8")[:12000]
+    out = tmp_path / "austen-rms"
+    normswap.convert_checkpoint(EXAMPLE_MODEL, out, fold_gains=True)
+    perplexities = []
+    for path in (EXAMPLE_MODEL, out):
+        model, tokenizer = normswap.load_model(path, dtype=torch.float32)
+        ids = tokenize_text(tokenizer, text)
+        perplexities.append(strided_perplexity(model, ids, max_length=256, stride=128, batch_size=4).token_perplexity)
+    original, converted = perplexities
+    assert original < 200  # a trained model, far from the 2048-token uniform guess
+    assert abs(converted - original) / original < 1e-4
