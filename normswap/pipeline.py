@@ -286,7 +286,7 @@ def _install(tmp: Path, out: Path) -> None:
 
 def _check_free_space(directory: Path, plan: ConversionPlan) -> None:
     """Refuse early when the output's filesystem cannot hold the converted weights."""
-    needed = sum(_nbytes(tensor) for tensor in plan.tensors.values())
+    needed = sum(tensor.nbytes for tensor in plan.tensors.values())
     free = shutil.disk_usage(directory).free
     if free < needed:
         raise NormswapError(
@@ -299,7 +299,7 @@ def _progress_bar(plan: ConversionPlan):
     """A progress bar on stderr: bytes and tensors written, rate and ETA; shown after 1 s only."""
     from tqdm import tqdm
 
-    total = sum(_nbytes(tensor) for tensor in plan.tensors.values())
+    total = sum(tensor.nbytes for tensor in plan.tensors.values())
     count = len(plan.tensors)
     bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="converting", delay=1.0,
                leave=False, dynamic_ncols=True)
@@ -317,12 +317,6 @@ def _progress_bar(plan: ConversionPlan):
 
     return Progress()
 
-
-def _nbytes(tensor) -> int:
-    count = 1
-    for size in tensor.shape:
-        count *= size
-    return count * torch.empty((), dtype=tensor.dtype).element_size()
 
 
 # ---------------------------------------------------------------------------------------------

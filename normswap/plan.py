@@ -7,6 +7,7 @@ it starts from and the ordered steps applied to it (bake, centre, fold a gain, f
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -89,6 +90,11 @@ class TensorPlan:
     dtype: torch.dtype
     shard: str
     steps: list[Step] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the output tensor."""
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclass

@@ -152,7 +152,7 @@ def _header(plans: list[TensorPlan]) -> tuple[bytes, list[int]]:
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offsets, position = [], 0
     for plan in plans:
-        size = _nbytes(plan)
+        size = plan.nbytes
         header[plan.name] = {
             "dtype": SAFETENSORS_DTYPE_NAMES[plan.dtype],
             "shape": list(plan.shape),
@@ -164,12 +164,6 @@ def _header(plans: list[TensorPlan]) -> tuple[bytes, list[int]]:
     encoded += b" " * (-len(encoded) % 8)  # the data section starts 8-byte aligned
     return len(encoded).to_bytes(8, "little") + encoded, offsets
 
-
-def _nbytes(plan: TensorPlan) -> int:
-    count = 1
-    for size in plan.shape:
-        count *= size
-    return count * torch.empty((), dtype=plan.dtype).element_size()
 
 
 class RecentReads:
@@ -253,7 +247,7 @@ def write_shard(path: Path, plans: list[TensorPlan], source: ShardSource | Read,
     if not isinstance(source, ShardSource):
         source = ShardSource(read=source)
     header, offsets = _header(plans)
-    total = sum(_nbytes(plan) for plan in plans)
+    total = sum(plan.nbytes for plan in plans)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
@@ -262,7 +256,7 @@ def write_shard(path: Path, plans: list[TensorPlan], source: ShardSource | Read,
             for plan, offset in zip(plans, offsets, strict=True):
                 _write_tensor(fd, len(header) + offset, plan, source)
                 if progress is not None:
-                    progress(_nbytes(plan))
+                    progress(plan.nbytes)
         finally:
             os.close(fd)
     except OSError as error:
@@ -276,7 +270,7 @@ def _write_tensor(fd: int, position: int, plan: TensorPlan, source: ShardSource)
     """Write one tensor's bytes at ``position``: copied when unchanged, streamed by rows when the
     steps allow, else computed whole."""
     where = source.unchanged(plan)
-    if where is not None and _copy_at(where[0], where[1], fd, position, _nbytes(plan)):
+    if where is not None and _copy_at(where[0], where[1], fd, position, plan.nbytes):
         return
     if source.row_streamable(plan):
         _stream_rows(fd, position, plan, source)

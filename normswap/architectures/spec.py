@@ -116,3 +116,20 @@ class Architecture:
 def full_match(pattern: str, name: str) -> re.Match[str] | None:
     """Match ``pattern`` against a whole canonical state-dict name."""
     return re.fullmatch(pattern, name)
+
+
+def only_classes(*supported: str) -> Callable[[dict], str | None]:
+    """A ``refuse`` that accepts checkpoints of the given model classes only.
+
+    For families whose classes read the final norm differently (a pooled head, a classifier on
+    the class token), where the adapter describes only some of them.
+    """
+
+    def refuse(config: dict) -> str | None:
+        classes = config.get("architectures") or list(supported)
+        if not set(classes) & set(supported):
+            return (f"only {', '.join(supported)} checkpoints are supported (this one is "
+                    f"{', '.join(classes)}), whose norms are read as the adapter describes")
+        return None
+
+    return refuse

@@ -12,7 +12,15 @@ pooler), a model output, so its gains stay; in ``ViTForImageClassification`` onl
 (which has a bias) reads it, so γ and β fold there.
 """
 
-from normswap.architectures.spec import LINEAR_IN_AXIS, LINEAR_OUT_AXIS, Architecture, Norm, Reader, Writer
+from normswap.architectures.spec import (
+    LINEAR_IN_AXIS,
+    LINEAR_OUT_AXIS,
+    Architecture,
+    Norm,
+    Reader,
+    Writer,
+    only_classes,
+)
 
 P = r"(?P<p>(vit\.)?)"
 LAYER = P + r"layers\.(?P<layer>\d+)"
@@ -23,12 +31,6 @@ def _linear(name: str, constant_cancels: bool = False) -> Reader:
     prefix = "{p}layers.{layer}." + name
     return Reader(prefix + ".weight", LINEAR_IN_AXIS, prefix + ".bias", constant_cancels=constant_cancels)
 
-
-def _refuse(config: dict) -> str | None:
-    classes = config.get("architectures") or list(SUPPORTED_CLASSES)
-    if not set(classes) & set(SUPPORTED_CLASSES):
-        return f"only {', '.join(SUPPORTED_CLASSES)} checkpoints are supported (this one is {', '.join(classes)})"
-    return None
 
 
 VIT = Architecture(
@@ -50,6 +52,6 @@ VIT = Architecture(
         # ViTForImageClassification: read only by the classifier (on the class token)
         Norm(r"vit\.layernorm", (Reader("classifier.weight", LINEAR_IN_AXIS, "classifier.bias"),)),
     ),
-    refuse=_refuse,
+    refuse=only_classes(*SUPPORTED_CLASSES),
     probe="vision",
 )

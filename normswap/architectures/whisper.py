@@ -27,7 +27,15 @@ Only ``WhisperForConditionalGeneration`` checkpoints are accepted (the hub's Whi
 encoder-only and decoder-only classes read these norms differently.
 """
 
-from normswap.architectures.spec import LINEAR_IN_AXIS, LINEAR_OUT_AXIS, Architecture, Norm, Reader, Writer
+from normswap.architectures.spec import (
+    LINEAR_IN_AXIS,
+    LINEAR_OUT_AXIS,
+    Architecture,
+    Norm,
+    Reader,
+    Writer,
+    only_classes,
+)
 
 M = r"(?P<m>(model\.)?)"
 ENC = M + r"encoder\.layers\.(?P<layer>\d+)"
@@ -48,13 +56,6 @@ def _mlp(stack: str) -> tuple[Reader, ...]:
     prefix = "{m}" + stack + ".layers.{layer}.fc1"
     return (Reader(prefix + ".weight", LINEAR_IN_AXIS, prefix + ".bias"),)
 
-
-def _refuse(config: dict) -> str | None:
-    classes = config.get("architectures") or list(SUPPORTED_CLASSES)
-    if not set(classes) & set(SUPPORTED_CLASSES):
-        return (f"only {', '.join(SUPPORTED_CLASSES)} checkpoints are supported (this one is "
-                f"{', '.join(classes)}), whose norms are read as the adapter describes")
-    return None
 
 
 WHISPER = Architecture(
@@ -82,7 +83,7 @@ WHISPER = Architecture(
         Norm(M + r"decoder\.layer_norm", (Reader("proj_out.weight", LINEAR_IN_AXIS),)),
     ),
     tied=(("proj_out.weight", "model.decoder.embed_tokens.weight"),),
-    refuse=_refuse,
+    refuse=only_classes(*SUPPORTED_CLASSES),
     # the encoder stream starts as gelu(conv(...)) + positions: centre it once, explicitly
     structure=lambda config: {"centre_input": [r"(model\.)?encoder\.layers\.0"]},
     probe="seq2seq_speech",
