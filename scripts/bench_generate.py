@@ -8,13 +8,14 @@ Models have random weights (speed does not depend on their values). Three are ti
 
 * ``original``: the stock ``GPT2LMHeadModel`` with its LayerNorms;
 * ``converted``: ``normswap.convert_model(original)``, plain-torch RMSNorms (the remote-code path);
-* ``patched``: the same after ``normswap.patch``: kernels, and the attention residual add fused
-  into ``ln_2``.
+* ``patched_persistent`` and ``patched_tiled``: the same after ``normswap.patch`` (kernels, and
+  the attention residual add fused into ``ln_2``), with each kernel design.
 
 Reported: prefill tokens/s (one forward over a prompt, cache on) and decode latency per token at
 batch 1 and 32 (single-token forwards against a KV cache, fixed token ids so every model does
 identical work). Rounds alternate between the models so drift hits them alike; medians reported.
-The converted models' logits are compared with the original's first (they agree to rounding).
+The converted models' logits are compared with the original's first, for a prompt and for one
+decode step against the prompt's KV cache (they agree to rounding).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 import normswap  # noqa: E402
 from normswap.kernels import patch as kernels_patch  # noqa: E402
-from normswap.modeling.remote import swap_layer_norms  # noqa: E402
+from normswap.kernels.ops import launch  # noqa: E402
 
 CONFIGS = {
     "gpt2-small": {"n_layer": 12, "n_embd": 768, "n_head": 12},  # 124M
@@ -58,23 +59,20 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def build_models(name: str, device: str, dtype: torch.dtype, quick: bool) -> tuple[dict, str]:
-    """{"original", "converted", "patched"} models, and how the conversion was made."""
+def build_models(name: str, device: str, dtype: torch.dtype, quick: bool) -> dict:
+    """{"original", "converted", "patched_persistent", "patched_tiled"} models."""
     shape = {"n_layer": 2, "n_embd": 64, "n_head": 2} if quick else CONFIGS[name]
     config = GPT2Config(**shape, vocab_size=50257, n_positions=1024)
     torch.manual_seed(0)
     with torch.device(device):
         original = GPT2LMHeadModel(config).eval()
-    try:
-        converted = normswap.convert_model(original)
-        how = "normswap.convert_model"
-    except Exception as exc:  # keep the timing usable while convert_model is in flux
-        converted = copy.deepcopy(original)
-        swap_layer_norms(converted)
-        how = f"swap_layer_norms (timing only; convert_model failed: {type(exc).__name__}: {exc})"
+    converted = normswap.convert_model(original)
     original, converted = original.to(dtype), converted.to(dtype).eval()
-    patched = kernels_patch(copy.deepcopy(converted))
-    return {"original": original, "converted": converted, "patched": patched}, how
+    models = {"original": original, "converted": converted}
+    for design in launch.DESIGNS:
+        models[f"patched_{design}"] = kernels_patch(copy.deepcopy(converted))
+        models[f"patched_{design}"].kernel_design = design
+    return models
 
 
 def cache_kwarg(model) -> str:
@@ -83,6 +81,7 @@ def cache_kwarg(model) -> str:
 
 
 def forward(model, ids, cache=None):
+    launch.DESIGN = getattr(model, "kernel_design", launch.DESIGN)
     kwargs = {cache_kwarg(model): cache} if cache is not None else {}
     out = model(input_ids=ids, use_cache=True, **kwargs)
     return out, getattr(out, "cache", None) or getattr(out, "past_key_values", None)
@@ -110,13 +109,19 @@ def time_decode(model, context, steps, device) -> float:
 
 
 def compare_logits(models: dict, device: str) -> dict:
-    ids = torch.randint(0, 50257, (2, 16), generator=torch.Generator().manual_seed(3)).to(device)
-    ref = models["original"](ids).logits.float()
-    scale = float(ref.abs().max())
+    """max |Δlogit| / max |logit| against the original: a prompt, then one cached decode step."""
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 50257, (2, 16), generator=gen).to(device)
+    step = torch.randint(0, 50257, (2, 1), generator=gen).to(device)
+    outputs = {}
+    for name, model in models.items():
+        out, cache = forward(model, ids)
+        outputs[name] = (out.logits.float(), forward(model, step, cache)[0].logits.float())
+    ref = outputs["original"]
     return {
-        name: float((models[name](ids).logits.float() - ref).abs().max()) / scale
-        for name in ("converted", "patched")
-    }
+        name: {kind: float((got[i] - ref[i]).abs().max() / ref[i].abs().max()) for i, kind in enumerate(("prompt", "step"))}
+        for name, got in outputs.items() if name != "original"
+    }  # fmt: skip
 
 
 def alternate(models: dict, rounds: int, measure) -> dict:
@@ -131,8 +136,8 @@ def alternate(models: dict, rounds: int, measure) -> dict:
 
 
 def bench_config(name: str, device: str, dtype: torch.dtype, settings: dict, quick: bool) -> dict:
-    models, how = build_models(name, device, dtype, quick)
-    entry = {"config": name, "dtype": str(dtype).removeprefix("torch."), "conversion": how,
+    models = build_models(name, device, dtype, quick)
+    entry = {"config": name, "dtype": str(dtype).removeprefix("torch."),
              "params": sum(p.numel() for p in models["original"].parameters())}  # fmt: skip
     with torch.inference_mode():
         entry["max_rel_logit_diff"] = compare_logits(models, device)

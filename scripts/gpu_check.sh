@@ -1,17 +1,23 @@
 #!/usr/bin/env bash
-# The GPU checks of normswap's kernels, in one run with a hard time budget per step.
+# The GPU checks of normswap's kernels in one run, each step under a hard time limit.
 #
-#   bash scripts/gpu_check.sh            # results to $OUT, else benchmarks/results/gpu/
+#   bash scripts/gpu_check.sh      # results to $OUT if set, else benchmarks/results/gpu/
 #
-# Steps: install carried wheels (.whl/, e.g. Liger-Kernel for the comparison), the AOT compile
-# check, the kernel and patch tests compiled on the GPU (bf16 included), the kernel benchmark
-# (bf16 first) and GPT-2 generation. Every step writes its log or JSON into one folder; a step
-# that fails or runs out of time is recorded in summary.txt and the next one still runs.
+# 1. installs the wheels in .whl/ if any (Liger-Kernel, for the comparison; see docs/kernels.md);
+# 2. the AOT check: every kernel variant of both designs compiled for sm_90, registers, spills
+#    and shared memory per variant (fails on spills);
+# 3. the kernel and patch tests, compiled on the GPU (bf16 included, both designs);
+# 4. scripts/bench_kernels.py: forward, backward, decode and >2**31-element sections, bf16 first;
+# 5. scripts/bench_generate.py: GPT-2 small prefill and decode, original against converted and
+#    patched with each kernel design.
+# About 6 minutes on an H200 (the limits below add up to 8). Every step writes its log or JSON
+# into one folder; a step that fails or runs out of time is recorded in summary.txt and the
+# next one still runs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DEST="${OUT:-benchmarks/results/gpu}"
 mkdir -p "$DEST"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 TRITON_DEFAULT_FP_FUSION=1
 
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -21,7 +27,7 @@ export PYTHONPATH="$PWD:${PYTHONPATH:-}"
 
 summary="$DEST/summary.txt"
 : >"$summary"
-step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $DEST/NAME.log
+step() {  # step NAME SECONDS COMMAND...: run under a time limit, output to $DEST/NAME.log
     local name=$1 limit=$2
     shift 2
     local start=$SECONDS
@@ -32,12 +38,12 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $DEST/NA
 
 {
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv
-    python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-    python3 -c "import liger_kernel; print('liger_kernel', liger_kernel.__name__, 'importable')" 2>&1 | tail -1
+    python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+    python3 -c "import importlib.metadata as m; print('liger-kernel', m.version('liger-kernel'))" 2>&1 | tail -1
 } >>"$summary" 2>&1
 
-step aot 60 python3 -m normswap.kernels.aot_check
-step tests 100 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_patch.py
-step bench_kernels 130 python3 scripts/bench_kernels.py --budget-s 100 --out "$DEST/bench_kernels-cuda.json"
+step aot 75 python3 -m normswap.kernels.aot_check --json "$DEST/aot.json"
+step tests 110 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_patch.py
+step bench_kernels 200 python3 scripts/bench_kernels.py --budget-s 170 --out "$DEST/bench_kernels-cuda.json"
 step bench_generate 70 python3 scripts/bench_generate.py --configs gpt2-small --out "$DEST/bench_generate-cuda.json"
 cat "$summary"

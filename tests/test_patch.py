@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import copy
+import importlib
 import importlib.util
+import inspect
 import types
 
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from normswap.kernels import fallback
+from normswap.kernels.ops import fallback
 from normswap.kernels.patch import is_rmsnorm, patch, unpatch
 from normswap.kernels.testing import interpreter_env, interpreter_unavailable
 from normswap.modeling import remote
@@ -28,6 +30,14 @@ def tiny_gpt2(*, seed: int = 0, swap=remote.swap_layer_norms) -> GPT2LMHeadModel
                 module.bias.normal_(0.0, 0.3)
     assert swap(model) == 5
     return model.eval()
+
+
+# the KV-cache keyword of this transformers version (``cache``; ``past_key_values`` before 5.18)
+CACHE_KW = "cache" if "cache" in inspect.signature(GPT2LMHeadModel.forward).parameters else "past_key_values"
+
+
+def past(output):
+    return getattr(output, "cache", None) or output.past_key_values
 
 
 def tokens(batch: int = 2, length: int = 9) -> torch.Tensor:
@@ -63,8 +73,10 @@ def test_patched_model_with_cache_and_mask():
         assert torch.equal(out[0].logits, out[1].logits)
         step = tokens(length=1)
         mask = torch.cat([mask, torch.ones_like(step)], 1)
-        nxt = [m(step, attention_mask=mask, cache=o.cache) for m, o in zip((model, patched), out, strict=True)]
+        nxt = [m(step, attention_mask=mask, **{CACHE_KW: past(o)}) for m, o in zip((model, patched), out, strict=True)]
         assert torch.equal(nxt[0].logits, nxt[1].logits)
+        # the cache was used: the step's logits differ from the step run without the prompt
+        assert not torch.allclose(nxt[0].logits, model(step).logits)
 
 
 def test_patched_model_gradients_match():
@@ -114,6 +126,31 @@ def test_overridden_block_forward_is_left_alone():
     patch(model)
     assert "forward" not in block.__dict__
     assert "forward" in model.transformer.h[1].__dict__
+
+
+PATCH = importlib.import_module("normswap.kernels.patch")
+
+
+def test_installed_gpt2_block_is_the_fingerprinted_one():
+    # fails when a transformers release changes GPT2Block.forward: re-read the fused forward
+    # against the new body, then update the fingerprint
+    assert PATCH._gpt2_block_cache_keyword() in ("cache", "past_key_values")
+
+
+def test_changed_block_body_is_left_unfused(monkeypatch):
+    monkeypatch.setattr(PATCH, "_GPT2_BLOCK_FINGERPRINT", "0" * 64)
+    PATCH._gpt2_block_cache_keyword.cache_clear()
+    try:
+        model = tiny_gpt2()
+        reference = copy.deepcopy(model)
+        patch(model)
+        assert not any("forward" in block.__dict__ for block in model.transformer.h)
+        assert "forward" in model.transformer.h[0].ln_2.__dict__  # norms still use the kernels
+        with torch.no_grad():
+            assert torch.equal(model(tokens()).logits, reference(tokens()).logits)
+    finally:
+        monkeypatch.undo()
+        PATCH._gpt2_block_cache_keyword.cache_clear()
 
 
 def test_patched_model_under_the_interpreter():

@@ -1,95 +1,112 @@
 """Compile every kernel variant for a GPU without having one: ``python -m normswap.kernels.aot_check``.
 
 The interpreter checks what the kernels compute but not that they compile. Triton ships its own
-PTX assembler, so ``triton.compile`` can build cubins for a target architecture on a CPU-only
-machine; this module does so for the configurations ``rms_norm`` launches and prints each one's
-register and stack (spill) use, read back with the bundled ``cuobjdump``. Exit status 1 if any
-variant fails to compile.
+PTX assembler, so ``triton.compile`` can build for a target architecture on a CPU-only machine;
+this module does so for every specialisation the launchers use (``launch.aot_variants``: both
+designs, three dtypes, model-like shapes) and reports each one's registers, spill bytes and
+shared memory, read from the bundled ``ptxas -v`` on the generated PTX. Exit status 1 if any
+variant fails to compile or spills registers to local memory.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
+import json
+import multiprocessing
 import os
+import re
 import subprocess
 import sys
 import tempfile
 
-from .ops import rms_norm as op
+from .ops import launch
 
-POINTER_DTYPES = ("bf16", "fp16", "fp32")
-
-
-def _fwd_signature(dtype: str, inner_is_one: bool) -> dict[str, str]:
-    ptr = "*" + dtype
-    inner = "constexpr" if inner_is_one else "i32"
-    sig = {name: ptr for name in ("X", "R", "W", "B", "Y", "S")}
-    sig.update(RSTD="*fp32", M="i32", N="i32", x_inner=inner, sx_outer="i64", sx_inner="i32")
-    sig.update(r_inner=inner, sr_outer="i32", sr_inner="i32", eps="fp32")
-    sig.update({name: "constexpr" for name in ("BLOCK_M", "BLOCK_N", "LOOP", "HAS_W", "HAS_B", "HAS_R", "STORE_RSTD")})
-    return sig
+_PTXAS_FIELDS = {
+    "registers": re.compile(r"Used (\d+) registers"),
+    "spill_stores": re.compile(r"(\d+) bytes spill stores"),
+    "spill_loads": re.compile(r"(\d+) bytes spill loads"),
+    "stack": re.compile(r"(\d+) bytes stack frame"),
+    "smem": re.compile(r"(\d+) bytes smem"),
+}
 
 
-def _bwd_signature(dtype: str) -> dict[str, str]:
-    ptr = "*" + dtype
-    sig = {"DY": ptr, "X": ptr, "W": ptr, "RSTD": "*fp32", "DS": ptr, "DX": ptr}
-    sig.update(DW_PART="*fp32", DB_PART="*fp32", M="i32", N="i64", x_inner="i32", sx_outer="i32")
-    sig.update(sx_inner="i32", rows_per_program="i32", BLOCK_N="constexpr", LOOP="constexpr")
-    sig.update(HAS_W="constexpr", HAS_DS="constexpr")
-    return sig
+def ptxas_usage(ptx: str, arch: int, ptxas: str) -> dict[str, int]:
+    """Registers, spill bytes, stack frame and static shared memory of one PTX kernel."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        out = subprocess.run([ptxas, f"-arch=sm_{arch}a" if arch >= 90 else f"-arch=sm_{arch}", "-v", path,
+                              "-o", os.path.join(tmp, "kernel.cubin")], capture_output=True, text=True)  # fmt: skip
+    text = out.stdout + out.stderr
+    if out.returncode:
+        raise RuntimeError(text.strip().splitlines()[-1] if text.strip() else "ptxas failed")
+    return {name: int(m.group(1)) if (m := rx.search(text)) else 0 for name, rx in _PTXAS_FIELDS.items()}
 
 
-def _resources(cubin: bytes, cuobjdump: str) -> str:
-    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
-        f.write(cubin)
+def _ptxas(arch: int) -> str:
+    """The ptxas that triton itself uses for ``arch`` (the bundled one may come in two ages)."""
     try:
-        out = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
-    finally:
-        os.unlink(f.name)
-    fields = next((line.split() for line in out.splitlines() if "REG:" in line), [])
-    return " ".join(field for field in fields if field.split(":")[0] in ("REG", "STACK", "SHARED"))
+        from triton.backends.nvidia.compiler import get_ptxas  # noqa: PLC0415
+
+        return get_ptxas(arch).path
+    except (ImportError, AttributeError, TypeError):
+        import triton  # noqa: PLC0415
+
+        return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
 
-def _variants(shapes):
-    for dtype, (m, n), residual in itertools.product(POINTER_DTYPES, shapes, (False, True)):
-        block_m, block_n, loop, warps = op._fwd_config(m, n)
-        yield ("fwd", dtype, m, n, residual, warps,
-               {"x_inner": 1, "r_inner": 1, "BLOCK_M": block_m, "BLOCK_N": block_n, "LOOP": loop,
-                "HAS_W": True, "HAS_B": True, "HAS_R": residual, "STORE_RSTD": True})  # fmt: skip
+_VARIANTS: list = []
+
+
+def _compile(index_and_arch: tuple[int, int]) -> dict:
+    """Compile variant ``index`` for ``arch``: its report row (run in a forked worker)."""
+    import triton  # noqa: PLC0415
+    from triton.backends.compiler import GPUTarget  # noqa: PLC0415
+    from triton.compiler import ASTSource  # noqa: PLC0415
+
+    index, arch = index_and_arch
+    variant = _VARIANTS[index]
+    row = {"variant": variant.label, "num_warps": variant.num_warps}
+    try:
+        src = ASTSource(variant.kernel, variant.signature, constexprs=variant.constexprs)
+        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": variant.num_warps})
+        row.update(ptxas_usage(compiled.asm["ptx"], arch, _ptxas(arch)))
+    except Exception as exc:  # report every failing variant, not just the first
+        row["error"] = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="compute capability x10 (default 90: H100/H200)")
+    parser.add_argument("--json", help="also write the report to this JSON file")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compiles")
     args = parser.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)  # must compile, not interpret
     import triton  # noqa: PLC0415
-    from triton.backends.compiler import GPUTarget  # noqa: PLC0415
-    from triton.compiler import ASTSource  # noqa: PLC0415
 
-    kernels = op._kernels()
-    target = GPUTarget("cuda", args.arch, 32)
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    shapes = [(32768, 128), (32768, 768), (4096, 2048), (4096, 4096), (4096, 8192), (4096, 16384), (1, 65536)]
+    _VARIANTS[:] = launch.aot_variants()
+    jobs = [(i, args.arch) for i in range(len(_VARIANTS))]
+    if args.jobs > 1:
+        with multiprocessing.get_context("fork").Pool(args.jobs) as pool:
+            report = pool.map(_compile, jobs)
+    else:
+        report = [_compile(job) for job in jobs]
     failures = 0
-    jobs = list(_variants(shapes))
-    for dtype, loop in itertools.product(POINTER_DTYPES, (False, True)):
-        for has_w, has_ds in ((True, True), (False, False)):
-            consts = {"BLOCK_N": 4096 if loop else 1024, "LOOP": loop, "HAS_W": has_w, "HAS_DS": has_ds}
-            jobs.append(("bwd", dtype, 0, 0, has_ds, max(8, min(32, consts["BLOCK_N"] // 128)), consts))
-    for kind, dtype, m, n, residual, warps, consts in jobs:
-        fn = kernels.rms_norm_fwd_kernel if kind == "fwd" else kernels.rms_norm_bwd_kernel
-        sig = _fwd_signature(dtype, True) if kind == "fwd" else _bwd_signature(dtype)
-        label = f"{kind} {dtype} M={m} N={n} residual={residual} warps={warps} {consts}"
-        try:
-            compiled = triton.compile(ASTSource(fn, sig, constexprs=consts), target=target, options={"num_warps": warps})
-        except Exception as exc:  # report every failing variant, not just the first
+    for row in report:
+        if "error" in row:
             failures += 1
-            print(f"FAIL {label}: {type(exc).__name__}: {exc}", flush=True)
+            print(f"FAIL {row['variant']}: {row['error']}", flush=True)
             continue
-        usage = _resources(compiled.asm["cubin"], cuobjdump) if os.path.exists(cuobjdump) else ""
-        print(f"ok   {label} {usage}", flush=True)
+        spills = row["spill_stores"] + row["spill_loads"]
+        failures += spills > 0
+        print(f"{'SPILL' if spills else 'ok   '} {row['variant']:<72} regs {row['registers']:>3} "
+              f"spill {spills:>4} B  smem {row['smem']:>6} B", flush=True)  # fmt: skip
+    print(f"{len(report)} variants, {failures} failing or spilling")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"arch": args.arch, "triton": triton.__version__, "variants": report}, f, indent=1)
     return 1 if failures else 0
 
 

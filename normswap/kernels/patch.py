@@ -19,6 +19,11 @@ so the hooks still run; the fused block forward falls back to calling such a nor
 
 from __future__ import annotations
 
+import ast
+import functools
+import hashlib
+import inspect
+import textwrap
 import types
 
 import torch
@@ -59,14 +64,15 @@ def _gpt2_block_forward(
     use_cache: bool | None = False,
     **kwargs,
 ) -> torch.Tensor:
-    """transformers 5.x ``GPT2Block.forward`` with the attention residual adds fused into ln_2 /
+    """transformers' ``GPT2Block.forward`` with the attention residual adds fused into ln_2 /
     ln_cross_attn. Additions are commutative in IEEE arithmetic, so results are bitwise those of
     the stock forward whenever the norms' own results are."""
-    if "past_key_values" in kwargs:  # the deprecated name the stock forward still accepts
+    if "past_key_values" in kwargs:  # the older name, by keyword
         cache = kwargs.pop("past_key_values")
+    cache_kw = {_GPT2_CACHE_KEYWORD[0]: cache}
     residual = hidden_states
     attn_output, _ = self.attn(
-        self.ln_1(hidden_states), cache=cache, attention_mask=attention_mask, use_cache=use_cache, **kwargs
+        self.ln_1(hidden_states), **cache_kw, attention_mask=attention_mask, use_cache=use_cache, **kwargs
     )
     if encoder_hidden_states is not None:
         if not hasattr(self, "crossattention"):
@@ -77,7 +83,7 @@ def _gpt2_block_forward(
         normed, residual = _add_norm(self.ln_cross_attn, attn_output, residual)
         attn_output, _ = self.crossattention(
             normed,
-            cache=cache,
+            **cache_kw,
             attention_mask=attention_mask,
             encoder_hidden_states=encoder_hidden_states,
             encoder_attention_mask=encoder_attention_mask,
@@ -86,16 +92,56 @@ def _gpt2_block_forward(
     return residual + self.mlp(normed)
 
 
+# sha256 of the normalised body of transformers' GPT2Block.forward that _gpt2_block_forward
+# reproduces (the same in transformers 5.17 and 5.24; see _body_fingerprint)
+_GPT2_BLOCK_FINGERPRINT = "fa66fdfb9d827387fde13d26ee7ad3931c58554f8da3ada79163121e663518c4"
+_CACHE_NAMES = ("cache", "past_key_values")
+# the installed GPT2Block's cache keyword, set when a block is recognised (a plain global, which
+# torch.compile reads as a constant)
+_GPT2_CACHE_KEYWORD = ["cache"]
+
+
+def _body_fingerprint(fn) -> str:
+    """sha256 of ``fn``'s body as ``ast.unparse`` writes it, the cache keyword's name made
+    uniform; comments, annotations and decorators do not count."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and node.id in _CACHE_NAMES:
+            node.id = "CACHE"
+        elif isinstance(node, ast.keyword) and node.arg in _CACHE_NAMES:
+            node.arg = "CACHE"
+    body = "\n".join(ast.unparse(stmt) for stmt in tree.body[0].body)
+    return hashlib.sha256(body.encode()).hexdigest()
+
+
+@functools.cache
+def _gpt2_block_cache_keyword() -> str | None:
+    """The cache keyword of the installed ``GPT2Block.forward`` when its body is the fingerprinted
+    one (so the fused forward computes what it computes); None otherwise."""
+    try:
+        from transformers.models.gpt2.modeling_gpt2 import GPT2Block  # noqa: PLC0415
+
+        stock = inspect.unwrap(GPT2Block.forward)
+        params = list(inspect.signature(stock).parameters)
+        if len(params) < 3 or params[2] not in _CACHE_NAMES or _body_fingerprint(stock) != _GPT2_BLOCK_FINGERPRINT:
+            return None
+    except (ImportError, OSError, TypeError, SyntaxError):  # no transformers, or no source to read
+        return None
+    return params[2]
+
+
 def _is_stock_gpt2_block(module: nn.Module) -> bool:
     try:
         from transformers.models.gpt2.modeling_gpt2 import GPT2Block  # noqa: PLC0415
     except ImportError:
         return False
-    return (
-        isinstance(module, GPT2Block)
-        and type(module).forward is GPT2Block.forward
-        and is_rmsnorm(getattr(module, "ln_2", None))
-    )
+    if type(module) is not GPT2Block or not is_rmsnorm(getattr(module, "ln_2", None)):
+        return False
+    keyword = _gpt2_block_cache_keyword()
+    if keyword is None:
+        return False
+    _GPT2_CACHE_KEYWORD[0] = keyword
+    return True
 
 
 # (recogniser, fused forward) per supported block structure

@@ -44,8 +44,8 @@ def interpreter_unavailable() -> str | None:
     """Why the kernels cannot be interpreted here, or None when they can."""
     if importlib.util.find_spec("triton") is None:
         return "triton is not installed"
-    kernels = importlib.import_module("normswap.kernels.ops.rms_norm")
-    if kernels._kernels.cache_info().currsize and not _interpreted(kernels._kernels()):
+    launch = importlib.import_module("normswap.kernels.ops.launch")
+    if launch.kernels.cache_info().currsize and not _interpreted(launch.kernels()):
         return "the kernels were already compiled for a GPU in this process"
     return None
 

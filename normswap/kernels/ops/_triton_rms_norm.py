@@ -20,6 +20,17 @@ Forward, per row (fp32 throughout, roundings marked R):
 Rows that fit one tile of at most ``BLOCK_N`` elements are normalised from registers,
 ``BLOCK_M`` rows per program (BLOCK_M > 1 for small N and many rows, e.g. per-head q/k norms).
 Longer rows (``LOOP``) take two passes over ``BLOCK_N``-sized chunks: sum of squares, then scale.
+
+Two designs live here, chosen by ``launch.DESIGN``:
+
+* ``tiled`` (``rms_norm_fwd_kernel``, ``rms_norm_bwd_kernel``): one program per row tile, the
+  tile padded to a power of two; the backward runs a fixed grid of 2 programs per SM.
+* ``persistent`` (``*_persistent_kernel``, ``rms_norm_bwd_dw_kernel``): a grid of a few programs
+  per SM, each looping over row tiles with ``tl.range(..., num_stages=NUM_STAGES)`` so the
+  next tile's loads are in flight while this one is reduced; W and B are loaded once per
+  program; a row of N elements is two power-of-two sub-tiles (``TILE_A`` + ``TILE_B``, e.g.
+  768 = 512 + 256), so few lanes idle; the backward skips db without a bias, and long rows take
+  a column-parallel kernel for dw/db instead of read-modify-writing per-program partials.
 """
 
 from __future__ import annotations
@@ -203,3 +214,221 @@ def rms_norm_bwd_kernel(
                 part = part_row + c
                 tl.store(DW_PART + part, tl.load(DW_PART + part, mask=c < N) + dy * xhat, mask=c < N)
                 tl.store(DB_PART + part, tl.load(DB_PART + part, mask=c < N) + dy, mask=c < N)
+
+
+# --------------------------------------------------------------------------- persistent design
+
+
+@triton.jit
+def rms_norm_fwd_persistent_kernel(
+    X, R, W, B, Y, S, RSTD,
+    M, N,
+    x_inner, sx_outer, sx_inner, r_inner, sr_outer, sr_inner,
+    eps,
+    BLOCK_M: tl.constexpr, TILE_A: tl.constexpr, TILE_B: tl.constexpr, LOOP: tl.constexpr,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_R: tl.constexpr, STORE_RSTD: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):  # fmt: skip
+    """Forward over row tiles ``pid, pid + programs, ...``; same math and roundings as above.
+
+    Without LOOP a row is columns [0, TILE_A) plus [TILE_A, TILE_A + TILE_B) (TILE_B may be 0),
+    TILE_A <= N, both powers of two. With LOOP (BLOCK_M == 1) it is TILE_A-sized chunks.
+    """
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    tiles = tl.cdiv(M, BLOCK_M)
+    ca = tl.arange(0, TILE_A)
+
+    if not LOOP:
+        if HAS_W:
+            wa = tl.load(W + ca).to(tl.float32)
+        if HAS_B:
+            ba = tl.load(B + ca).to(tl.float32)
+        if TILE_B > 0:
+            cb = TILE_A + tl.arange(0, TILE_B)
+            cb_ok = cb < N
+            if HAS_W:
+                wb = tl.load(W + cb, mask=cb_ok, other=0.0).to(tl.float32)
+            if HAS_B:
+                bb = tl.load(B + cb, mask=cb_ok, other=0.0).to(tl.float32)
+        for tile in tl.range(pid, tiles, programs, num_stages=NUM_STAGES):
+            rows = tl.cast(tile, tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # int64: M * N may pass 2**31
+            row_ok = rows < M
+            x_row = _row_offsets(rows, x_inner, sx_outer, sx_inner)[:, None]
+            r_row = _row_offsets(rows, r_inner, sr_outer, sr_inner)[:, None]
+            out_row = (rows * N)[:, None]
+            ma = row_ok[:, None] & (ca < N)[None, :]
+            xa = tl.load(X + x_row + ca[None, :], mask=ma, other=0.0)
+            if HAS_R:
+                ra = tl.load(R + r_row + ca[None, :], mask=ma, other=0.0)
+                xa = (xa.to(tl.float32) + ra.to(tl.float32)).to(S.dtype.element_ty)
+                tl.store(S + out_row + ca[None, :], xa, mask=ma)
+            xa = xa.to(tl.float32)
+            ss = _sum(xa * xa, axis=1)
+            if TILE_B > 0:
+                mb = row_ok[:, None] & cb_ok[None, :]
+                xb = tl.load(X + x_row + cb[None, :], mask=mb, other=0.0)
+                if HAS_R:
+                    rb = tl.load(R + r_row + cb[None, :], mask=mb, other=0.0)
+                    xb = (xb.to(tl.float32) + rb.to(tl.float32)).to(S.dtype.element_ty)
+                    tl.store(S + out_row + cb[None, :], xb, mask=mb)
+                xb = xb.to(tl.float32)
+                ss += _sum(xb * xb, axis=1)
+            rstd = tl.rsqrt(ss / N + eps)
+            ya = xa * rstd[:, None]
+            if HAS_W:
+                ya = ya * wa[None, :]
+            if HAS_B:
+                ya = ya + ba[None, :]
+            tl.store(Y + out_row + ca[None, :], ya.to(Y.dtype.element_ty), mask=ma)
+            if TILE_B > 0:
+                yb = xb * rstd[:, None]
+                if HAS_W:
+                    yb = yb * wb[None, :]
+                if HAS_B:
+                    yb = yb + bb[None, :]
+                tl.store(Y + out_row + cb[None, :], yb.to(Y.dtype.element_ty), mask=mb)
+            if STORE_RSTD:
+                tl.store(RSTD + rows, rstd, mask=row_ok)
+    else:
+        for r in tl.range(pid, M, programs):
+            row = tl.cast(r, tl.int64)
+            x_row = _row_offsets(row, x_inner, sx_outer, sx_inner)
+            r_row = _row_offsets(row, r_inner, sr_outer, sr_inner)
+            acc = tl.full([TILE_A], 0.0, tl.float32)
+            for start in tl.range(0, N, TILE_A, num_stages=NUM_STAGES):
+                c = start + ca
+                mask = c < N
+                x = tl.load(X + x_row + c, mask=mask, other=0.0)
+                if HAS_R:
+                    res = tl.load(R + r_row + c, mask=mask, other=0.0)
+                    x = (x.to(tl.float32) + res.to(tl.float32)).to(S.dtype.element_ty)
+                    tl.store(S + row * N + c, x, mask=mask)
+                xf = x.to(tl.float32)
+                acc += xf * xf
+            rstd = tl.rsqrt(_sum(acc, axis=0) / N + eps)
+            if HAS_R:
+                tl.debug_barrier()  # the second pass reads s back: this block's stores first
+            for start in tl.range(0, N, TILE_A, num_stages=NUM_STAGES):
+                c = start + ca
+                mask = c < N
+                if HAS_R:
+                    x = tl.load(S + row * N + c, mask=mask, other=0.0)
+                else:
+                    x = tl.load(X + x_row + c, mask=mask, other=0.0)
+                y = x.to(tl.float32) * rstd
+                if HAS_W:
+                    y = y * tl.load(W + c, mask=mask, other=0.0).to(tl.float32)
+                if HAS_B:
+                    y = y + tl.load(B + c, mask=mask, other=0.0).to(tl.float32)
+                tl.store(Y + row * N + c, y.to(Y.dtype.element_ty), mask=mask)
+            if STORE_RSTD:
+                tl.store(RSTD + row, rstd)
+
+
+@triton.jit
+def rms_norm_bwd_persistent_kernel(
+    DY, X, W, RSTD, DS, DX, DW_PART, DB_PART,
+    M, N, x_inner, sx_outer, sx_inner,
+    BLOCK_N: tl.constexpr, LOOP: tl.constexpr,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_DS: tl.constexpr, NUM_STAGES: tl.constexpr,
+):  # fmt: skip
+    """dx for rows ``pid, pid + programs, ...`` (the tiled kernel's formula), rows pipelined.
+
+    Without LOOP each program also writes its partial sums of dy * x̂ (and of dy when HAS_B) to
+    its row of DW_PART / DB_PART, summed by the host. With LOOP, dw and db are left to
+    ``rms_norm_bwd_dw_kernel``, and each row takes two passes over BLOCK_N-sized chunks.
+    """
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_N)
+
+    if not LOOP:
+        col_ok = cols < N
+        if HAS_W:
+            w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+        dw = tl.full([BLOCK_N], 0.0, tl.float32)
+        if HAS_B:
+            db = tl.full([BLOCK_N], 0.0, tl.float32)
+        for r in tl.range(pid, M, programs, num_stages=NUM_STAGES):
+            row = tl.cast(r, tl.int64)
+            x = tl.load(X + _row_offsets(row, x_inner, sx_outer, sx_inner) + cols, mask=col_ok, other=0.0)
+            dy = tl.load(DY + row * N + cols, mask=col_ok, other=0.0).to(tl.float32)
+            rstd = tl.load(RSTD + row)
+            xhat = x.to(tl.float32) * rstd
+            g = dy
+            if HAS_W:
+                g = dy * w
+            dx = (g - xhat * (_sum(g * xhat, axis=0) / N)) * rstd
+            if HAS_DS:
+                dx += tl.load(DS + row * N + cols, mask=col_ok, other=0.0).to(tl.float32)
+            tl.store(DX + row * N + cols, dx.to(DX.dtype.element_ty), mask=col_ok)
+            dw += dy * xhat
+            if HAS_B:
+                db += dy
+        part_row = tl.cast(pid, tl.int64) * N
+        tl.store(DW_PART + part_row + cols, dw, mask=col_ok)
+        if HAS_B:
+            tl.store(DB_PART + part_row + cols, db, mask=col_ok)
+    else:
+        for r in tl.range(pid, M, programs):
+            row = tl.cast(r, tl.int64)
+            x_row = _row_offsets(row, x_inner, sx_outer, sx_inner)
+            rstd = tl.load(RSTD + row)
+            acc = tl.full([BLOCK_N], 0.0, tl.float32)
+            for start in tl.range(0, N, BLOCK_N, num_stages=NUM_STAGES):
+                c = start + cols
+                mask = c < N
+                x = tl.load(X + x_row + c, mask=mask, other=0.0).to(tl.float32)
+                g = tl.load(DY + row * N + c, mask=mask, other=0.0).to(tl.float32)
+                if HAS_W:
+                    g = g * tl.load(W + c, mask=mask, other=0.0).to(tl.float32)
+                acc += g * x
+            mean_gx = _sum(acc, axis=0) * rstd / N
+            for start in tl.range(0, N, BLOCK_N, num_stages=NUM_STAGES):
+                c = start + cols
+                mask = c < N
+                xhat = tl.load(X + x_row + c, mask=mask, other=0.0).to(tl.float32) * rstd
+                g = tl.load(DY + row * N + c, mask=mask, other=0.0).to(tl.float32)
+                if HAS_W:
+                    g = g * tl.load(W + c, mask=mask, other=0.0).to(tl.float32)
+                dx = (g - xhat * mean_gx) * rstd
+                if HAS_DS:
+                    dx += tl.load(DS + row * N + c, mask=mask, other=0.0).to(tl.float32)
+                tl.store(DX + row * N + c, dx.to(DX.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def rms_norm_bwd_dw_kernel(
+    DY, X, RSTD, DW_PART, DB_PART,
+    M, N, x_inner, sx_outer, sx_inner, rows_per_split,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, HAS_B: tl.constexpr, NUM_STAGES: tl.constexpr,
+):  # fmt: skip
+    """Column-parallel dw = sum_rows(dy * x * rstd) and db = sum_rows(dy) for long rows.
+
+    Program (c, s) sums columns [c * BLOCK_C, (c + 1) * BLOCK_C) over rows
+    [s * rows_per_split, (s + 1) * rows_per_split) into row s of DW_PART / DB_PART.
+    """
+    pid_c = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = c < N
+    first = tl.cast(pid_s, tl.int64) * rows_per_split
+    last = tl.minimum(first + rows_per_split, M)
+    acc_w = tl.full([BLOCK_R, BLOCK_C], 0.0, tl.float32)
+    if HAS_B:
+        acc_b = tl.full([BLOCK_R, BLOCK_C], 0.0, tl.float32)
+    for start in tl.range(first, last, BLOCK_R, num_stages=NUM_STAGES):
+        rows = start + tl.arange(0, BLOCK_R)
+        row_ok = rows < last
+        mask = row_ok[:, None] & c_ok[None, :]
+        x = tl.load(X + _row_offsets(rows, x_inner, sx_outer, sx_inner)[:, None] + c[None, :], mask=mask, other=0.0)
+        dy = tl.load(DY + (rows * N)[:, None] + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+        acc_w += dy * (x.to(tl.float32) * rstd[:, None])
+        if HAS_B:
+            acc_b += dy
+    part = tl.cast(pid_s, tl.int64) * N + c
+    tl.store(DW_PART + part, _sum(acc_w, axis=0), mask=c_ok)
+    if HAS_B:
+        tl.store(DB_PART + part, _sum(acc_b, axis=0), mask=c_ok)
