@@ -53,7 +53,7 @@ from normswap.modeling.remote import RMSNorm  # noqa: E402
 
 EPS = 1e-5
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-FWD_N = [768, 2048, 4096, 5120, 8192, 12288, 16384, 65536]
+FWD_N = [768, 2048, 4096, 5120, 8192, 16384, 65536]
 FWD_M = [32768, 4096]
 BWD_N = [768, 2048, 4096, 8192, 16384, 65536]
 BWD_M = 16384
@@ -290,7 +290,10 @@ def measure(row: dict, call: Callable, x, w, r, run: Run) -> dict:
     row["max_rel_err"] = err
     if not err <= tolerance(x.dtype):
         return {**row, "error": "incorrect output: not timed"}
-    median, p20, p80 = run.timer(call, run.args.quick)
+    try:
+        median, p20, p80 = run.timer(call, run.args.quick)
+    except Exception as exc:
+        return {**row, "error": f"timing: {type(exc).__name__}: {str(exc)[:200]}"}
     return {**row, "ms_median": median, "ms_p20": p20, "ms_p80": p80}
 
 
@@ -323,7 +326,12 @@ def bench_backward(run: Run, impls: dict, ns: list[int], m: int, dtype: torch.dt
             if not err <= 5e-2:  # dw sums M bf16-rounded products
                 rows.append({**row, "error": "incorrect gradients: not timed"})
                 continue
-            median, p20, p80 = run.timer(functools.partial(torch.autograd.grad, y, (x, w), dy, retain_graph=True), run.args.quick)
+            try:
+                median, p20, p80 = run.timer(functools.partial(torch.autograd.grad, y, (x, w), dy, retain_graph=True),
+                                             run.args.quick)  # fmt: skip
+            except Exception as exc:
+                rows.append({**row, "error": f"timing: {type(exc).__name__}: {str(exc)[:200]}"})
+                continue
             rows.append({**row, "ms_median": median, "ms_p20": p20, "ms_p80": p80,
                          "GBps": row["bytes"] / (median * 1e-3) / 1e9})  # fmt: skip
             del y
@@ -599,8 +607,8 @@ def sections(args) -> list[tuple[str, Callable[[Run], None]]]:
     chosen = [
         ("forward", lambda run: bench_forward(run, impls, ["bf16"], [4096] if quick else FWD_M,
                                               [768, 65536 + 3] if quick else FWD_N)),
-        ("backward", lambda run: bench_backward(run, impls, [768, 16384] if quick else BWD_N, 4096 if quick else BWD_M)),
         ("decode", lambda run: bench_decode(run, impls, [1, 32] if quick else DECODE_M, [768] if quick else DECODE_N)),
+        ("backward", lambda run: bench_backward(run, impls, [768, 16384] if quick else BWD_N, 4096 if quick else BWD_M)),
         ("large", lambda run: None if quick else bench_large(run)),
         ("forward", lambda run: None if quick else bench_forward(run, impls, ["fp16", "fp32"], FWD_M, FWD_N)),
     ]  # fmt: skip

@@ -146,7 +146,9 @@ def max_fused_n(design: str, element_size: int, backward: bool = False) -> int:
     """The longest row each design normalises from registers."""
     if design == "tiled":
         return MAX_FUSED_N
-    return MAX_FUSED_N // 2 if backward or element_size > 2 else MAX_FUSED_N
+    if backward:
+        return MAX_FUSED_N // 4
+    return MAX_FUSED_N // 2 if element_size > 2 else MAX_FUSED_N
 
 
 def fwd_config(
@@ -253,7 +255,8 @@ def _launch(plan: _Plan, args: tuple) -> None:
             FAST_LAUNCH = False
     compiled = plan.kernel[plan.grid](*args, num_warps=plan.num_warps)
     if FAST_LAUNCH and compiled is not None and hasattr(type(compiled), "__getitem__"):
-        plan.launcher = compiled[plan.grid]  # a CompiledKernel (CUDA); the interpreter returns None
+        # a CompiledKernel (CUDA; the interpreter returns None); its launcher wants all three grid dims
+        plan.launcher = compiled[(plan.grid[0], 1, 1)]
 
 
 def _tune(x, weight, bias, residual, store_rstd, m, n, outputs) -> int:
