@@ -8,8 +8,8 @@ Models have random weights (speed does not depend on their values). Three are ti
 
 * ``original``: the stock ``GPT2LMHeadModel`` with its LayerNorms;
 * ``converted``: ``normswap.convert_model(original)``, plain-torch RMSNorms (the remote-code path);
-* ``patched_persistent`` and ``patched_tiled``: the same after ``normswap.patch`` (kernels, and
-  the attention residual add fused into ``ln_2``), with each kernel design.
+* ``patched``: the same after ``normswap.patch``: kernels, and the attention residual add fused
+  into ``ln_2``.
 
 Reported: prefill tokens/s (one forward over a prompt, cache on) and decode latency per token at
 batch 1 and 32 (single-token forwards against a KV cache, fixed token ids so every model does
@@ -39,7 +39,6 @@ sys.path.insert(0, str(ROOT))
 
 import normswap  # noqa: E402
 from normswap.kernels import patch as kernels_patch  # noqa: E402
-from normswap.kernels.ops import launch  # noqa: E402
 
 CONFIGS = {
     "gpt2-small": {"n_layer": 12, "n_embd": 768, "n_head": 12},  # 124M
@@ -60,7 +59,7 @@ def sync(device: str) -> None:
 
 
 def build_models(name: str, device: str, dtype: torch.dtype, quick: bool) -> dict:
-    """{"original", "converted", "patched_persistent", "patched_tiled"} models."""
+    """{"original", "converted", "patched"} models."""
     shape = {"n_layer": 2, "n_embd": 64, "n_head": 2} if quick else CONFIGS[name]
     config = GPT2Config(**shape, vocab_size=50257, n_positions=1024)
     torch.manual_seed(0)
@@ -68,11 +67,7 @@ def build_models(name: str, device: str, dtype: torch.dtype, quick: bool) -> dic
         original = GPT2LMHeadModel(config).eval()
     converted = normswap.convert_model(original)
     original, converted = original.to(dtype), converted.to(dtype).eval()
-    models = {"original": original, "converted": converted}
-    for design in launch.DESIGNS:
-        models[f"patched_{design}"] = kernels_patch(copy.deepcopy(converted))
-        models[f"patched_{design}"].kernel_design = design
-    return models
+    return {"original": original, "converted": converted, "patched": kernels_patch(copy.deepcopy(converted))}
 
 
 def cache_kwarg(model) -> str:
@@ -81,7 +76,6 @@ def cache_kwarg(model) -> str:
 
 
 def forward(model, ids, cache=None):
-    launch.DESIGN = getattr(model, "kernel_design", launch.DESIGN)
     kwargs = {cache_kwarg(model): cache} if cache is not None else {}
     out = model(input_ids=ids, use_cache=True, **kwargs)
     return out, getattr(out, "cache", None) or getattr(out, "past_key_values", None)
@@ -135,10 +129,12 @@ def alternate(models: dict, rounds: int, measure) -> dict:
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
-def bench_config(name: str, device: str, dtype: torch.dtype, settings: dict, quick: bool) -> dict:
+def bench_config(name: str, device: str, dtype: torch.dtype, settings: dict, quick: bool, entry: dict, save) -> None:
+    """Fill ``entry`` with one configuration's figures, calling ``save()`` after each (partial
+    results survive a time limit)."""
     models = build_models(name, device, dtype, quick)
-    entry = {"config": name, "dtype": str(dtype).removeprefix("torch."),
-             "params": sum(p.numel() for p in models["original"].parameters())}  # fmt: skip
+    entry.update(config=name, dtype=str(dtype).removeprefix("torch."),
+                 params=sum(p.numel() for p in models["original"].parameters()))  # fmt: skip
     with torch.inference_mode():
         entry["max_rel_logit_diff"] = compare_logits(models, device)
         gen = torch.Generator().manual_seed(1)
@@ -146,13 +142,14 @@ def bench_config(name: str, device: str, dtype: torch.dtype, settings: dict, qui
             prompt = torch.randint(0, 50257, (batch, length), generator=gen).to(device)
             seconds = alternate(models, settings["rounds"], lambda m, p=prompt: time_prefill(m, p, device))
             report(entry, f"prefill_b{batch}_t{length}", summarise(seconds, batch * length, "prefill"))
+            save()
         for batch in settings["decode"]:
             context = torch.randint(0, 50257, (batch, settings["context"]), generator=gen).to(device)
             per_step = alternate(
                 models, settings["rounds"], lambda m, c=context: time_decode(m, c, settings["steps"], device)
             )
             report(entry, f"decode_b{batch}", summarise(per_step, batch, "decode"))
-    return entry
+            save()
 
 
 def report(entry: dict, key: str, rows: dict) -> None:
@@ -208,10 +205,15 @@ def main(argv: list[str] | None = None) -> int:
     }
     out = args.out or ROOT / "benchmarks" / "results" / f"bench_generate-{device}{'-quick' if args.quick else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    for name in names:
-        report["results"].append(bench_config(name, device, dtype, settings, args.quick))
+
+    def save() -> None:
         report["meta"]["seconds"] = round(time.time() - started, 1)
         out.write_text(json.dumps(report, indent=1) + "\n")
+
+    for name in names:
+        report["results"].append({})
+        bench_config(name, device, dtype, settings, args.quick, report["results"][-1], save)
+        save()
     print(f"wrote {out} ({report['meta']['seconds']} s)")
     return 0
 

@@ -10,9 +10,9 @@ Sections (CUDA), each implementation's output checked against float64 before it 
 * ``forward``: y = RMSNorm(x) ("plain") and (y, s) with s = x + r ("fused_add") for M >= 4096,
   N from 768 to 65536. Bandwidth counts the bytes an ideal kernel moves (x read and y written,
   plus r read and s written when fused, plus the weight), as GB/s and as a % of a device copy of
-  the same bytes timed in the same run. Peers: both normswap designs (``tiled`` and
-  ``persistent``), Liger-Kernel (its fused add+norm kernel for fused_add), ``torch.compile``
-  (one compile per (N, dtype), M dynamic), ``F.rms_norm``.
+  the same bytes timed in the same run. Peers: the add-then-norm through normswap's kernel
+  (``normswap_unfused``), Liger-Kernel (its fused add+norm kernel for fused_add),
+  ``torch.compile`` (at most two compiles per (N, dtype)), ``F.rms_norm``.
 * ``backward``: the gradients of x and the weight for a given dy, timed alone (the forward's
   graph is kept); the same peers.
 * ``decode``: M = 1-32. ``wall_us`` is the host wall time per call in a loop of calls (what a
@@ -71,25 +71,16 @@ class BudgetExceeded(Exception):
 # Each takes (x, w, r) and returns y (r None) or (y, s) (r given).
 
 
-def _with_design(design: str) -> Callable:
-    def run(x, w, r):
-        launch.DESIGN = design
-        return rms_norm(x, w, None, EPS, residual=r)
-
-    return run
+def _normswap(x, w, r):
+    return rms_norm(x, w, None, EPS, residual=r)
 
 
-def _unfused(design: str) -> Callable:
+def _normswap_unfused(x, w, r):
     """The add, then the norm: what the fused kernel saves one pass over memory against."""
-
-    def run(x, w, r):
-        launch.DESIGN = design
-        if r is None:
-            return rms_norm(x, w, None, EPS)
-        s = x + r
-        return rms_norm(s, w, None, EPS), s
-
-    return run
+    if r is None:
+        return rms_norm(x, w, None, EPS)
+    s = x + r
+    return rms_norm(s, w, None, EPS), s
 
 
 def _exact_eager(x, w):
@@ -139,9 +130,8 @@ def _liger() -> Callable | None:
 
 def cuda_impls(device: str) -> dict[str, Callable]:
     impls = {
-        "normswap_persistent": _with_design("persistent"),
-        "normswap_tiled": _with_design("tiled"),
-        "normswap_unfused": _unfused("persistent"),
+        "normswap": _normswap,
+        "normswap_unfused": _normswap_unfused,
         "torch.compile": _compiled(),
         "F.rms_norm": _f_rms_norm,
     }
@@ -430,20 +420,17 @@ def bench_large(run: Run, shape: tuple[int, int] = LARGE, dtype: torch.dtype = t
         run.check_time()
         x, w, r = inputs(m, n, dtype, run.device, fused)
         nbytes = (4 if fused else 2) * m * n * x.element_size()
-        rows = []
-        for design in launch.DESIGNS:
-            row = {"section": "large", "impl": f"normswap_{design}", "M": m, "N": n, "dtype": dname,
-                   "variant": "fused_add" if fused else "plain", "elements": m * n, "bytes": nbytes}  # fmt: skip
-            out = _with_design(design)(x, w, r)
-            row["end_rows_max_rel_err"] = max_error(out, x, w, r)
-            del out
-            if row["end_rows_max_rel_err"] <= tolerance(dtype):
-                median, p20, p80 = run.timer(functools.partial(_with_design(design), x, w, r), True)
-                row.update(ms_median=median, ms_p20=p20, ms_p80=p80, GBps=nbytes / (median * 1e-3) / 1e9)
-            else:
-                row["error"] = "incorrect end rows: not timed"
-            rows.append(row)
-        run.add(rows)
+        row = {"section": "large", "impl": "normswap", "M": m, "N": n, "dtype": dname,
+               "variant": "fused_add" if fused else "plain", "elements": m * n, "bytes": nbytes}  # fmt: skip
+        out = _normswap(x, w, r)
+        row["end_rows_max_rel_err"] = max_error(out, x, w, r)
+        del out
+        if row["end_rows_max_rel_err"] <= tolerance(dtype):
+            median, p20, p80 = run.timer(functools.partial(_normswap, x, w, r), True)
+            row.update(ms_median=median, ms_p20=p20, ms_p80=p80, GBps=nbytes / (median * 1e-3) / 1e9)
+        else:
+            row["error"] = "incorrect end rows: not timed"
+        run.add([row])
         del x, w, r
         if run.device == "cuda":
             torch.cuda.empty_cache()
@@ -504,7 +491,6 @@ def bench_host_overhead(run: Run) -> None:
             try:
                 launch._launch = lambda plan, args: None
                 rms_norm.__globals__["use_kernels"] = lambda t: True
-                launch.DESIGN = "persistent"
                 launch.clear_cache()
                 call = functools.partial(rms_norm, x, w, None, EPS, residual=r)
                 timings["planned"] = _host_us(call)
@@ -581,10 +567,10 @@ def summarise(results: list[dict]) -> dict:
     by = {(r["section"], r["impl"], r["M"], r["N"], r["dtype"], r["variant"]): r for r in results if "ms_median" in r}
     out = {}
     for (section, impl, m, n, dtype, variant), row in by.items():
-        if section != "forward" or impl != "normswap_persistent":
+        if section != "forward" or impl != "normswap":
             continue
         key = f"{dtype} {variant} M={m} N={n}"
-        for peer in ("normswap_tiled", "liger", "torch.compile", "normswap_unfused"):
+        for peer in ("liger", "torch.compile", "F.rms_norm", "normswap_unfused"):
             other = by.get((section, peer, m, n, dtype, variant))
             if other:
                 out.setdefault(key, {})[f"speedup_vs_{peer}"] = other["ms_median"] / row["ms_median"]

@@ -36,12 +36,11 @@ def triton_interpreter():
         yield
 
 
-@pytest.fixture(autouse=True, params=launch.DESIGNS)
-def design(request, monkeypatch):
-    """Every test runs against both kernel designs (and their own launch caches)."""
-    monkeypatch.setattr(launch, "DESIGN", request.param)
+@pytest.fixture(autouse=True)
+def fresh_launch_plans():
+    """Each test starts with no cached launch plans (some change the launcher's constants)."""
     launch.clear_cache()
-    yield request.param
+    yield
     launch.clear_cache()
 
 
@@ -261,13 +260,10 @@ def test_column_parallel_dw_over_several_row_splits(monkeypatch):
 
 
 @pytest.mark.parametrize("n", [768, 3072, 5120, 6144, 12288])
-def test_rows_split_into_two_power_of_two_tiles(design, n):
+def test_rows_split_into_two_power_of_two_tiles(n):
     config = launch.fwd_config(4096, n, torch.device(DEVICE), element_size=2)
-    if design == "persistent":
-        assert config.tile_a + config.tile_b == n and config.tile_a & (config.tile_a - 1) == 0
-        assert config.tile_b & (config.tile_b - 1) == 0
-    else:
-        assert config.tile_a >= n
+    assert config.tile_a + config.tile_b == n and config.tile_a & (config.tile_a - 1) == 0
+    assert config.tile_b & (config.tile_b - 1) == 0
 
 
 def test_repeated_calls_reuse_one_launch_plan():

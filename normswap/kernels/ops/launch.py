@@ -1,38 +1,31 @@
 """Host side of the Triton RMSNorm path: row layouts, launch configurations, cached launches.
 
-``forward`` and ``backward`` run the kernels of ``_triton_rms_norm.py`` for the design named by
-``DESIGN`` (``"tiled"`` or ``"persistent"``, see that module; the environment variable
-``NORMSWAP_RMSNORM_DESIGN`` sets the default). Both compute the same function with the same
-rounding points.
+``forward`` and ``backward`` run the kernels of ``_triton_rms_norm.py``: a few programs per SM,
+each looping over row tiles (see that module).
 
 Decode calls are small (M = 1-32 rows), so their cost is host time. A forward's launch plan
 (row layouts, configuration, grid, and on CUDA the compiled kernel's launcher) is cached per
-(design, shapes, strides, dtypes, pointer alignment): a repeated call allocates its outputs and
+(shapes, strides, dtypes, pointer alignment): a repeated call allocates its outputs and
 launches, nothing more. Alignment is in the key because Triton specialises a kernel on whether
 each pointer is 16-byte aligned.
 
-On CUDA the persistent forward picks its warps by timing a few candidates on first use of each
+On CUDA the forward picks its warps by timing a few candidates on first use of each
 (N, dtypes, flags) with at least ``TUNE_FROM_NUMEL`` elements (never while a CUDA graph is
 being captured); smaller calls are launch-bound and use the heuristic.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
-DESIGNS = ("tiled", "persistent")
-DESIGN = os.environ.get("NORMSWAP_RMSNORM_DESIGN", "persistent")
-
-# Rows up to this many elements are normalised from registers, longer ones in two looped passes
-# (persistent design: half as many for float32 rows, and for the backward, which keeps more row
-# arrays live; beyond that ptxas spills, see ``python -m normswap.kernels.aot_check``).
+# Rows up to this many 16-bit elements are normalised from registers, longer ones in two looped
+# passes; half as many float32 elements, a quarter as many in the backward, which keeps more row
+# arrays live (beyond that ptxas spills, see ``python -m normswap.kernels.aot_check``).
 MAX_FUSED_N = 16384
 # Chunk length of the looped passes.
 LOOP_BLOCK_N = 4096
@@ -40,9 +33,9 @@ LOOP_BLOCK_N = 4096
 MULTI_ROW_TILE = 4096
 # ... but only while at least this many tiles remain to spread over the GPU.
 MIN_PROGRAMS = 1024
-# Loads in flight per program in the persistent design's pipelined loops.
+# Loads in flight per program in the pipelined loops.
 NUM_STAGES = 2
-# Forward calls with at least this many elements tune their warps (persistent design, CUDA).
+# Forward calls with at least this many elements tune their warps (CUDA).
 TUNE_FROM_NUMEL = 1 << 20
 WARP_CHOICES = (4, 8, 16)
 
@@ -112,15 +105,14 @@ def _strided_rows(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
 @dataclass(frozen=True)
 class FwdConfig:
     """One forward launch: rows per tile, columns (``tile_a`` + ``tile_b``, or ``tile_a``-sized
-    chunks when ``loop``), warps and programs (None: one per tile)."""
+    chunks when ``loop``), warps and programs."""
 
-    design: str
     block_m: int
     tile_a: int
     tile_b: int
     loop: bool
     num_warps: int
-    programs: int | None
+    programs: int
 
 
 @functools.cache
@@ -131,46 +123,33 @@ def multiprocessors(device: torch.device) -> int:
     return 4
 
 
-def _tiled_warps(tile: int) -> int:
-    """About 8 elements per thread: sm_90 cubins of 16-32 per thread use 150+ registers (see
-    ``python -m normswap.kernels.aot_check``), which caps occupancy at one CTA per SM."""
-    return max(4, min(32, tile // 256))
-
-
-def _persistent_warps(tile: int) -> int:
+def _default_warps(tile: int) -> int:
     """About 16 elements per thread, 4-16 warps: with two tiles in flight per program."""
     return max(4, min(16, tile // 512))
 
 
-def max_fused_n(design: str, element_size: int, backward: bool = False) -> int:
-    """The longest row each design normalises from registers."""
-    if design == "tiled":
-        return MAX_FUSED_N
+def max_fused_n(element_size: int, backward: bool = False) -> int:
+    """The longest row normalised from registers."""
     if backward:
         return MAX_FUSED_N // 4
     return MAX_FUSED_N // 2 if element_size > 2 else MAX_FUSED_N
 
 
 def fwd_config(
-    m: int, n: int, device: torch.device, design: str | None = None, num_warps: int | None = None,
-    element_size: int = 2,
-) -> FwdConfig:  # fmt: skip
-    """The heuristic forward configuration for (m, n) rows of ``design`` (default ``DESIGN``)."""
-    design = design or DESIGN
-    if n > max_fused_n(design, element_size):
-        # persistent chunks: the widest spill-free choice per element size (aot_check)
-        warps = num_warps or (_tiled_warps(LOOP_BLOCK_N) if design == "tiled" else 16 if element_size <= 2 else 8)
-        programs = None if design == "tiled" else min(m, multiprocessors(device) * max(1, 32 // warps))
-        return FwdConfig(design, 1, LOOP_BLOCK_N, 0, True, warps, programs)
+    m: int, n: int, device: torch.device, num_warps: int | None = None, element_size: int = 2
+) -> FwdConfig:
+    """The heuristic forward configuration for (m, n) rows (``num_warps`` overrides the warps)."""
+    if n > max_fused_n(element_size):
+        # chunks: the widest spill-free choice per element size (aot_check)
+        warps = num_warps or (16 if element_size <= 2 else 8)
+        return FwdConfig(1, LOOP_BLOCK_N, 0, True, warps, min(m, multiprocessors(device) * max(1, 32 // warps)))
     padded = _next_pow2(n)
     block_m = max(1, min(MULTI_ROW_TILE // padded, _pow2_floor(m // MIN_PROGRAMS)))
-    if design == "tiled":
-        return FwdConfig(design, block_m, padded, 0, False, num_warps or _tiled_warps(block_m * padded), None)
     tile_a = _pow2_floor(n)
     tile_b = _next_pow2(n - tile_a) if n > tile_a else 0
-    warps = num_warps or _persistent_warps(block_m * padded)
+    warps = num_warps or _default_warps(block_m * padded)
     programs = min(_cdiv(m, block_m), multiprocessors(device) * max(1, 32 // warps))
-    return FwdConfig(design, block_m, tile_a, tile_b, False, warps, programs)
+    return FwdConfig(block_m, tile_a, tile_b, False, warps, programs)
 
 
 def warp_candidates(config: FwdConfig) -> list[int]:
@@ -209,7 +188,7 @@ def _aligned(t: torch.Tensor | None) -> bool:
 
 def _plan_key(x, weight, bias, residual, store_rstd: bool) -> tuple:
     return (
-        DESIGN, x.device, x.dtype, x.shape, x.stride(), x.data_ptr() % 16 == 0,
+        x.device, x.dtype, x.shape, x.stride(), x.data_ptr() % 16 == 0,
         None if residual is None else (residual.stride(), _aligned(residual)),
         None if weight is None else (weight.dtype, weight.is_contiguous(), _aligned(weight)),
         None if bias is None else (bias.dtype, bias.is_contiguous(), _aligned(bias)),
@@ -219,8 +198,6 @@ def _plan_key(x, weight, bias, residual, store_rstd: bool) -> tuple:
 
 def _fwd_consts(config: FwdConfig, has_w: bool, has_b: bool, has_r: bool, store_rstd: bool) -> tuple:
     """The kernel's constexpr arguments, in its parameter order."""
-    if config.design == "tiled":
-        return (config.block_m, config.tile_a, config.loop, has_w, has_b, has_r, store_rstd)
     return (config.block_m, config.tile_a, config.tile_b, config.loop, has_w, has_b, has_r, store_rstd, NUM_STAGES)
 
 
@@ -235,14 +212,11 @@ def _make_plan(x, weight, bias, residual, store_rstd: bool, m: int, n: int, conf
         copy_r = r_layout is None
         if copy_r:
             r_layout = row_layout(residual.contiguous())
-    k = kernels()
-    kernel = k.rms_norm_fwd_kernel if config.design == "tiled" else k.rms_norm_fwd_persistent_kernel
-    tiles = _cdiv(m, config.block_m) if not config.loop else m
-    grid = (config.programs or tiles,)
     consts = _fwd_consts(config, weight is not None, bias is not None, residual is not None, store_rstd)
     contiguous_w = weight is None or weight.is_contiguous()
     contiguous_b = bias is None or bias.is_contiguous()
-    return _Plan(kernel, grid, consts, config.num_warps, copy_x, copy_r, contiguous_w, contiguous_b, x_layout, r_layout)
+    return _Plan(kernels().rms_norm_fwd_kernel, (config.programs,), consts, config.num_warps, copy_x, copy_r,
+                 contiguous_w, contiguous_b, x_layout, r_layout)  # fmt: skip
 
 
 def _launch(plan: _Plan, args: tuple) -> None:
@@ -308,7 +282,7 @@ def _fwd_args(plan: _Plan, x, weight, bias, residual, y, s, rstd, m: int, n: int
 
 def _tunable(x: torch.Tensor, m: int, n: int) -> bool:
     return (
-        DESIGN == "persistent" and x.is_cuda and m * n >= TUNE_FROM_NUMEL and n <= max_fused_n(DESIGN, x.element_size())
+        x.is_cuda and m * n >= TUNE_FROM_NUMEL and n <= max_fused_n(x.element_size())
         and not torch.cuda.is_current_stream_capturing()
     )  # fmt: skip
 
@@ -341,7 +315,7 @@ def forward(
 
 
 def clear_cache() -> None:
-    """Forget cached launch plans and tuned warps (after changing ``DESIGN`` or the constants)."""
+    """Forget cached launch plans and tuned warps (after changing the module's constants)."""
     _PLANS.clear()
     _TUNED.clear()
 
@@ -349,53 +323,12 @@ def clear_cache() -> None:
 # --------------------------------------------------------------------------- backward
 
 
-def _bwd_warps(block_n: int, design: str, element_size: int) -> int:
-    if design == "tiled":
-        return max(8, min(32, block_n // 128))  # ~4 per thread: the backward keeps 5 row arrays live
+def _bwd_warps(block_n: int, element_size: int) -> int:
     return max(4, min(16 if element_size <= 2 else 8, block_n // 256))
 
 
-def backward(
-    dy: torch.Tensor, xs: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor | None,
-    ds: torch.Tensor | None, has_bias: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(dx, dw, db) through the kernels: dw, db float32 sums over rows (db empty without a bias)."""
-    n = xs.shape[-1]
-    m = xs.numel() // n if n else 0
-    dx = torch.empty(xs.shape, dtype=xs.dtype, device=xs.device)
-    if m == 0:
-        zeros = torch.zeros(n, dtype=torch.float32, device=xs.device)
-        return dx, zeros, zeros.clone() if has_bias else zeros.new_empty(0)
-    xs, x_layout = _strided_rows(xs)
-    dy = dy.contiguous()
-    ds = ds.contiguous() if ds is not None else None
-    w = weight.contiguous() if weight is not None else dy
-    if DESIGN == "tiled":
-        dw, db = _bwd_tiled(dy, xs, x_layout, rstd.contiguous(), weight, w, ds, dx, m, n)
-        return dx, dw, db if has_bias else db.new_empty(0)
-    return (dx, *_bwd_persistent(dy, xs, x_layout, rstd.contiguous(), weight, w, ds, dx, m, n, has_bias))
-
-
-def _bwd_tiled(dy, xs, x_layout, rstd, weight, w, ds, dx, m, n):
-    programs = min(m, 2 * multiprocessors(xs.device))
-    rows_per_program = _cdiv(m, programs)
-    programs = _cdiv(m, rows_per_program)
-    loop = n > MAX_FUSED_N
-    block_n = LOOP_BLOCK_N if loop else _next_pow2(n)
-    alloc = torch.zeros if loop else torch.empty  # the looped kernel accumulates in place
-    dw_part = alloc((programs, n), dtype=torch.float32, device=xs.device)
-    db_part = alloc((programs, n), dtype=torch.float32, device=xs.device)
-    kernels().rms_norm_bwd_kernel[(programs,)](
-        dy, xs, w, rstd, ds if ds is not None else dy, dx, dw_part, db_part,
-        m, n, *x_layout, rows_per_program,
-        BLOCK_N=block_n, LOOP=loop, HAS_W=weight is not None, HAS_DS=ds is not None,
-        num_warps=_bwd_warps(block_n, "tiled", xs.element_size()),
-    )  # fmt: skip
-    return dw_part.sum(0), db_part.sum(0)
-
-
 def bwd_programs(m: int, n: int, device: torch.device) -> int:
-    """Persistent backward grid: many programs at small N (8 per SM), about 1 per SM at 16K."""
+    """Backward grid: many programs at small N (8 per SM), about 1 per SM at 16K."""
     per_sm = max(1, min(8, 16384 // _next_pow2(n)))
     return min(m, multiprocessors(device) * per_sm)
 
@@ -406,22 +339,35 @@ DW_BLOCK_C = 128
 DW_WARPS = 8
 
 
-def _bwd_persistent(dy, xs, x_layout, rstd, weight, w, ds, dx, m, n, has_bias):
-    k = kernels()
-    loop = n > max_fused_n("persistent", xs.element_size(), backward=True)
-    block_n = LOOP_BLOCK_N if loop else _next_pow2(n)
-    programs = bwd_programs(m, n, xs.device) if not loop else min(m, 2 * multiprocessors(xs.device))
+def backward(
+    dy: torch.Tensor, xs: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor | None,
+    ds: torch.Tensor | None, has_bias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(dx, dw, db) through the kernels: dw, db float32 sums over rows (db empty without a bias)."""
+    n = xs.shape[-1]
+    m = xs.numel() // n if n else 0
     dev = xs.device
+    dx = torch.empty(xs.shape, dtype=xs.dtype, device=dev)
+    if m == 0:
+        zeros = torch.zeros(n, dtype=torch.float32, device=dev)
+        return dx, zeros, zeros.clone() if has_bias else zeros.new_empty(0)
+    xs, x_layout = _strided_rows(xs)
+    dy, rstd = dy.contiguous(), rstd.contiguous()
+    ds = ds.contiguous() if ds is not None else None
+    k = kernels()
+    loop = n > max_fused_n(xs.element_size(), backward=True)
+    block_n = LOOP_BLOCK_N if loop else _next_pow2(n)
+    programs = bwd_programs(m, n, dev) if not loop else min(m, 2 * multiprocessors(dev))
     dw_part = db_part = None
     if not loop:
         dw_part = torch.empty((programs, n), dtype=torch.float32, device=dev)
         db_part = torch.empty((programs, n), dtype=torch.float32, device=dev) if has_bias else dw_part
-    k.rms_norm_bwd_persistent_kernel[(programs,)](
-        dy, xs, w, rstd, ds if ds is not None else dy, dx,
+    k.rms_norm_bwd_kernel[(programs,)](
+        dy, xs, weight.contiguous() if weight is not None else dy, rstd, ds if ds is not None else dy, dx,
         dw_part if dw_part is not None else dx, db_part if db_part is not None else dx,
         m, n, *x_layout,
         BLOCK_N=block_n, LOOP=loop, HAS_W=weight is not None, HAS_B=has_bias, HAS_DS=ds is not None,
-        NUM_STAGES=NUM_STAGES, num_warps=_bwd_warps(block_n, "persistent", xs.element_size()),
+        NUM_STAGES=NUM_STAGES, num_warps=_bwd_warps(block_n, xs.element_size()),
     )  # fmt: skip
     if loop:
         block_c = min(DW_BLOCK_C, _next_pow2(n))
@@ -435,8 +381,7 @@ def _bwd_persistent(dy, xs, x_layout, rstd, weight, w, ds, dx, m, n, has_bias):
             dy, xs, rstd, dw_part, db_part, m, n, *x_layout, rows_per_split,
             BLOCK_R=DW_BLOCK_R, BLOCK_C=block_c, HAS_B=has_bias, NUM_STAGES=NUM_STAGES, num_warps=DW_WARPS,
         )  # fmt: skip
-    db = db_part.sum(0) if has_bias else dw_part.new_empty(0)
-    return dw_part.sum(0), db
+    return dx, dw_part.sum(0), db_part.sum(0) if has_bias else dw_part.new_empty(0)
 
 
 # --------------------------------------------------------------------------- AOT variants
@@ -453,10 +398,7 @@ class Variant:
     num_warps: int
 
 
-_FWD_CONST_NAMES = {
-    "tiled": ("BLOCK_M", "BLOCK_N", "LOOP", "HAS_W", "HAS_B", "HAS_R", "STORE_RSTD"),
-    "persistent": ("BLOCK_M", "TILE_A", "TILE_B", "LOOP", "HAS_W", "HAS_B", "HAS_R", "STORE_RSTD", "NUM_STAGES"),
-}
+_FWD_CONST_NAMES = ("BLOCK_M", "TILE_A", "TILE_B", "LOOP", "HAS_W", "HAS_B", "HAS_R", "STORE_RSTD", "NUM_STAGES")
 
 
 def _fwd_signature(dtype: str, consts: dict) -> dict[str, str]:
@@ -469,53 +411,44 @@ def _fwd_signature(dtype: str, consts: dict) -> dict[str, str]:
 
 
 def aot_variants() -> Iterator[Variant]:
-    """Every forward and backward specialisation the launchers use on a few model-like shapes,
-    for both designs and all three pointer dtypes (``python -m normswap.kernels.aot_check``)."""
+    """Every forward and backward specialisation the launchers use on a few model-like shapes, in
+    all three pointer dtypes, the forward with each warp count it may tune to
+    (``python -m normswap.kernels.aot_check``)."""
     k = kernels()
     shapes = [(32768, 128), (32768, 768), (4096, 2048), (4096, 3072), (4096, 4096), (4096, 5120),
               (4096, 8192), (4096, 12288), (4096, 16384), (1, 65536)]  # fmt: skip
     cpu = torch.device("cpu")
-    for design in DESIGNS:
-        for dtype in ("bf16", "fp16", "fp32"):
-            for m, n in shapes:
-                config = fwd_config(m, n, cpu, design, element_size=4 if dtype == "fp32" else 2)
-                tuned = design == "persistent" and not config.loop
-                for warps, has_r in itertools.product(warp_candidates(config) if tuned else [config.num_warps], (False, True)):
-                    config = dataclasses.replace(config, num_warps=warps)
-                    consts = dict(zip(_FWD_CONST_NAMES[design], _fwd_consts(config, True, True, has_r, True), strict=True))
-                    consts.update(x_inner=1, r_inner=1)
-                    kernel = k.rms_norm_fwd_kernel if design == "tiled" else k.rms_norm_fwd_persistent_kernel
-                    label = f"{design:<10} fwd {dtype} M={m} N={n} residual={has_r} warps={config.num_warps}"
-                    yield Variant(label, kernel, _fwd_signature(dtype, consts), consts, config.num_warps)
-            for n in (768, 4096, 8192, 16384, 65536):
-                loop = n > max_fused_n(design, 4 if dtype == "fp32" else 2, backward=True)
-                block_n = LOOP_BLOCK_N if loop else _next_pow2(n)
-                for has_w, has_ds in ((True, True), (False, False)):
-                    yield _bwd_variant(design, dtype, n, block_n, loop, has_w, has_ds)
-            if design == "persistent":
-                for has_b in (False, True):
-                    consts = {"BLOCK_R": DW_BLOCK_R, "BLOCK_C": DW_BLOCK_C, "HAS_B": has_b, "NUM_STAGES": NUM_STAGES}
-                    ptr = "*" + dtype
-                    sig = {"DY": ptr, "X": ptr, "RSTD": "*fp32", "DW_PART": "*fp32", "DB_PART": "*fp32",
-                           "M": "i32", "N": "i32", "x_inner": "i32", "sx_outer": "i32", "sx_inner": "i32",
-                           "rows_per_split": "i32", **{c: "constexpr" for c in consts}}  # fmt: skip
-                    yield Variant(f"{design:<10} bwd_dw {dtype} HAS_B={has_b}", k.rms_norm_bwd_dw_kernel, sig, consts, DW_WARPS)
+    for dtype in ("bf16", "fp16", "fp32"):
+        size = 4 if dtype == "fp32" else 2
+        for m, n in shapes:
+            config = fwd_config(m, n, cpu, element_size=size)
+            for warps, has_r in itertools.product(warp_candidates(config) if not config.loop else [config.num_warps],
+                                                  (False, True)):  # fmt: skip
+                consts = dict(zip(_FWD_CONST_NAMES, _fwd_consts(config, True, True, has_r, True), strict=True))
+                consts.update(x_inner=1, r_inner=1)
+                label = f"fwd {dtype} M={m} N={n} residual={has_r} warps={warps}"
+                yield Variant(label, k.rms_norm_fwd_kernel, _fwd_signature(dtype, consts), consts, warps)
+        for n in (768, 4096, 8192, 16384, 65536):
+            loop = n > max_fused_n(size, backward=True)
+            block_n = LOOP_BLOCK_N if loop else _next_pow2(n)
+            for has_w, has_ds in ((True, True), (False, False)):
+                yield _bwd_variant(dtype, n, block_n, loop, has_w, has_ds)
+        for has_b in (False, True):
+            consts = {"BLOCK_R": DW_BLOCK_R, "BLOCK_C": DW_BLOCK_C, "HAS_B": has_b, "NUM_STAGES": NUM_STAGES}
+            ptr = "*" + dtype
+            sig = {"DY": ptr, "X": ptr, "RSTD": "*fp32", "DW_PART": "*fp32", "DB_PART": "*fp32",
+                   "M": "i32", "N": "i32", "x_inner": "i32", "sx_outer": "i32", "sx_inner": "i32",
+                   "rows_per_split": "i32", **{c: "constexpr" for c in consts}}  # fmt: skip
+            yield Variant(f"bwd_dw {dtype} HAS_B={has_b}", k.rms_norm_bwd_dw_kernel, sig, consts, DW_WARPS)
 
 
-def _bwd_variant(design, dtype, n, block_n, loop, has_w, has_ds) -> Variant:
-    k = kernels()
+def _bwd_variant(dtype, n, block_n, loop, has_w, has_ds) -> Variant:
     ptr = "*" + dtype
     sig = {"DY": ptr, "X": ptr, "W": ptr, "RSTD": "*fp32", "DS": ptr, "DX": ptr, "DW_PART": "*fp32",
            "DB_PART": "*fp32", "M": "i32", "N": "i32", "x_inner": "i32", "sx_outer": "i32", "sx_inner": "i32"}  # fmt: skip
-    if design == "tiled":
-        sig["rows_per_program"] = "i32"
-        consts = {"BLOCK_N": block_n, "LOOP": loop, "HAS_W": has_w, "HAS_DS": has_ds}
-        kernel = k.rms_norm_bwd_kernel
-    else:
-        consts = {"BLOCK_N": block_n, "LOOP": loop, "HAS_W": has_w, "HAS_B": has_w, "HAS_DS": has_ds,
-                  "NUM_STAGES": NUM_STAGES}  # fmt: skip
-        kernel = k.rms_norm_bwd_persistent_kernel
+    consts = {"BLOCK_N": block_n, "LOOP": loop, "HAS_W": has_w, "HAS_B": has_w, "HAS_DS": has_ds,
+              "NUM_STAGES": NUM_STAGES}  # fmt: skip
     sig.update({c: "constexpr" for c in consts})
-    warps = _bwd_warps(block_n, design, 4 if dtype == "fp32" else 2)
-    label = f"{design:<10} bwd {dtype} N={n} loop={loop} affine={has_w} ds={has_ds} warps={warps}"
-    return Variant(label, kernel, sig, consts, warps)
+    warps = _bwd_warps(block_n, 4 if dtype == "fp32" else 2)
+    label = f"bwd {dtype} N={n} loop={loop} affine={has_w} ds={has_ds} warps={warps}"
+    return Variant(label, kernels().rms_norm_bwd_kernel, sig, consts, warps)
