@@ -152,10 +152,13 @@ def fwd_config(
     return FwdConfig(block_m, tile_a, tile_b, False, warps, programs)
 
 
-def warp_candidates(config: FwdConfig) -> list[int]:
-    """Warps worth timing for ``config``: 2 to 32 elements of a tile per thread."""
+def warp_candidates(config: FwdConfig, element_size: int) -> list[int]:
+    """Warps worth timing for ``config``: at least 2 elements and at most 64 bytes of a tile per
+    thread (more spills once two tiles are in flight, see ``aot_check``)."""
     tile = config.block_m * _next_pow2(config.tile_a + config.tile_b)
-    return [w for w in WARP_CHOICES if 2 <= tile // (32 * w) <= 32] or [config.num_warps]
+    return [w for w in WARP_CHOICES if tile // (32 * w) >= 2 and tile * element_size // (32 * w) <= 64] or [
+        config.num_warps
+    ]
 
 
 # --------------------------------------------------------------------------- forward
@@ -241,7 +244,7 @@ def _tune(x, weight, bias, residual, store_rstd, m, n, outputs) -> int:
         return _TUNED[key]
     base = fwd_config(m, n, x.device, element_size=x.element_size())
     best, best_ms = base.num_warps, float("inf")
-    for warps in warp_candidates(base):
+    for warps in warp_candidates(base, x.element_size()):
         plan = _make_plan(x, weight, bias, residual, store_rstd, m, n,
                           fwd_config(m, n, x.device, num_warps=warps, element_size=x.element_size()))
         args = _fwd_args(plan, x, weight, bias, residual, *outputs, m, n)
@@ -422,7 +425,7 @@ def aot_variants() -> Iterator[Variant]:
         size = 4 if dtype == "fp32" else 2
         for m, n in shapes:
             config = fwd_config(m, n, cpu, element_size=size)
-            for warps, has_r in itertools.product(warp_candidates(config) if not config.loop else [config.num_warps],
+            for warps, has_r in itertools.product(warp_candidates(config, size) if not config.loop else [config.num_warps],
                                                   (False, True)):  # fmt: skip
                 consts = dict(zip(_FWD_CONST_NAMES, _fwd_consts(config, True, True, has_r, True), strict=True))
                 consts.update(x_inner=1, r_inner=1)
