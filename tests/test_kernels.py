@@ -286,3 +286,10 @@ def test_pointer_alignment_is_part_of_the_plan():
     check(aligned, w[:64].contiguous(), b[:64].contiguous(), None)
     check(shifted, w[:64].contiguous(), b[:64].contiguous(), None)
     assert len(launch._PLANS) == 2
+
+
+def test_plan_cache_is_bounded(monkeypatch):
+    monkeypatch.setattr(launch, "MAX_PLANS", 2)
+    for rows in (1, 2, 3):
+        check(*make((rows, 32), torch.float32))
+        assert len(launch._PLANS) <= 2

@@ -117,7 +117,8 @@ class FwdConfig:
 
 @functools.cache
 def multiprocessors(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device; 4 "programs slots" in the interpreter."""
+    """Streaming multiprocessors of a CUDA device; 4 in the interpreter (few programs, so tests
+    still give each program several tiles)."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4
@@ -180,6 +181,8 @@ class _Plan:
 
 
 _PLANS: dict[tuple, _Plan] = {}
+# a bound on cached plans: prefill with ever-new sequence lengths adds one per shape
+MAX_PLANS = 4096
 _TUNED: dict[tuple, int] = {}
 # False once a cached launcher was refused (an unexpected triton version): JIT launches only
 FAST_LAUNCH = True
@@ -312,6 +315,8 @@ def forward(
         warps = _tune(x, weight, bias, residual, store_rstd, m, n, (y, s, rstd)) if _tunable(x, m, n) else None
         plan = _make_plan(x, weight, bias, residual, store_rstd, m, n,
                           fwd_config(m, n, x.device, num_warps=warps, element_size=x.element_size()))
+        if len(_PLANS) >= MAX_PLANS:
+            _PLANS.clear()
         _PLANS[key] = plan
     _launch(plan, _fwd_args(plan, x, weight, bias, residual, y, s, rstd, m, n, eps))
     return y, s, rstd

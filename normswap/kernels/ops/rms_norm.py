@@ -1,8 +1,8 @@
-"""RMSNorm op: Triton launch code, ``torch.library`` custom ops, autograd, and the public function.
+"""RMSNorm op: ``torch.library`` custom ops, autograd, and the public function.
 
 ``rms_norm(x, weight, bias, eps, residual)`` runs the Triton kernels (``_triton_rms_norm.py``,
-launched by ``launch.py``) on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (how the tests exercise them);
-everywhere else it runs the exact torch fallback (``fallback.py``).
+launched by ``launch.py``) on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (how
+the tests exercise them); everywhere else it runs the exact torch fallback (``fallback.py``).
 
 The kernel path goes through two custom ops, ``normswap::rms_norm_fwd`` and
 ``normswap::rms_norm_bwd``, each with a fake (meta) implementation, and the forward op has a
