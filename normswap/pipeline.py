@@ -368,6 +368,8 @@ def verify_checkpoint(original: str | Path, converted: str | Path, *, atol: floa
         raise NormswapError(f"{converted_dir} is not a normswap checkpoint (its config.json has no normswap block)")
     check_provenance(block, converted_dir)
     check_modeling_file(block, converted_dir)
+    for path, config in ((original_dir, original_config), (converted_dir, converted_config_)):
+        check_structure(path, config)
     architecture = architecture_for(original_config)
     if block.get("original_model_type", original_config.get("model_type")) != original_config.get("model_type"):
         raise NormswapError(f"{converted_dir} was converted from a {block['original_model_type']} model, "
@@ -434,6 +436,14 @@ PROVENANCE_KEYS: dict[str, tuple[tuple[type, ...], str]] = {
     "modeling_sha256": ((str,), "a string"),
     "writers_centred": ((int,), "a number"),
 }
+
+
+def check_structure(path: Path, config: dict) -> None:
+    """The config's own checks and its layer count against the weight headers (no tensor is read)."""
+    where = f"{path / 'config.json'}"
+    validation.check_config(config, where)
+    with CheckpointReader(path) as reader:
+        validation.check_layer_count(config, reader.tensors, where)
 
 
 def check_provenance(block: object, path: Path) -> None:

@@ -897,6 +897,18 @@ def test_verify_malformed_block(source, converted, tmp_path, capsys, case):
     guard.unchanged()
 
 
+@pytest.mark.parametrize("role", ["original", "converted"])
+@pytest.mark.parametrize("case", ["n_layer-5000", "n_embd-string", "n_head-indivisible", "list"])
+def test_verify_bad_config(source, converted, tmp_path, capsys, role, case):
+    change, needle = CONFIG_CASES[case]
+    src, conv = copy_source(source, tmp_path), _converted_copy(converted, tmp_path)
+    edit_config(src if role == "original" else conv, change)
+    guard = Guard(tmp_path)
+    code, _, err = run_cli(capsys, "verify", src, conv, "--quiet")
+    assert_refused(code, err, needle)
+    guard.unchanged()
+
+
 def test_verify_without_modeling_file(source, converted, tmp_path, capsys):
     conv = _converted_copy(converted, tmp_path)
     (conv / "modeling_normswap.py").unlink()
