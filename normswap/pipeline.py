@@ -366,10 +366,10 @@ def verify_checkpoint(original: str | Path, converted: str | Path, *, atol: floa
                             f"normswap verify ORIGINAL CONVERTED{swapped}")
     if block is None:
         raise NormswapError(f"{converted_dir} is not a normswap checkpoint (its config.json has no normswap block)")
-    check_provenance(block, converted_dir)
+    validation.check_provenance(block, converted_dir)
     check_modeling_file(block, converted_dir)
     for path, config in ((original_dir, original_config), (converted_dir, converted_config_)):
-        check_structure(path, config)
+        validation.check_structure(path, config)
     architecture = architecture_for(original_config)
     if block.get("original_model_type", original_config.get("model_type")) != original_config.get("model_type"):
         raise NormswapError(f"{converted_dir} was converted from a {block['original_model_type']} model, "
@@ -419,50 +419,6 @@ def verify_checkpoint(original: str | Path, converted: str | Path, *, atol: floa
         **({"note": note} if note else {}),
         **({"worst_layer": _worst_layer(loaders)} if mode == "layerwise" else {}),
     }
-
-
-# key -> (accepted types, description) of a converted config's ``normswap`` block
-PROVENANCE_KEYS: dict[str, tuple[tuple[type, ...], str]] = {
-    "version": ((str,), "a string"),
-    "source": ((str,), "a string"),
-    "options": ((dict,), "a mapping"),
-    "original_model_type": ((str,), "a string"),
-    "norms_swapped": ((list,), "a list"),
-    "norms_folded": ((list,), "a list"),
-    "untied": ((list,), "a list"),
-    "stock_loadable": ((bool,), "true or false"),
-    "structure": ((dict,), "a mapping of lists of module names"),
-    "auto_class": ((str,), "a string"),
-    "modeling_sha256": ((str,), "a string"),
-    "writers_centred": ((int,), "a number"),
-}
-
-
-def check_structure(path: Path, config: dict) -> None:
-    """The config's own checks and its layer count against the weight headers (no tensor is read)."""
-    where = f"{path / 'config.json'}"
-    validation.check_config(config, where)
-    with CheckpointReader(path) as reader:
-        validation.check_layer_count(config, reader.tensors, where)
-
-
-def check_provenance(block: object, path: Path) -> None:
-    """Refuse a malformed ``normswap`` block in one line naming the key."""
-    where = f"{path / 'config.json'}: the normswap block"
-    if not isinstance(block, dict):
-        raise NormswapError(f"{where} is not a mapping")
-    for key, (types, description) in PROVENANCE_KEYS.items():
-        if key in block and not isinstance(block[key], types):
-            raise NormswapError(f"{where}: '{key}' must be {description} (got {block[key]!r:.60})")
-    options = block.get("options", {})
-    if options.get("method", "exact") not in ("exact", "naive"):
-        raise NormswapError(f"{where}: options.method must be exact or naive (got {options.get('method')!r:.60})")
-    dtype = options.get("dtype")
-    if dtype is not None and dtype not in DTYPES:
-        raise NormswapError(f"{where}: options.dtype {dtype!r:.60} is not a dtype normswap writes")
-    for kind, paths in block.get("structure", {}).items():
-        if not isinstance(paths, list) or not all(isinstance(item, str) for item in paths):
-            raise NormswapError(f"{where}: structure.{kind} must be a list of module names")
 
 
 def check_modeling_file(block: dict, path: Path) -> None:

@@ -106,7 +106,8 @@ def read_config(path: Path) -> dict:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise NormswapError(f"cannot read {file}: {_first_line(error)}") from None
     if not isinstance(config, dict):
-        raise NormswapError(f"{file} must hold a JSON object, not {type(config).__name__}")
+        kind = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean"}
+        raise NormswapError(f"{file} must hold a JSON object, not {kind.get(type(config), 'null')}")
     return config
 
 

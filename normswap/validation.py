@@ -4,7 +4,8 @@ transformers trusts config.json: a string ``n_embd``, heads that do not divide t
 layer count far above the weights' make model building fail deep inside (or run for minutes
 building thousands of layers). These checks run in milliseconds on the parsed JSON and the
 tensor names, and say in one line which key is wrong and why. The per-key rules are keyed by the
-names transformers' configs use, so they hold for every family that uses a name.
+names transformers' configs use, so they hold for every family that uses a name. A converted
+checkpoint's ``normswap`` block is checked the same way before anything relies on it.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable
+from pathlib import Path
 
 from normswap.errors import NormswapError
 
@@ -102,6 +104,54 @@ def check_layer_count(config: dict, tensor_names: Iterable[str], where: str) -> 
     if claimed != present:
         raise NormswapError(f"{where}: '{key}' = {claimed}, but the weights hold {present} layer"
                             f"{'s' if present != 1 else ''}")
+
+
+# key -> (accepted types, description) of a converted config's ``normswap`` block
+PROVENANCE_KEYS: dict[str, tuple[tuple[type, ...], str]] = {
+    "version": ((str,), "a string"),
+    "source": ((str,), "a string"),
+    "options": ((dict,), "a mapping"),
+    "original_model_type": ((str,), "a string"),
+    "norms_swapped": ((list,), "a list"),
+    "norms_folded": ((list,), "a list"),
+    "untied": ((list,), "a list"),
+    "stock_loadable": ((bool,), "true or false"),
+    "structure": ((dict,), "a mapping of lists of module names"),
+    "auto_class": ((str,), "a string"),
+    "modeling_sha256": ((str,), "a string"),
+    "writers_centred": ((int,), "a number"),
+}
+
+
+def check_structure(path: Path, config: dict) -> None:
+    """The config's own checks and its layer count against the weight headers (no tensor is read)."""
+    where = f"{path / 'config.json'}"
+    check_config(config, where)
+    from normswap.source import CheckpointReader
+
+    with CheckpointReader(path) as reader:
+        check_layer_count(config, reader.tensors, where)
+
+
+def check_provenance(block: object, path: Path) -> None:
+    """Refuse a malformed ``normswap`` block in one line naming the key."""
+    where = f"{path / 'config.json'}: the normswap block"
+    if not isinstance(block, dict):
+        raise NormswapError(f"{where} is not a mapping")
+    for key, (types, description) in PROVENANCE_KEYS.items():
+        if key in block and not isinstance(block[key], types):
+            raise NormswapError(f"{where}: '{key}' must be {description} (got {block[key]!r:.60})")
+    options = block.get("options", {})
+    if options.get("method", "exact") not in ("exact", "naive"):
+        raise NormswapError(f"{where}: options.method must be exact or naive (got {options.get('method')!r:.60})")
+    dtype = options.get("dtype")
+    from normswap.pipeline import DTYPES
+
+    if dtype is not None and dtype not in DTYPES:
+        raise NormswapError(f"{where}: options.dtype {dtype!r:.60} is not a dtype normswap writes")
+    for kind, paths in block.get("structure", {}).items():
+        if not isinstance(paths, list) or not all(isinstance(item, str) for item in paths):
+            raise NormswapError(f"{where}: structure.{kind} must be a list of module names")
 
 
 def _configs(config: dict) -> list[tuple[str, dict]]:

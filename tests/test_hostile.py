@@ -760,6 +760,7 @@ def test_stale_temporary_folder_is_removed(source, tmp_path, capsys):
     assert not stale.exists() and live.exists() and other.exists()
 
 
+@pytest.mark.slow
 def test_concurrent_conversions_one_wins(source, tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -775,6 +776,7 @@ def test_concurrent_conversions_one_wins(source, tmp_path):
     assert (out / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_killed_conversion_is_cleaned_by_the_next(source, tmp_path):
     """SIGKILL leaves the temporary folder (and a claimed, empty --out); the next run cleans up."""
     out = tmp_path / "out"
@@ -798,6 +800,7 @@ def test_killed_conversion_is_cleaned_by_the_next(source, tmp_path):
     assert sorted(path.name for path in tmp_path.iterdir()) == ["out"]
 
 
+@pytest.mark.slow
 def test_sigterm_leaves_nothing(source, tmp_path):
     out = tmp_path / "deep" / "out"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -945,6 +948,18 @@ def test_verify_names_non_finite_tensor(source, converted, tmp_path, capsys):
     save_file(state, conv / "model.safetensors", metadata={"format": "pt"})
     code, _, err = run_cli(capsys, "verify", source, conv, "--quiet")
     assert_refused(code, err, "transformer.h.1.mlp.c_proj.weight")
+
+
+@pytest.mark.parametrize("command", ["eval", "geometry"])
+@pytest.mark.parametrize("case", ["n_embd-string", "n_layer-5000", "null", "architectures-other-family"])
+def test_eval_and_geometry_bad_config(source, tmp_path, capsys, command, case):
+    change, needle = CONFIG_CASES[case]
+    src = copy_source(source, tmp_path)
+    edit_config(src, change)
+    guard = Guard(tmp_path)
+    code, _, err = run_cli(capsys, command, src, "--no-progress" if command == "eval" else "--random-tokens")
+    assert_refused(code, err, needle)
+    guard.unchanged()
 
 
 def test_inspect_refusal_is_stderr_exit_2(tmp_path, capsys):
