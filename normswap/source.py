@@ -261,6 +261,9 @@ class CheckpointReader:
         try:
             for shard in self.shards:
                 for info in self._scan(shard):
+                    if info.name in self.tensors:
+                        raise NormswapError(f"{path}: tensor {info.name} is in both {self.tensors[info.name].shard} "
+                                            f"and {shard}")
                     self.tensors[info.name] = info
         except BaseException:
             self.close()

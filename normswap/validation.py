@@ -29,6 +29,7 @@ POSITIVE_INTS = (
 # sizes that may also be a [height, width] pair
 POSITIVE_INT_OR_PAIR = ("image_size", "patch_size")
 EPSILONS = ("layer_norm_epsilon", "layer_norm_eps")
+BOOLEANS = ("tie_word_embeddings", "scale_attn_weights", "add_cross_attention")
 ACTIVATIONS = ("activation_function", "hidden_act")
 # (width, heads): the width must split evenly over the heads unless head_dim is given
 DIVISIBLE = (
@@ -69,6 +70,10 @@ def _check_values(config: dict, where: str, prefix: str) -> None:
         value = config.get(key)
         if value is not None and not (_number(value) and math.isfinite(value) and value >= 0):
             raise NormswapError(f"{where}: '{prefix}{key}' must be a non-negative number (got {_show(value)})")
+    for key in BOOLEANS:
+        value = config.get(key)
+        if value is not None and not isinstance(value, bool):
+            raise NormswapError(f"{where}: '{prefix}{key}' must be true or false (got {_show(value)})")
     for key in ACTIVATIONS:
         value = config.get(key)
         if value is not None and not _known_activation(value):

@@ -169,6 +169,8 @@ CONFIG_CASES = {
     "n_positions-zero": (_set(n_positions=0), "'n_positions' must be a positive integer"),
     "n_inner-negative": (_set(n_inner=-4), "'n_inner' must be a positive integer"),
     "n_inner-mismatch": (_set(n_inner=48), "implies"),
+    "tie-string": (_set(tie_word_embeddings="false"), "'tie_word_embeddings' must be true or false"),
+    "eps-nan": (_set(layer_norm_epsilon=math.nan), "'layer_norm_epsilon' must be a non-negative number"),
     "activation-unknown": (_set(activation_function="not_an_activation"), "activation"),
     "activation-number": (_set(activation_function=3), "activation"),
     "architectures-other-family": (_set(architectures=["BloomForCausalLM"]), "a bloom class"),
@@ -353,7 +355,17 @@ def _first_shard(value):
     return change
 
 
+def _duplicate_tensor(src: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    first = src / "model-00001-of-00002.safetensors"
+    second = load_file(src / "model-00002-of-00002.safetensors")
+    name, value = next(iter(load_file(first).items()))
+    save_file({**second, name: value}, src / "model-00002-of-00002.safetensors", metadata={"format": "pt"})
+
+
 INDEX_CASES = {
+    "tensor-in-two-shards": (_duplicate_tensor, "is in both"),
     "weight_map-list": (_index_change(lambda index: index.update(weight_map=[1, 2])), "must be a mapping"),
     "weight_map-string": (_index_change(lambda index: index.update(weight_map="x")), "must be a mapping"),
     "weight_map-missing": (_index_change(lambda index: index.pop("weight_map")), "must be a mapping"),
