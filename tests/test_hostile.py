@@ -621,15 +621,16 @@ def test_created_parents_are_removed_on_failure(source, tmp_path, capsys):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_output_follows_the_umask(source, tmp_path):
-    old = os.umask(0o022)
+@pytest.mark.parametrize("umask", [0o022, 0o002, 0o077])
+def test_output_follows_the_umask(source, tmp_path, umask):
+    old = os.umask(umask)
     try:
         assert main(["convert", str(source), "--out", str(tmp_path / "out"), "--quiet"]) == 0
     finally:
         os.umask(old)
-    assert (tmp_path / "out").stat().st_mode & 0o777 == 0o755
+    assert (tmp_path / "out").stat().st_mode & 0o777 == 0o777 & ~umask
     for path in (tmp_path / "out").iterdir():
-        assert path.stat().st_mode & 0o777 == 0o644, path.name
+        assert path.stat().st_mode & 0o777 == 0o666 & ~umask, path.name
 
 
 def test_name_too_long(source, tmp_path, capsys):
