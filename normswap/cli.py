@@ -2,7 +2,9 @@
 
 Each subcommand lives beside the code it drives, in a module that offers two functions:
 ``configure(parser)`` adds its arguments and ``run(args) -> int`` does the work. This file only
-dispatches, and turns every ``NormswapError`` into one line on stderr and a non-zero exit.
+dispatches, and is the one boundary that turns a ``NormswapError`` (bad input, exit 2; failed
+verification, exit 3) or an ``OSError`` (exit 2) into one line on stderr. Anything else is a bug
+in normswap and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -57,11 +59,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(modules[args.command].run(args) or 0)
     except NormswapError as error:
-        print(f"normswap {args.command}: error: {error}", file=sys.stderr)
+        print(f"normswap {args.command}: error: {_one_line(str(error))}", file=sys.stderr)
         return error.exit_code
+    except OSError as error:
+        # a file the command had to read or write (a --json, --out or report path) failed
+        reason = error.strerror or _one_line(str(error)) or type(error).__name__
+        where = f": {error.filename}" if error.filename else ""
+        print(f"normswap {args.command}: error: {reason}{where}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"normswap {args.command}: interrupted; nothing was written", file=sys.stderr)
         return 130
+
+
+def _one_line(text: str) -> str:
+    """Messages may quote a file's content or an exception's text: keep them to one line."""
+    return " ".join(text.split())
 
 
 if __name__ == "__main__":

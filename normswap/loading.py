@@ -10,6 +10,7 @@ import torch
 import transformers
 from torch import nn
 
+from normswap import validation
 from normswap.architectures import ARCHITECTURES, architecture_for
 from normswap.errors import NormswapError
 from normswap.modeling import build, remote
@@ -43,6 +44,8 @@ def load(path: str | Path, **from_pretrained_kwargs) -> nn.Module:
     block = config.get("normswap")
     if block is None:
         raise NormswapError(f"{path} is not a normswap checkpoint; convert it first with `normswap convert`")
+    validation.check_provenance(block, path)
+    validation.check_structure(path, config)
     architecture = architecture_for({**config, "model_type": _original_type(config)})
     base = build.model_class(config, architecture.auto_class)
     cls = _kernel_class(base, own_type=not block.get("stock_loadable", True))
@@ -56,6 +59,8 @@ def load_model(src: str | Path, *, dtype: torch.dtype = torch.float32, trust_rem
 
     path = resolve_source(src, trust_remote_code=trust_remote_code)
     config = read_config(path)
+    if "normswap" not in config:
+        validation.check_structure(path, config)
     if "normswap" in config:
         model = load(path, dtype=dtype, **from_pretrained_kwargs)
     else:

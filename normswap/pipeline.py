@@ -1,29 +1,29 @@
 """The conversion pipeline: load → plan → fold → write → verify, atomically.
 
-``convert_checkpoint`` writes into a temporary directory beside ``out`` and renames it into place
-only after verification passed, so a failed or interrupted conversion leaves nothing at ``out``.
+``convert_checkpoint`` writes into a temporary directory beside ``out`` and installs it only after
+verification passed (``normswap.output``), so a failed or interrupted conversion leaves nothing.
 """
 
 from __future__ import annotations
 
 import gc
+import hashlib
+import math
+import os
 import shutil
-import signal
-import tempfile
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import transformers
 from torch import nn
 
-from normswap import __version__, verify, verify_layerwise
+from normswap import __version__, output, validation, verify, verify_layerwise
 from normswap.architectures import Architecture, architecture_for
 from normswap.card import MODEL_CARD
 from normswap.errors import NormswapError, VerificationError
 from normswap.modeling import build, remote
 from normswap.plan import ConversionPlan, build_plan
-from normswap.source import CheckpointReader, read_config, resolve_source
+from normswap.source import CheckpointReader, first_non_finite, read_config, resolve_source
 from normswap.write import copy_side_files, write_json, write_weights
 
 MODELING_FILE = "modeling_normswap.py"
@@ -46,6 +46,8 @@ def plan_conversion(
 ) -> tuple[Architecture, ConversionPlan, nn.Module]:
     """The adapter, the plan, and the family's model built on the meta device."""
     architecture = check_convertible(source_dir, config)
+    where = f"{source_dir / 'config.json'}"
+    validation.check_layer_count(config, reader.tensors, where)  # before building thousands of layers
     meta = build.meta_model(config, architecture.auto_class)
     plan = build_plan(
         architecture, config, reader.tensors,
@@ -57,13 +59,25 @@ def plan_conversion(
         rename=build.checkpoint_renamer(meta),
         module_names=[name for name, _ in meta.named_modules()],
     )
+    check_shapes(plan, meta, where)
     return architecture, plan, meta
+
+
+def check_shapes(plan: ConversionPlan, meta: nn.Module, where: str) -> None:
+    """Refuse weights whose shapes are not the ones the config implies for the model class."""
+    expected = {name: tuple(value.shape) for name, value in meta.state_dict().items()}
+    for name, tensor in plan.tensors.items():
+        implied = expected.get(name)
+        if implied is not None and implied != tuple(tensor.shape):
+            raise NormswapError(f"tensor {tensor.source} has shape {list(tensor.shape)}, but {where} implies "
+                                f"{list(implied)}")
 
 
 def check_convertible(source_dir: Path, config: dict) -> Architecture:
     """The adapter for ``config``, or a NormswapError saying why the checkpoint cannot be converted."""
     if "normswap" in config:
         raise NormswapError(f"{source_dir} was already converted by normswap; convert the original instead")
+    validation.check_config(config, f"{source_dir / 'config.json'}")
     return architecture_for(config)
 
 
@@ -120,6 +134,8 @@ def provenance_block(source: str, plan: ConversionPlan, options: dict, auto_clas
         "stock_loadable": stock_can_hold(plan),
         "structure": plan.structure,
         "auto_class": auto_class,
+        # verify refuses a checkpoint whose modeling file is not the one written here
+        "modeling_sha256": modeling_sha256(),
     }
 
 
@@ -156,8 +172,9 @@ def convert_checkpoint(
         raise NormswapError("--method naive changes the model's outputs; pass --allow-inexact to accept that")
     out_dtype = parse_dtype(dtype)
     source_dir = resolve_source(src, trust_remote_code=trust_remote_code)
-    out = Path(out).expanduser()
-    _check_output_path(source_dir, out, overwrite)
+    out = output.absolute(out)
+    inputs = source_inputs(source_dir)
+    output.check_out(out, inputs, overwrite)
     config = read_config(source_dir)
     check_convertible(source_dir, config)  # before reading any weights
     with CheckpointReader(source_dir) as reader:
@@ -167,15 +184,15 @@ def convert_checkpoint(
         checkpoint_dtype = _main_dtype(plan)
         options = {"method": method, "fold_gains": fold_gains, "dtype": str(checkpoint_dtype).removeprefix("torch.")}
         provenance = provenance_block(str(src), plan, options, architecture.auto_class)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        _check_free_space(out.parent, plan)
-        with _temporary_output(out) as tmp:
+        _check_free_space(out, plan)
+        with output.claimed_output(out, inputs=inputs, overwrite=overwrite, kind="checkpoint") as claim:
+            tmp = claim.tmp
             progress = None if quiet else _progress_bar(plan)
             write_weights(tmp, plan, reader, progress)
             if progress is not None:
                 progress.close()
             reader.close()
-            shutil.copyfile(Path(remote.__file__), tmp / MODELING_FILE)
+            (tmp / MODELING_FILE).write_bytes(modeling_source())
             copy_side_files(source_dir, tmp)
             write_json(tmp / "config.json", converted_config(config, plan, meta, architecture, provenance))
             if verification != "none":
@@ -192,16 +209,38 @@ def convert_checkpoint(
                 if not result["passed"] and method == "exact":
                     raise VerificationError(_failure_line(result))
             (tmp / "README.md").write_text(model_card(provenance))
-            _install(tmp, out)
+            claim.install()
     return provenance
 
 
+def source_inputs(source_dir: Path) -> list[Path]:
+    """The source folder and the real files behind its entries (hub caches link to blobs
+    elsewhere): what no output may contain or lie inside."""
+    inputs = [source_dir]
+    try:
+        entries = list(source_dir.iterdir())
+    except OSError:
+        return inputs
+    for entry in entries:
+        if entry.is_symlink():
+            inputs.append(Path(os.path.realpath(entry)))
+    return inputs
+
+
+def modeling_source() -> bytes:
+    """The bytes of ``modeling_normswap.py`` as this normswap writes it."""
+    return Path(remote.__file__).read_bytes()
+
+
+def modeling_sha256() -> str:
+    return hashlib.sha256(modeling_source()).hexdigest()
+
+
 def _main_dtype(plan: ConversionPlan) -> torch.dtype:
-    counts: dict[torch.dtype, int] = {}
-    for tensor in plan.tensors.values():
-        if tensor.dtype.is_floating_point:
-            counts[tensor.dtype] = counts.get(tensor.dtype, 0) + 1
-    return max(counts, key=counts.get) if counts else torch.float32
+    """The least precise floating dtype of the output: it sets the verification tolerance (a
+    checkpoint mixing float16 and float32 tensors is as exact as its float16 ones)."""
+    dtypes = {tensor.dtype for tensor in plan.tensors.values() if tensor.dtype.is_floating_point}
+    return max(dtypes, key=lambda dtype: verify.default_tolerance(dtype), default=torch.float32)
 
 
 def _failure_line(result: dict) -> str:
@@ -212,87 +251,29 @@ def _failure_line(result: dict) -> str:
     )
 
 
-def _check_output_path(source_dir: Path, out: Path, overwrite: bool) -> None:
-    source, target = source_dir.resolve(), out.resolve()
-    if target == source or source in target.parents or target in source.parents:
-        raise NormswapError(f"--out {out} overlaps the source checkpoint {source_dir}; refusing to overwrite the source")
-    if target.exists():
-        if not target.is_dir():
-            raise NormswapError(f"--out {out} exists and is not a directory")
-        if any(target.iterdir()) and not overwrite:
-            raise NormswapError(f"--out {out} exists and is not empty; pass --overwrite to replace it")
-
-
-@contextmanager
-def _temporary_output(out: Path):
-    """A fresh directory beside ``out``, removed on any failure, SIGINT and SIGTERM included.
-
-    SIGTERM is turned into ``KeyboardInterrupt`` (as SIGINT already is), so the ``finally`` runs;
-    both signals are held back while the directory is removed, so a second one cannot leave half
-    of it behind.
-    """
-    tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}-normswap-tmp-", dir=out.parent))
-    previous = signal.getsignal(signal.SIGTERM)
-
-    def on_term(signum, frame):
-        raise KeyboardInterrupt
-
-    in_main_thread = _is_main_thread()
-    if in_main_thread:
-        signal.signal(signal.SIGTERM, on_term)
-    try:
-        yield tmp
-    finally:
-        with _signals_held(in_main_thread):
-            shutil.rmtree(tmp, ignore_errors=True)
-            if in_main_thread:
-                signal.signal(signal.SIGTERM, previous)
-
-
-@contextmanager
-def _signals_held(enabled: bool = True):
-    """Defer SIGINT and SIGTERM until the block is done (they are delivered afterwards)."""
-    held = {signal.SIGINT, signal.SIGTERM}
-    if not enabled:
-        yield
-        return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
-
-
-def _is_main_thread() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()
-
-
-def _install(tmp: Path, out: Path) -> None:
-    """Rename ``tmp`` to ``out``; an existing ``out`` (allowed by --overwrite) is removed only after.
-
-    Signals are held during the renames, so ``out`` is always either the old or the new directory.
-    """
-    old = None
-    with _signals_held(_is_main_thread()):
-        if out.exists():
-            old = out.with_name(f"{out.name}-normswap-old-{tmp.name.rsplit('-', 1)[-1]}")
-            out.rename(old)
-        tmp.rename(out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _check_free_space(directory: Path, plan: ConversionPlan) -> None:
+def _check_free_space(out: Path, plan: ConversionPlan) -> None:
     """Refuse early when the output's filesystem cannot hold the converted weights."""
     needed = sum(tensor.nbytes for tensor in plan.tensors.values())
-    free = shutil.disk_usage(directory).free
+    existing = next(folder for folder in (out, *out.parents) if folder.exists())
+    try:
+        free = shutil.disk_usage(existing).free
+    except OSError:
+        return  # no figure to compare with; a full disk is still reported when writing
     if free < needed:
         raise NormswapError(
-            f"not enough disk space beside --out: the converted weights need {needed / 1e9:.2f} GB, "
-            f"{free / 1e9:.2f} GB are free"
+            f"not enough disk space beside --out: the converted weights need {_size(needed)}, "
+            f"{_size(free)} {'is' if free == 1 else 'are'} free; nothing was written"
         )
+
+
+def _size(count: int) -> str:
+    """A byte count for people: 512 bytes, 3.4 kB, 12.0 MB, 1.50 GB."""
+    if count < 1000:
+        return f"{count} byte{'s' if count != 1 else ''}"
+    for unit, scale in (("kB", 1e3), ("MB", 1e6), ("GB", 1e9), ("TB", 1e12)):
+        if count < scale * 1000 or unit == "TB":
+            return f"{count / scale:.{1 if unit != 'GB' else 2}f} {unit}"
+    raise AssertionError(count)
 
 
 def _progress_bar(plan: ConversionPlan):
@@ -323,8 +304,23 @@ def _progress_bar(plan: ConversionPlan):
 # Verification
 
 
+def rmsnorm_class(path: Path, architecture: Architecture) -> type:
+    """The RMSNorm class for a converted checkpoint, from the modeling code installed with normswap.
+
+    This is the class the checkpoint's ``modeling_normswap.py`` defines (the file is a copy of
+    ``normswap.modeling.remote``), taken from normswap itself so that nothing in the checkpoint runs.
+    """
+    config = read_config(path)
+    base = build.model_class(config, architecture.auto_class)
+    if base.__name__.startswith("Auto"):
+        raise NormswapError(f"{path / 'config.json'}: 'architectures' names no model class this transformers has")
+    own_type = str(config.get("model_type", "")).startswith(remote.MODEL_TYPE_PREFIX)
+    return remote._lookup((remote.OWN_TYPE_PREFIX if own_type else remote.CLASS_PREFIX) + base.__name__)
+
+
 def load_converted(path: Path, how: str, *, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """Load a converted checkpoint with stock transformers (``stock``) or its remote code (``remote``).
+    """Load a converted checkpoint with stock transformers (``stock``), normswap's RMSNorm classes
+    (``rmsnorm``), or the checkpoint's own ``modeling_normswap.py`` (``remote``, runs its code).
 
     The stock path uses the class named in ``architectures`` (a ``ViTForImageClassification``
     must not load as the family Auto class's ``ViTModel``); the remote path goes through the
@@ -333,42 +329,65 @@ def load_converted(path: Path, how: str, *, dtype: torch.dtype = torch.float32) 
     config = read_config(path)
     block = config.get("normswap") or {}
     architecture = architecture_for({**config, "model_type": block.get("original_model_type", config.get("model_type"))})
-    auto = getattr(transformers, architecture.auto_class)
     if how == "stock":
         return build.load_pretrained(build.model_class(config, architecture.auto_class), path, dtype=dtype)
+    if how == "rmsnorm":
+        return build.load_pretrained(rmsnorm_class(path, architecture), path, dtype=dtype)
     if how == "remote":
+        auto = getattr(transformers, architecture.auto_class)
         return build.load_pretrained(auto, path, dtype=dtype, trust_remote_code=True)
     raise ValueError(how)
 
 
 def verify_checkpoint(original: str | Path, converted: str | Path, *, atol: float | None = None,
-                      rtol: float | None = None, layerwise: bool | None = None, quiet: bool = True) -> dict:
+                      rtol: float | None = None, layerwise: bool | None = None, quiet: bool = True,
+                      trust_remote_code: bool = False) -> dict:
     """Run ``original`` and ``converted`` on the same probe; figures per loader and a verdict.
 
     ``layerwise``: True compares block by block within bounded memory (``verify_layerwise``),
     False loads whole models, None (default) goes layer by layer above
     ``verify_layerwise.LAYERWISE_ABOVE_BYTES`` of float32 weights. Families that cannot be run
     block by block fall back to whole models, with a note in the result.
+
+    The ``remote_code`` figures are those of the RMSNorm class that ``modeling_normswap.py``
+    defines. Its code is normswap's own (the checkpoint's file must be byte for byte the one
+    normswap wrote, by its recorded sha256, or verification fails); with ``trust_remote_code``
+    the checkpoint's file itself is imported and run instead.
     """
     original_dir = resolve_source(original)
-    converted_dir = Path(converted)
+    converted_dir = Path(converted).expanduser()
+    if not (converted_dir / "config.json").is_file():
+        raise NormswapError(f"{converted} is not a checkpoint folder (it has no config.json)")
     original_config, converted_config_ = read_config(original_dir), read_config(converted_dir)
     block = converted_config_.get("normswap")
+    if "normswap" in original_config:
+        swapped = " (the arguments look swapped)" if block is None else ""
+        raise NormswapError(f"{original_dir} is a converted checkpoint; verify takes the original first: "
+                            f"normswap verify ORIGINAL CONVERTED{swapped}")
     if block is None:
         raise NormswapError(f"{converted_dir} is not a normswap checkpoint (its config.json has no normswap block)")
+    validation.check_provenance(block, converted_dir)
+    check_modeling_file(block, converted_dir)
+    for path, config in ((original_dir, original_config), (converted_dir, converted_config_)):
+        validation.check_structure(path, config)
     architecture = architecture_for(original_config)
+    if block.get("original_model_type", original_config.get("model_type")) != original_config.get("model_type"):
+        raise NormswapError(f"{converted_dir} was converted from a {block['original_model_type']} model, "
+                            f"but {original_dir} is a {original_config.get('model_type')} model")
     method = block.get("options", {}).get("method", "exact")
     checkpoint_dtype = parse_dtype(block.get("options", {}).get("dtype")) or torch.float32
     default_atol, default_rtol = verify.default_tolerance(checkpoint_dtype)
     atol = default_atol if atol is None else atol
     rtol = default_rtol if rtol is None else rtol
+    rms_how = "remote" if trust_remote_code else "rmsnorm"
 
     mode, note = _verification_mode(original_dir, architecture, layerwise)
     probe = None
     if mode == "layerwise":
         try:
             probe, loaders = verify_layerwise.compare_layerwise(
-                original_dir, converted_dir, architecture, stock_loadable=block.get("stock_loadable", True), quiet=quiet
+                original_dir, converted_dir, architecture, stock_loadable=block.get("stock_loadable", True),
+                quiet=quiet, rms_how=rms_how,
             )
         except verify_layerwise.Unsupported as error:
             mode, note = "full", f"layer by layer unavailable ({error}); compared whole models"
@@ -378,8 +397,12 @@ def verify_checkpoint(original: str | Path, converted: str | Path, *, atol: floa
             if not block.get("stock_loadable", True):
                 loaders = {"stock": {"refused": _stock_refuses(converted_dir, architecture)}, **loaders}
     if probe is None:
-        probe, loaders = _compare_whole(original_dir, converted_dir, original_config, architecture, block, atol, rtol)
+        probe, loaders = _compare_whole(original_dir, converted_dir, original_config, architecture, block, atol, rtol,
+                                        rms_how)
     compared = [figures for figures in loaders.values() if "max_abs_diff" in figures]
+    if not all(math.isfinite(figures["max_abs_diff"]) and math.isfinite(figures["max_abs_reference"])
+               for figures in compared):
+        _refuse_non_finite(original_dir, converted_dir)
     limit = atol + rtol * max(figures["max_abs_reference"] for figures in compared)
     passed = all(figures["passed"] for figures in compared) and all(
         figures.get("refused", True) for figures in loaders.values()
@@ -396,6 +419,30 @@ def verify_checkpoint(original: str | Path, converted: str | Path, *, atol: floa
         **({"note": note} if note else {}),
         **({"worst_layer": _worst_layer(loaders)} if mode == "layerwise" else {}),
     }
+
+
+def check_modeling_file(block: dict, path: Path) -> None:
+    """Fail verification unless ``modeling_normswap.py`` is byte for byte the file normswap wrote."""
+    file = path / MODELING_FILE
+    if not file.is_file():
+        raise VerificationError(f"{path} has no {MODELING_FILE}; it is not a complete normswap checkpoint")
+    expected = block.get("modeling_sha256") or modeling_sha256()
+    actual = hashlib.sha256(file.read_bytes()).hexdigest()
+    if actual != expected:
+        raise VerificationError(
+            f"{file} is not the file normswap wrote (sha256 {actual[:16]}..., expected {expected[:16]}...); "
+            "it was changed after conversion"
+        )
+
+
+def _refuse_non_finite(original_dir: Path, converted_dir: Path) -> None:
+    """The outputs are NaN or infinite: name the weight responsible, in one line."""
+    for path, role in ((original_dir, "original"), (converted_dir, "converted")):
+        name = first_non_finite(path)
+        if name is not None:
+            raise NormswapError(f"the {role} checkpoint {path} has NaN or infinite values in tensor {name}; "
+                                "its outputs cannot be compared")
+    raise NormswapError("the models' outputs are NaN or infinite on the probe although every weight is finite")
 
 
 def _worst_layer(loaders: dict[str, dict]) -> dict:
@@ -418,7 +465,7 @@ def _verification_mode(original_dir: Path, architecture: Architecture, layerwise
 
 
 def _compare_whole(original_dir: Path, converted_dir: Path, original_config: dict, architecture: Architecture,
-                   block: dict, atol: float, rtol: float) -> tuple[verify.Probe, dict[str, dict]]:
+                   block: dict, atol: float, rtol: float, rms_how: str) -> tuple[verify.Probe, dict[str, dict]]:
     """Load each whole model in float32 and compare outputs: the probe and figures per loader."""
     original_model = build.load_pretrained(
         build.model_class(original_config, architecture.auto_class), original_dir, dtype=torch.float32
@@ -434,9 +481,9 @@ def _compare_whole(original_dir: Path, converted_dir: Path, original_config: dic
         if how == "stock" and not block.get("stock_loadable", True):
             loaders["stock"] = {"refused": _stock_refuses(converted_dir, architecture)}
             continue
-        model = load_converted(converted_dir, how)
+        model = load_converted(converted_dir, how if how == "stock" else rms_how)
         if how == "remote" and any(isinstance(m, nn.LayerNorm) for m in model.modules()):
-            raise NormswapError("the remote-code model still has nn.LayerNorm modules")
+            raise NormswapError("the RMSNorm model still has nn.LayerNorm modules")
         candidate = verify.model_output(model, probe, architecture.probe)
         del model
         gc.collect()

@@ -77,20 +77,38 @@ def _download(repo_id: str, *, trust_remote_code: bool) -> Path:
             path = Path(snapshot_download(repo_id, allow_patterns=patterns + ["*.bin"]))
         return path
     except Exception as error:  # the hub client raises many types; all mean "could not fetch"
-        reason = _first_line(error)
-        if "Name or service not known" in reason or "connect" in reason.lower() or "internet" in reason.lower():
-            reason = "the Hugging Face Hub is unreachable"
         raise NormswapError(
-            f"could not fetch '{repo_id}' ({reason[:160]}); pass a local checkpoint directory instead"
+            f"could not fetch '{repo_id}' ({_hub_reason(error)}); pass a local checkpoint directory instead"
         ) from None
+
+
+def _hub_reason(error: BaseException) -> str:
+    """Why a hub download failed, as a short phrase (the client's messages run to paragraphs)."""
+    text = str(error)
+    lowered = text.lower()
+    if "outgoing traffic has been disabled" in lowered or "offline mode" in lowered:
+        return "offline mode is on (HF_HUB_OFFLINE) and the model is not in the local cache"
+    if "name or service not known" in lowered or "connect" in lowered or "internet" in lowered:
+        return "the Hugging Face Hub is unreachable"
+    if type(error).__name__ in ("RepositoryNotFoundError", "GatedRepoError") or "404" in text:
+        return "no such repository on the hub, or it is private or gated"
+    sentence = _first_line(error).split(". ")[0].rstrip(".")
+    if len(sentence) > 160:
+        sentence = sentence[:160].rsplit(" ", 1)[0] + " ..."
+    return sentence
 
 
 def read_config(path: Path) -> dict:
     """The checkpoint's config.json as a dict."""
+    file = path / "config.json"
     try:
-        return json.loads((path / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise NormswapError(f"cannot read {path / 'config.json'}: {error}") from None
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise NormswapError(f"cannot read {file}: {_first_line(error)}") from None
+    if not isinstance(config, dict):
+        kind = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean"}
+        raise NormswapError(f"{file} must hold a JSON object, not {kind.get(type(config), 'null')}")
+    return config
 
 
 @dataclass(frozen=True)
@@ -147,28 +165,47 @@ class SafetensorsShard:
         if not isinstance(header, dict):
             raise self._corrupt("the header is not a JSON object")
         self.data_start = 8 + length
+        data_bytes = size - self.data_start
         entries = {}
         for name, entry in header.items():
             if name == "__metadata__":
                 continue
-            entries[name] = self._check_entry(name, entry, size - self.data_start)
+            entries[name] = self._check_entry(name, entry, data_bytes)
+        self._check_layout(entries, data_bytes)
         return entries
 
     def _check_entry(self, name: str, entry: object, data_bytes: int) -> tuple[torch.dtype, tuple[int, ...], int, int]:
-        try:
-            dtype = _SAFETENSORS_DTYPES[entry["dtype"]]
-            shape = tuple(int(size) for size in entry["shape"])
-            begin, end = (int(offset) for offset in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise self._corrupt(f"bad header entry for {name}") from None
+        if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= set(entry):
+            raise self._corrupt(f"header entry {name} is not a mapping with dtype, shape and data_offsets")
+        dtype = _SAFETENSORS_DTYPES.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
+        if dtype is None:
+            raise self._corrupt(f"{name} has dtype {entry['dtype']!r:.40}, which normswap does not read")
+        shape, offsets = entry["shape"], entry["data_offsets"]
+        if not isinstance(shape, list) or not all(_natural(size) for size in shape):
+            raise self._corrupt(f"{name} has shape {shape!r:.60}; dimensions must be non-negative integers")
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(_natural(offset) for offset in offsets):
+            raise self._corrupt(f"{name} has data_offsets {offsets!r:.60}; they must be two non-negative integers")
+        shape, (begin, end) = tuple(shape), offsets
         count = 1
         for size in shape:
             count *= size
-        if end - begin != count * _itemsize(dtype) or begin < 0:
-            raise self._corrupt(f"{name}: data_offsets {begin}..{end} do not match shape {list(shape)}")
+        if end - begin != count * _itemsize(dtype):
+            raise self._corrupt(f"{name}: data_offsets {begin}..{end} do not match shape {list(shape)} of {entry['dtype']}")
         if end > data_bytes:
             raise self._corrupt(f"{name} ends at byte {end} of a data section of {data_bytes} bytes")
         return dtype, shape, begin, end
+
+    def _check_layout(self, entries: dict, data_bytes: int) -> None:
+        """Tensors must tile the data section exactly: no overlap, no gap, no trailing bytes."""
+        position, previous = 0, None
+        for name, (_, _, begin, end) in sorted(entries.items(), key=lambda item: (item[1][2], item[1][3])):
+            if begin < position:
+                raise self._corrupt(f"{name} overlaps {previous} (bytes {begin}..{end})")
+            if begin > position:
+                raise self._corrupt(f"bytes {position}..{begin} before {name} belong to no tensor")
+            position, previous = end, name
+        if position != data_bytes:
+            raise self._corrupt(f"{data_bytes - position} trailing bytes after the last tensor")
 
     def read(self, name: str) -> torch.Tensor:
         """The tensor ``name``, copied from the file into fresh memory."""
@@ -224,6 +261,9 @@ class CheckpointReader:
         try:
             for shard in self.shards:
                 for info in self._scan(shard):
+                    if info.name in self.tensors:
+                        raise NormswapError(f"{path}: tensor {info.name} is in both {self.tensors[info.name].shard} "
+                                            f"and {shard}")
                     self.tensors[info.name] = info
         except BaseException:
             self.close()
@@ -315,18 +355,41 @@ class CheckpointReader:
         return {name: self.get(name) for name in self.tensors}
 
 
+def first_non_finite(path: Path) -> str | None:
+    """The first floating tensor of the checkpoint at ``path`` holding NaN or inf, read one at a time."""
+    with CheckpointReader(path) as reader:
+        for name, info in reader.tensors.items():
+            if info.dtype.is_floating_point and not bool(torch.isfinite(reader.get(name)).all()):
+                return name
+    return None
+
+
 def _load_pickle_shard(file: Path) -> dict[str, torch.Tensor]:
     """A ``.bin`` state dict, memory-mapped, with no code run (``weights_only``)."""
+    import pickle
+
     try:
-        state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-    except RuntimeError as error:
-        if "zip" not in str(error).lower() and "mmap" not in str(error).lower():
-            raise
-        # pickles from before torch 1.6 (not zip archives) cannot be mapped: load that shard whole
-        state = torch.load(file, map_location="cpu", weights_only=True)
+        try:
+            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as error:
+            if "zip" not in str(error).lower() and "mmap" not in str(error).lower():
+                raise
+            # pickles from before torch 1.6 (not zip archives) cannot be mapped: load that shard whole
+            state = torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        # torch's own message advises turning the safety off; normswap never does
+        raise NormswapError(f"{file} holds Python objects other than tensors; normswap reads only tensors from "
+                            ".bin files and runs no code from them") from None
     if not isinstance(state, dict):
         raise NormswapError(f"{file} does not hold a state dict")
+    for name, value in state.items():
+        if not isinstance(name, str) or not isinstance(value, torch.Tensor):
+            raise NormswapError(f"{file}: entry {name!r:.60} holds a {type(value).__name__}, not a tensor")
     return state
+
+
+def _natural(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -338,16 +401,31 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
+def _weight_map(index: Path) -> dict[str, str]:
+    """An index's ``weight_map``: tensor name -> shard file name, a plain name in the checkpoint
+    folder (the file itself may be a link, as in the hub cache)."""
+    try:
+        data = json.loads(index.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise NormswapError(f"cannot read {index}: {_first_line(error)}") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict):
+        raise NormswapError(f"{index}: 'weight_map' must be a mapping of tensor names to shard files")
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str):
+            raise NormswapError(f"{index}: the shard of {name} must be a file name (got {shard!r:.40})")
+        parts = shard.replace("\\", "/").split("/")
+        if not shard or shard.startswith(("/", "~")) or any(part in ("", ".", "..") for part in parts):
+            raise NormswapError(f"{index}: the shard of {name}, {shard!r:.60}, is not a file name in the checkpoint folder")
+    return weight_map
+
+
 def _weight_shards(path: Path) -> list[str]:
     """Weight file names of a checkpoint, preferring safetensors."""
     for index_name in (SAFETENSORS_INDEX, PICKLE_INDEX):
         index = path / index_name
         if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (OSError, json.JSONDecodeError, KeyError, TypeError) as error:
-                raise NormswapError(f"cannot read {index}: {error}") from None
-            shards = sorted(set(weight_map.values()))
+            shards = sorted(set(_weight_map(index).values()))
             missing = [shard for shard in shards if not (path / shard).is_file()]
             if missing:
                 raise NormswapError(f"{path} is missing weight file {missing[0]} named in {index_name}")

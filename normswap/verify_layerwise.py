@@ -106,10 +106,18 @@ def original_model(path: Path, architecture: Architecture) -> nn.Module:
 
 
 def converted_model(path: Path, architecture: Architecture, how: str) -> nn.Module:
-    """The converted checkpoint's model, empty: the stock class (``stock``) or its remote code (``remote``)."""
+    """The converted checkpoint's model, empty: the stock class (``stock``), normswap's RMSNorm
+    class (``rmsnorm``), or the checkpoint's own code (``remote``, runs it)."""
     if how == "stock":
         return empty_model(build.model_class(read_config(path), architecture.auto_class),
                            transformers.AutoConfig.from_pretrained(path))
+    if how == "rmsnorm":
+        from normswap.pipeline import rmsnorm_class
+
+        cls = rmsnorm_class(path, architecture)
+        with _quiet():
+            config = cls.config_class.from_pretrained(path)
+        return empty_model(cls, config)
     from accelerate import init_empty_weights
 
     with _quiet():
@@ -445,11 +453,13 @@ def _progress(total: int, quiet: bool):
 
 
 def compare_layerwise(original_dir: Path, converted_dir: Path, architecture: Architecture, *,
-                      stock_loadable: bool, quiet: bool = True) -> tuple[verify.Probe, dict[str, dict]]:
+                      stock_loadable: bool, quiet: bool = True,
+                      rms_how: str = "rmsnorm") -> tuple[verify.Probe, dict[str, dict]]:
     """The probe and, per loader run, the logit figures plus per-block figures and the worst layer.
 
     The stock class runs only when ``stock_loadable`` (the caller records whether stock
-    transformers refuses the others). Raises ``Unsupported`` when the model cannot be run this way.
+    transformers refuses the others). The RMSNorm model is built as ``rms_how`` says (see
+    ``converted_model``). Raises ``Unsupported`` when the model cannot be run this way.
     """
     device = execution_device()
     original = original_model(original_dir, architecture)
@@ -472,9 +482,9 @@ def compare_layerwise(original_dir: Path, converted_dir: Path, architecture: Arc
         loaders: dict[str, dict] = {}
         labels = probe.inputs.get("input_ids")
         for how in hows:
-            model = converted_model(converted_dir, architecture, how)
+            model = converted_model(converted_dir, architecture, how if how == "stock" else rms_how)
             if how == "remote" and any(isinstance(module, nn.LayerNorm) for module in model.modules()):
-                raise NormswapError("the remote-code model still has nn.LayerNorm modules")
+                raise NormswapError("the RMSNorm model still has nn.LayerNorm modules")
             converted_blocks = model.get_submodule(blocks_path)
             with dispatched(model, converted_dir, blocks_path, device):
                 layers, logits = trace_converted(model, converted_blocks, inputs, trace, step)

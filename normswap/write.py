@@ -249,7 +249,7 @@ def write_shard(path: Path, plans: list[TensorPlan], source: ShardSource | Read,
     header, offsets = _header(plans)
     total = sum(plan.nbytes for plan in plans)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # the umask decides
         try:
             _reserve(fd, len(header) + total)
             _write_at(fd, 0, memoryview(header))

@@ -33,7 +33,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                         help="dtype to run the model in; statistics are always float64 (default float32)")
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    parser.add_argument("--trust-remote-code", action="store_true", help="allow the checkpoint's own modeling code")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="load a model whose type transformers lacks with its own code (auto_map); "
+                             "converted checkpoints always load with normswap's classes, never their code")
     parser.add_argument("--top-dims", type=int, default=5, help="dimensions listed per norm as carrying the mean")
     parser.add_argument("--seed", type=int, default=0, help="seed for --random-tokens")
     parser.add_argument("--json", type=Path, metavar="PATH", help="write the full report as JSON")

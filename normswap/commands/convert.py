@@ -12,7 +12,8 @@ from normswap.verify_layerwise import describe_mode
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("src", help="hub id (gpt2), local checkpoint directory, or normswap:austen-gpt2")
-    parser.add_argument("--out", required=True, help="output directory (must be empty or absent)")
+    parser.add_argument("--out", required=True,
+                        help="output directory: absent or empty, or with --overwrite one that normswap wrote")
     parser.add_argument("--fold-gains", action="store_true",
                         help="fold each norm's gain and bias into the layers that read it")
     parser.add_argument("--method", choices=["exact", "naive"], default="exact",
@@ -24,8 +25,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verify", dest="verification", choices=["auto", "layerwise", "full", "none"], default="auto",
                         help="layerwise: block by block within bounded memory; full: whole models; "
                              "auto (default): layerwise for models above 1 GiB of float32 weights")
-    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
-    parser.add_argument("--trust-remote-code", action="store_true", help="allow the source's own code to run")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an --out that normswap wrote earlier (never any other folder)")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="no effect: conversion and its verification never run code from a checkpoint "
+                             "(only families transformers implements are converted)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from normswap.errors import NormswapError
-from normswap.pipeline import plan_conversion
+from normswap.pipeline import check_convertible, plan_conversion
 from normswap.source import CheckpointReader, read_config, resolve_source
 
 
@@ -14,23 +13,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("src", help="hub id, local checkpoint directory, or normswap:austen-gpt2")
     parser.add_argument("--fold-gains", action="store_true", help="plan with gain folding")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
-    parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="no effect: inspect never runs code from a checkpoint")
 
 
 def run(args: argparse.Namespace) -> int:
     path = resolve_source(args.src, trust_remote_code=args.trust_remote_code)
     config = read_config(path)
-    print(f"checkpoint: {path}")
-    print(f"architecture: {config.get('model_type')} ({', '.join(config.get('architectures') or ['?'])})")
-    try:
-        with CheckpointReader(path) as reader:
-            _, plan, _ = plan_conversion(path, config, reader, method="exact", fold_gains=args.fold_gains, dtype=None)
-    except NormswapError as error:
-        print(f"exact conversion: impossible: {error}")
-        return 1
+    # a refusal is one line on stderr and exit 2, as for every command
+    check_convertible(path, config)  # before opening any weight file
+    with CheckpointReader(path) as reader:
+        _, plan, _ = plan_conversion(path, config, reader, method="exact", fold_gains=args.fold_gains, dtype=None)
     if args.json:
         print(json.dumps(plan_as_dict(plan), indent=2))
         return 0
+    print(f"checkpoint: {path}")
+    print(f"architecture: {config.get('model_type')} ({', '.join(config.get('architectures') or ['?'])})")
     print("exact conversion: possible")
     print(f"norms ({len(plan.norms)}):")
     for norm in plan.norms:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
-from normswap.errors import VerificationError
+from normswap.errors import NormswapError, VerificationError
 from normswap.pipeline import verify_checkpoint
 from normswap.verify import format_table
 from normswap.verify_layerwise import describe_mode
@@ -23,18 +24,35 @@ def configure(parser: argparse.ArgumentParser) -> None:
     mode.add_argument("--full", action="store_const", const=False, dest="layerwise",
                       help="compare whole models (default for small models)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="run the converted checkpoint's own modeling_normswap.py instead of normswap's "
+                             "installed copy of it (by default no code from either checkpoint runs)")
 
 
 def run(args: argparse.Namespace) -> int:
     result = verify_checkpoint(args.original, args.converted, atol=args.atol, rtol=args.rtol,
-                               layerwise=args.layerwise, quiet=args.quiet)
+                               layerwise=args.layerwise, quiet=args.quiet, trust_remote_code=args.trust_remote_code)
     print(format_table(result["loaders"]))
     print(describe_mode(result))
     print(f"probe: {result['probe']} {result['probe_shape']}, tolerance {result['tolerance']['limit']:.3g}")
     if args.json:
-        with open(args.json, "w") as file:
-            json.dump(result, file, indent=2)
+        write_json_file(args.json, result)
     if not result["passed"]:
         raise VerificationError("the converted model does not match the original within tolerance")
     print("verified: outputs match")
     return 0
+
+
+def write_json_file(path: str, data: dict) -> None:
+    """Write ``data`` to ``path``; a failure is one line (nothing half-written is left)."""
+    try:
+        with open(path, "w") as file:
+            json.dump(data, file, indent=2)
+    except OSError as error:
+        from normswap.output import describe_os_error
+
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        raise NormswapError(describe_os_error(error, f"while writing --json {path}")) from None

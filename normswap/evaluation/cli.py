@@ -28,7 +28,8 @@ def add_eval_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--limit", type=float, default=default,
                        help="at most this many documents per lm-eval task (quick checks only)")
     group.add_argument("--trust-remote-code", action="store_true", default=default,
-                       help="allow the checkpoints' own modeling code to run")
+                       help="load a model whose type transformers lacks with its own code (auto_map); "
+                            "converted checkpoints always load with normswap's classes, never their code")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

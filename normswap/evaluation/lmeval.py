@@ -16,6 +16,8 @@ import json
 import logging
 import math
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -233,6 +235,24 @@ def make_task_manager(plan: TaskPlan, include_dir: Path | None):
     return TaskManager(include_defaults=bool(plan.hub), include_path=str(include_dir) if include_dir else None)
 
 
+@contextmanager
+def _no_git_probe() -> Iterator[None]:
+    """lm-eval runs ``git describe`` in the current folder to record a commit hash, and git prints
+    ``fatal: not a git repository`` to the terminal outside one. The hash describes lm-eval's
+    caller, not the models; the report does not use it, so it is not asked for."""
+    from lm_eval import evaluator
+
+    original = getattr(evaluator, "get_git_commit_hash", None)
+    if original is None:
+        yield
+        return
+    evaluator.get_git_commit_hash = lambda: None
+    try:
+        yield
+    finally:
+        evaluator.get_git_commit_hash = original
+
+
 def run_tasks(lm, task_manager, tasks: list[str], *, limit: int | float | None = None) -> TaskResults:
     """Run ``tasks`` on an HFLM with lm-eval's Python API, logging samples for per-document deltas."""
     import lm_eval
@@ -240,14 +260,15 @@ def run_tasks(lm, task_manager, tasks: list[str], *, limit: int | float | None =
     for name in ("lm_eval", "lm_eval.api.task", "lm_eval.evaluator"):
         logging.getLogger(name).setLevel(logging.WARNING)
     try:
-        raw = lm_eval.simple_evaluate(
-            model=lm,
-            tasks=tasks,
-            task_manager=task_manager,
-            limit=limit,
-            log_samples=True,
-            bootstrap_iters=0,  # stderr by bootstrap is slow and not needed for the comparison
-        )
+        with _no_git_probe():
+            raw = lm_eval.simple_evaluate(
+                model=lm,
+                tasks=tasks,
+                task_manager=task_manager,
+                limit=limit,
+                log_samples=True,
+                bootstrap_iters=0,  # stderr by bootstrap is slow and not needed for the comparison
+            )
     except (ConnectionError, OSError) as error:
         raise NormswapError(
             f"lm-eval could not load a task's data ({type(error).__name__}: {str(error).splitlines()[0][:160]}); "

@@ -37,6 +37,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +45,7 @@ from typing import Any
 
 import yaml
 
+from normswap import output
 from normswap.errors import NormswapError
 
 SECTIONS = {"name", "description", "source", "convert", "verify", "eval", "tolerances", "reference"}
@@ -53,6 +55,8 @@ EVAL_KEYS = {"dtype": str, "batch_size": int, "max_length": int, "stride": int, 
              "perplexity": bool, "tasks": list, "limit": float, "device": str, "device_map": str}
 TOLERANCE_KEYS = {"ppl_rtol": float, "acc_atol": float, "doc_ll_atol": float}
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
+# a recipe's name becomes a folder name under runs/: never a path
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 @dataclass
@@ -142,8 +146,12 @@ def load_recipe(spec: str | Path) -> Recipe:
     figures = reference.get("figures") or {}
     if not isinstance(figures, dict):
         raise NormswapError(f"{origin}: reference.figures must map task/metric to a number")
+    name = data.get("name") or path.stem
+    if not isinstance(name, str) or not _PLAIN_NAME.fullmatch(name) or name in (".", ".."):
+        raise NormswapError(f"{origin}: 'name' must be a plain name (letters, digits, '.', '_', '-'), "
+                            f"not a path (got {name!r:.60})")
     recipe = Recipe(
-        name=str(data.get("name") or path.stem),
+        name=name,
         description=str(data.get("description") or ""),
         source=source.strip(),
         path=path,
@@ -179,17 +187,6 @@ def hub_needs(recipe: Recipe, settings) -> list[str]:
     return needs
 
 
-def prepare_out(out: Path, overwrite: bool) -> None:
-    """Create the output folder; refuse a non-empty one unless ``overwrite``."""
-    if out.exists() and not out.is_dir():
-        raise NormswapError(f"--out {out} exists and is not a folder")
-    if out.exists() and any(out.iterdir()):
-        if not overwrite:
-            raise NormswapError(f"--out {out} exists and is not empty; pass --overwrite to replace it")
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
-
-
 def convert_kwargs(recipe: Recipe) -> dict[str, Any]:
     """Keyword arguments for ``normswap.convert_checkpoint``: the recipe's, with verification on."""
     import inspect
@@ -212,6 +209,8 @@ def run_recipe(recipe: Recipe, out: Path, *, settings, tolerances, overwrite: bo
 
     ``settings`` (EvalSettings) and ``tolerances`` are the recipe's, already merged with any
     command-line overrides. A failed verification raises ``VerificationError`` before evaluation.
+    Everything is written into a temporary folder installed at ``out`` only when the whole run
+    succeeded (see ``normswap.output``): a failed or interrupted run leaves nothing.
     """
     import normswap
     from normswap.evaluation.api import evaluate
@@ -224,20 +223,31 @@ def run_recipe(recipe: Recipe, out: Path, *, settings, tolerances, overwrite: bo
             f"recipe {recipe.name} needs the Hugging Face hub ({'; '.join(needs)}), which is unreachable; "
             "run it online, or try the offline recipe recipes/austen-gpt2.yaml"
         )
-    prepare_out(out, overwrite)
-    shutil.copyfile(recipe.path, out / "recipe.yaml")
-    converted = out / "converted"
-    log(f"[1/3] convert + verify {recipe.source} -> {converted}")
-    provenance = normswap.convert_checkpoint(recipe.source, converted, **convert_kwargs(recipe))
-    (out / "conversion.json").write_text(json.dumps(provenance, indent=2, default=str) + "\n", encoding="utf-8")
-    log(f"[2/3] evaluate original and converted ({', '.join(settings.tasks) or 'perplexity only'})")
-    report = evaluate(
-        str(converted), baseline=recipe.source, settings=settings, tolerances=tolerances,
-        reference=recipe.reference or None, reference_source=recipe.reference_source, workdir=out / "work",
-    )
-    report["recipe"] = {"name": recipe.name, "path": str(recipe.path), "description": recipe.description}
-    report["conversion"] = provenance
-    log(f"[3/3] report -> {out}")
-    write_report(report, out, plot=plot)
-    shutil.rmtree(out / "work", ignore_errors=True)
+    out = output.absolute(out)
+    inputs = [recipe.path]
+    if Path(recipe.source).expanduser().exists():
+        from normswap.pipeline import source_inputs
+
+        inputs += source_inputs(Path(recipe.source).expanduser())
+    with output.claimed_output(out, inputs=inputs, overwrite=overwrite, kind="run") as claim:
+        folder = claim.tmp
+        shutil.copyfile(recipe.path, folder / "recipe.yaml")
+        converted = folder / "converted"
+        log(f"[1/3] convert + verify {recipe.source} -> {out / 'converted'}")
+        provenance = normswap.convert_checkpoint(recipe.source, converted, **convert_kwargs(recipe))
+        (folder / "conversion.json").write_text(json.dumps(provenance, indent=2, default=str) + "\n", encoding="utf-8")
+        log(f"[2/3] evaluate original and converted ({', '.join(settings.tasks) or 'perplexity only'})")
+        report = evaluate(
+            str(converted), baseline=recipe.source, settings=settings, tolerances=tolerances,
+            reference=recipe.reference or None, reference_source=recipe.reference_source, workdir=folder / "work",
+        )
+        for model in report.get("models", {}).values():
+            if model.get("source") == str(converted):
+                model["source"] = str(out / "converted")  # where it is once installed
+        report["recipe"] = {"name": recipe.name, "path": str(recipe.path), "description": recipe.description}
+        report["conversion"] = provenance
+        log(f"[3/3] report -> {out}")
+        write_report(report, folder, plot=plot)
+        shutil.rmtree(folder / "work", ignore_errors=True)
+        claim.install()
     return report

@@ -27,15 +27,24 @@ def config_object(config: dict, *, trust_remote_code: bool = False) -> transform
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return transformers.AutoConfig.for_model(model_type, **data)
-    except (ValueError, KeyError) as error:
+    except (ValueError, KeyError, TypeError) as error:
         raise NormswapError(f"cannot build a config for model type '{model_type}': {error}") from None
 
 
 def model_class(config: dict, default_auto_class: str) -> type:
-    """The class named in ``architectures`` when transformers has it, else the family's Auto class."""
+    """The class named in ``architectures`` when transformers has it, else the family's Auto class.
+
+    A class of another family (``BloomForCausalLM`` in a gpt2 config) is refused: it would be
+    built from a config it cannot read.
+    """
+    model_type = str(config.get("model_type", ""))
     for name in config.get("architectures") or []:
-        cls = getattr(transformers, name, None)
+        cls = getattr(transformers, name, None) if isinstance(name, str) else None
         if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
+            family = getattr(cls.config_class, "model_type", None)
+            if family and model_type.removeprefix("normswap_") != family:
+                raise NormswapError(f"config.json: 'architectures' names {name}, a {family} class, "
+                                    f"but 'model_type' is {model_type}")
             return cls
     return getattr(transformers, default_auto_class)
 

@@ -1,0 +1,361 @@
+"""Output folders: claimed before any work, written beside, installed atomically, never lost.
+
+Every command that writes a folder (``convert``, ``run``) goes through ``claimed_output``:
+
+1. ``--out`` is checked: not a symbolic link, not a file, not the current directory or above it,
+   not containing and not inside any input; a non-empty folder is replaced only with
+   ``--overwrite`` and only when it carries ``MARKER``, the file normswap writes into every
+   folder it installs.
+2. ``--out`` is claimed: created when absent (so no one else can create it meanwhile) and locked
+   with ``flock``, so of two commands writing one ``--out`` the second fails at once.
+3. The work is written into a temporary folder beside ``--out`` whose name carries the owning
+   process id and start time (``<out>.normswap-tmp-<pid>-<start>-<token>``). A later command for
+   the same ``--out`` removes such folders whose process is gone, and says so.
+4. Install: the temporary folder is renamed onto the claimed empty folder (the rename fails, and
+   nothing is replaced, if anything was put into it meanwhile), or swapped with the old
+   normswap folder in one ``renameat2(RENAME_EXCHANGE)`` under ``--overwrite``. A folder that
+   was replaced at ``--out`` while the command ran is never touched.
+
+On any failure, SIGINT or SIGTERM, the temporary folder, a claimed ``--out`` that is still empty
+and the parent folders this command created are removed. Only SIGKILL (or a power cut) can leave
+the temporary folder and an empty ``--out`` behind; the next command for that ``--out`` removes
+the first and reuses the second. Folders and files are created with the process's umask, as
+``save_pretrained`` does.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import fcntl
+import json
+import os
+import secrets
+import shutil
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+from normswap.errors import NormswapError
+
+MARKER = ".normswap-output"
+TMP_TAG = ".normswap-tmp-"
+
+
+def absolute(out: str | Path) -> Path:
+    """``out`` as an absolute path, symbolic links kept (``--out .`` becomes the current folder)."""
+    path = Path(os.path.abspath(os.path.expanduser(str(out))))
+    if not path.name:
+        raise NormswapError(f"--out {out} is the filesystem root; name a folder")
+    return path
+
+
+def _real(path: Path) -> Path:
+    return Path(os.path.realpath(path))
+
+
+def _within(inner: Path, outer: Path) -> bool:
+    return inner == outer or outer in inner.parents
+
+
+def check_out(out: Path, inputs: Sequence[Path], overwrite: bool) -> None:
+    """Refuse an ``--out`` that normswap may not write (see the module docstring); no side effects."""
+    if out.is_symlink():
+        raise NormswapError(f"--out {out} is a symbolic link; pass the folder itself")
+    real = _real(out)
+    for item in inputs:
+        source = _real(Path(item))
+        if source == real:
+            raise NormswapError(f"--out {out} is the input {item}; refusing to write over an input")
+        if _within(source, real):
+            raise NormswapError(f"--out {out} contains the input {item}; refusing to write over an input")
+        if _within(real, source):
+            raise NormswapError(f"--out {out} lies inside the input {item}; refusing to write into an input")
+    if _within(_real(Path.cwd()), real):
+        raise NormswapError(f"--out {out} is or contains the current folder; pass another folder")
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise NormswapError(f"--out {out} exists and is not a folder")
+    try:
+        empty = not any(out.iterdir())
+    except OSError as error:
+        raise NormswapError(f"cannot read --out {out}: {error.strerror}") from None
+    if empty:
+        return
+    if not overwrite:
+        raise NormswapError(f"--out {out} exists and is not empty; pass --overwrite to replace a folder normswap wrote")
+    if not (out / MARKER).is_file() or (out / MARKER).is_symlink():
+        raise NormswapError(
+            f"--out {out} was not written by normswap (it has no {MARKER}); --overwrite only replaces "
+            "folders normswap wrote, so remove or rename it yourself"
+        )
+
+
+class Claim:
+    """A claimed ``--out`` and the temporary folder to fill; ``install`` puts it in place."""
+
+    def __init__(self, out: Path, tmp: Path, fd: int, kind: str) -> None:
+        self.out = out
+        self.tmp = tmp
+        self.kind = kind
+        self._fd = fd
+        self.installed = False
+
+    def install(self) -> None:
+        """Write the marker and move the temporary folder to ``--out`` (see the module docstring)."""
+        from normswap import __version__
+
+        marker = {"written_by": "normswap", "version": __version__, "kind": self.kind}
+        (self.tmp / MARKER).write_text(json.dumps(marker) + "\n")
+        with _signals_held(_is_main_thread()):
+            if not _same_folder(self._fd, self.out):
+                raise NormswapError(f"--out {self.out} was replaced by something else while normswap worked; "
+                                    "left it as it is, nothing was written")
+            if any(self.out.iterdir()):
+                if not (self.out / MARKER).is_file():
+                    raise NormswapError(f"something was written into --out {self.out} while normswap worked; "
+                                        "left it as it is, nothing was written")
+                _exchange(self.tmp, self.out)  # the old folder is now at self.tmp, removed below
+            else:
+                try:
+                    os.rename(self.tmp, self.out)
+                except OSError as error:
+                    if error.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
+                        raise NormswapError(f"something was written into --out {self.out} while normswap "
+                                            "worked; left it as it is, nothing was written") from None
+                    raise
+            self.installed = True
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+@contextmanager
+def claimed_output(out: Path, *, inputs: Sequence[Path], overwrite: bool, kind: str,
+                   log: Callable[[str], None] | None = None) -> Iterator[Claim]:
+    """Claim ``out`` and yield a ``Claim`` whose ``tmp`` folder the caller fills and installs.
+
+    Any exception inside leaves nothing behind (see the module docstring); ``OSError`` becomes a
+    one-line ``NormswapError``. SIGTERM is turned into ``KeyboardInterrupt`` so that cleanup runs.
+    """
+    log = log or (lambda message: print(f"normswap: {message}", file=sys.stderr))
+    check_out(out, inputs, overwrite)
+    created: list[Path] = []
+    fd = -1
+    claim: Claim | None = None
+    previous = signal.getsignal(signal.SIGTERM)
+    in_main_thread = _is_main_thread()
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    if in_main_thread:
+        signal.signal(signal.SIGTERM, on_term)
+    try:
+        with _output_errors(out):
+            created = _make_parents(out.parent)
+            for stale in remove_stale_temporaries(out):
+                log(f"removed {stale}, left by a normswap process that no longer runs")
+            try:
+                os.mkdir(out)
+                created.append(out)
+            except FileExistsError:
+                pass
+            fd = _lock(out)
+            check_out(out, inputs, overwrite)  # again, now that nobody else can write here
+            tmp = _make_temporary(out)
+            claim = Claim(out, tmp, fd, kind)
+            yield claim
+    finally:
+        with _signals_held(in_main_thread):
+            if claim is not None and not claim.installed:
+                shutil.rmtree(claim.tmp, ignore_errors=True)
+            if claim is None or not claim.installed:
+                for folder in reversed(created):
+                    if folder != out or fd < 0 or _same_folder(fd, out):
+                        _remove_if_empty(folder)
+            if fd >= 0:
+                os.close(fd)
+            if in_main_thread:
+                signal.signal(signal.SIGTERM, previous)
+
+
+@contextmanager
+def _output_errors(out: Path) -> Iterator[None]:
+    """Turn an ``OSError`` (full disk, read-only filesystem, name too long, busy, denied, ...)
+    into one line naming the file and the reason."""
+    try:
+        yield
+    except OSError as error:
+        raise NormswapError(describe_os_error(error, f"while writing --out {out}")) from None
+
+
+def describe_os_error(error: OSError, context: str) -> str:
+    """One line for an ``OSError``: the reason, the file, what was being done, and the outcome."""
+    reason = error.strerror or type(error).__name__
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        reason = "no space left on the device"
+    where = f" ({error.filename})" if error.filename else ""
+    return f"{reason}{where} {context}; nothing was written"
+
+
+def _make_parents(parent: Path) -> list[Path]:
+    """Create ``parent`` and its missing ancestors; the ones created, outermost first."""
+    missing = []
+    folder = parent
+    while not folder.exists() and not folder.is_symlink():
+        missing.append(folder)
+        folder = folder.parent
+    created = []
+    for folder in reversed(missing):
+        try:
+            os.mkdir(folder)
+        except FileExistsError:
+            continue
+        except OSError:
+            for made in reversed(created):
+                _remove_if_empty(made)
+            raise
+        created.append(folder)
+    if not parent.is_dir():
+        raise NormswapError(f"--out cannot be created in {parent}: it is not a folder")
+    return created
+
+
+def _remove_if_empty(folder: Path) -> None:
+    try:
+        os.rmdir(folder)
+    except OSError:
+        pass
+
+
+def _lock(out: Path) -> int:
+    """An open, exclusively locked descriptor of the folder ``out`` (refuses a second claimant)."""
+    try:
+        fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as error:
+        if error.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise NormswapError(f"--out {out} is not a folder") from None
+        raise
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise NormswapError(f"another normswap process is writing --out {out}; wait for it or pick another --out") from None
+    except OSError:
+        os.close(fd)
+        raise
+    if not _same_folder(fd, out):
+        os.close(fd)
+        raise NormswapError(f"--out {out} changed while normswap claimed it; try again")
+    return fd
+
+
+def _same_folder(fd: int, path: Path) -> bool:
+    try:
+        here = os.lstat(path)
+    except OSError:
+        return False
+    mine = os.fstat(fd)
+    return (here.st_dev, here.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+def _process_start(pid: int) -> str:
+    """The start time of process ``pid`` in clock ticks since boot ("0" where /proc is missing)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as file:
+            fields = file.read().rsplit(b")", 1)[1].split()
+        return fields[19].decode()
+    except (OSError, IndexError):
+        return "0"
+
+
+def _make_temporary(out: Path) -> Path:
+    """A fresh folder beside ``out``, named for this process, created with the umask's mode."""
+    pid = os.getpid()
+    while True:
+        tmp = out.with_name(f"{out.name}{TMP_TAG}{pid}-{_process_start(pid)}-{secrets.token_hex(4)}")
+        try:
+            os.mkdir(tmp, 0o777)
+            return tmp
+        except FileExistsError:
+            continue
+
+
+def _alive(pid: int, start: str) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return start == "0" or _process_start(pid) in (start, "0")
+
+
+def remove_stale_temporaries(out: Path) -> list[Path]:
+    """Remove temporary folders for ``out`` whose process is gone; the ones removed."""
+    removed = []
+    prefix = f"{out.name}{TMP_TAG}"
+    try:
+        names = os.listdir(out.parent)
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(prefix):
+            continue
+        parts = name[len(prefix):].split("-")
+        if len(parts) != 3 or not parts[0].isdigit():
+            continue
+        if _alive(int(parts[0]), parts[1]):
+            continue
+        path = out.parent / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(tmp: Path, out: Path) -> None:
+    """Swap two folders atomically (Linux ``renameat2``); elsewhere two renames, signals held."""
+    libc_name = ctypes.util.find_library("c")
+    renameat2 = getattr(ctypes.CDLL(libc_name, use_errno=True), "renameat2", None) if libc_name else None
+    if renameat2 is not None:
+        result = renameat2(_AT_FDCWD, os.fsencode(tmp), _AT_FDCWD, os.fsencode(out), _RENAME_EXCHANGE)
+        if result == 0:
+            return
+        code = ctypes.get_errno()
+        if code not in (errno.ENOSYS, errno.EINVAL):
+            raise OSError(code, os.strerror(code), str(out))
+    aside = tmp.with_name(tmp.name + "old")
+    os.rename(out, aside)
+    try:
+        os.rename(tmp, out)
+    except OSError:
+        os.rename(aside, out)
+        raise
+    os.rename(aside, tmp)
+
+
+@contextmanager
+def _signals_held(enabled: bool = True) -> Iterator[None]:
+    """Defer SIGINT and SIGTERM until the block is done (they are delivered afterwards)."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    if not enabled:
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _is_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
