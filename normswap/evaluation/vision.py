@@ -78,8 +78,8 @@ class ImageData:
 
 def prepare(path: Path, spec: str, tokenizer, config: dict) -> ImageData:
     """Read ``spec`` and preprocess it for the checkpoint at ``path``."""
-    processor = image_processor(path)
     images = read_images(spec)
+    processor = image_processor(path)
     pixels = processor([i.image for i in images.images], return_tensors="pt").pixel_values
     model_type = (config.get("normswap") or {}).get("original_model_type", config.get("model_type"))
     if model_type != "clip":
