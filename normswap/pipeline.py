@@ -137,6 +137,7 @@ def convert_checkpoint(
     allow_inexact: bool = False,
     quiet: bool = True,
     verification: str = "auto",
+    revision: str | None = None,
 ) -> dict:
     """Convert the LayerNorm checkpoint ``src`` into an exact RMSNorm checkpoint at ``out``.
 
@@ -155,7 +156,7 @@ def convert_checkpoint(
     if method == "naive" and not allow_inexact:
         raise NormswapError("--method naive changes the model's outputs; pass --allow-inexact to accept that")
     out_dtype = parse_dtype(dtype)
-    source_dir = resolve_source(src, trust_remote_code=trust_remote_code)
+    source_dir = resolve_source(src, trust_remote_code=trust_remote_code, revision=revision)
     out = Path(out).expanduser()
     _check_output_path(source_dir, out, overwrite)
     config = read_config(source_dir)
@@ -167,6 +168,8 @@ def convert_checkpoint(
         checkpoint_dtype = _main_dtype(plan)
         options = {"method": method, "fold_gains": fold_gains, "dtype": str(checkpoint_dtype).removeprefix("torch.")}
         provenance = provenance_block(str(src), plan, options, architecture.auto_class)
+        if revision is not None:
+            provenance["revision"] = revision
         out.parent.mkdir(parents=True, exist_ok=True)
         _check_free_space(out.parent, plan)
         with _temporary_output(out) as tmp:
