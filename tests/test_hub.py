@@ -165,7 +165,7 @@ HUB_RECIPES = sorted(p for p in RECIPES_DIR.glob("*.yaml") if not load_recipe(p)
 @pytest.mark.parametrize("recipe_path", HUB_RECIPES, ids=[p.stem for p in HUB_RECIPES])
 def test_hub_recipes_convert_and_evaluate_through_the_local_hub(recipe_path, tmp_path):
     """Each hub recipe's source, conversion and verification settings, run against a tiny model of
-    the recipe's family served under the recipe's repo id; evaluation on the bundled text (the
+    the recipe's family served under the recipe's repo id; evaluation on a short local text (the
     recipes' standard datasets are not served)."""
     recipe = load_recipe(recipe_path)
     family = {"gpt2": "gpt2", "facebook/opt-125m": "opt", "EleutherAI/pythia-160m": "gpt_neox",
@@ -174,7 +174,10 @@ def test_hub_recipes_convert_and_evaluate_through_the_local_hub(recipe_path, tmp
         pytest.skip(f"no tiny stand-in for {recipe.source}")
     model_dir = tiny_family(family, tmp_path / "model")
     data = yaml.safe_load(recipe_path.read_text())
-    data["eval"] = {"dtype": "float32", "batch_size": 2, "max_length": 32, "text": "bundled", "tasks": [],
+    text = tmp_path / "short.txt"
+    excerpt = (example_model_path().parent / "text" / "persuasion-excerpt.txt").read_text(encoding="utf-8")
+    text.write_text(excerpt[20_000:21_500], encoding="utf-8")
+    data["eval"] = {"dtype": "float32", "batch_size": 4, "max_length": 32, "text": str(text), "tasks": [],
                     "perplexity": True}
     data.pop("reference", None)
     local = tmp_path / f"{recipe_path.stem}.yaml"
