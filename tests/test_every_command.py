@@ -70,7 +70,11 @@ def build(family: str, path):
     return path
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+# One text family of each kind of adapter runs by default; every family with --run-slow.
+QUICK = {"gpt2", "bloom", "whisper", "vit", "clip"}
+
+
+@pytest.mark.parametrize("family", [f if f in QUICK else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES])
 def test_every_command(family, tmp_path, short_text, capsys):
     src = build(family, tmp_path / family)
     plain, folded = tmp_path / "plain", tmp_path / "folded"

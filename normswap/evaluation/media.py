@@ -173,7 +173,10 @@ def resample(audio, rate_in: int, rate_out: int):
         return audio
     from math import gcd
 
-    from scipy.signal import resample_poly
+    try:
+        from scipy.signal import resample_poly
+    except ImportError:
+        raise NormswapError("resampling audio needs scipy: pip install 'normswap[eval]'") from None
 
     common = gcd(int(rate_in), int(rate_out))
     return resample_poly(audio, rate_out // common, rate_in // common).astype("float32")
@@ -230,7 +233,10 @@ def check_images(spec: str) -> None:
 
 def read_images(spec: str) -> ImageSet:
     """Every image of ``spec`` as RGB, with its class subfolder's name as label where it has one."""
-    from PIL import Image, UnidentifiedImageError
+    try:
+        from PIL import Image, UnidentifiedImageError
+    except ImportError:
+        raise NormswapError("reading images needs Pillow: pip install 'normswap[eval]'") from None
 
     name, files = _image_files(spec)
     result = ImageSet(name)
