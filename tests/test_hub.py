@@ -19,6 +19,7 @@ import pytest
 import torch
 import yaml
 from helpers import make_hard
+from hub_datasets import DATASETS, add_all
 from hubserver import FakeHub, folder_files
 from safetensors.torch import save
 from transformers import GPT2Config, GPT2Model
@@ -34,7 +35,8 @@ NOT_NEEDED = ("tf_model.h5", "flax_model.msgpack", "rust_model.ot", "onnx/decode
 def gpt2_like_repo(seed: int = 0, **overrides) -> dict[str, bytes]:
     """A tiny GPT-2 in the layout of the hub's ``gpt2`` repo (``GPT2Model`` names, no ``transformer.``)."""
     bundled = example_model_path()
-    settings = dict(n_layer=2, n_embd=32, n_head=4, vocab_size=2048, n_positions=64, bos_token_id=0, eos_token_id=0)
+    # GPT-2's context (1024), so that recipes/gpt2.yaml runs with its own max_length
+    settings = dict(n_layer=2, n_embd=32, n_head=4, vocab_size=2048, n_positions=1024, bos_token_id=0, eos_token_id=0)
     settings.update(overrides)
     config = GPT2Config(architectures=["GPT2LMHeadModel"], **settings)
     torch.manual_seed(seed)
@@ -157,6 +159,26 @@ def test_offline_and_unreachable_are_one_line(tmp_path):
     one_line(offline, "could not fetch 'gpt2'", "offline")
     unreachable = normswap_cli("convert", "gpt2", "--out", "out", hub=None, home=tmp_path / "hf", cwd=tmp_path)
     one_line(unreachable, "could not fetch 'gpt2'", "unreachable")
+
+
+def test_gpt2_recipe_runs_literally_against_the_local_hub(hub, tmp_path):
+    """``normswap run recipes/gpt2.yaml --limit 3``: the model and every dataset of the recipe come
+    from the local hub (stand-in rows, see ``hub_datasets``); the report shows the published
+    anchors beside the measured values."""
+    add_all(hub)
+    hub.log.clear()
+    result = normswap_cli("run", str(RECIPES_DIR / "gpt2.yaml"), "--limit", "3", "--device", "cpu", "--out", "run",
+                          "--no-plot", "--no-progress", hub=hub, home=tmp_path / "hf", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = result.stdout
+    assert "## Comparison: PASS" in report and "## Reference figures" in report
+    for key in ("lambada_openai/acc", "hellaswag/acc_norm", "piqa/acc", "arc_easy/acc", "winogrande/acc",
+                "wikitext/word_perplexity", "strided/token_perplexity"):
+        assert f"| {key} |" in report, key
+    assert "| 29.94 |" in report  # the published strided WikiText-2 perplexity, beside ours
+    served = {path.split("/resolve/")[0].removeprefix("/datasets/") for method, path in hub.log
+              if method == "GET" and path.startswith("/datasets/")}
+    assert set(DATASETS) <= served
 
 
 HUB_RECIPES = sorted(p for p in RECIPES_DIR.glob("*.yaml") if not load_recipe(p).source.startswith("normswap:"))
