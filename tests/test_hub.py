@@ -184,8 +184,9 @@ def test_gpt2_recipe_runs_literally_against_the_local_hub(hub, tmp_path):
 HUB_RECIPES = sorted(p for p in RECIPES_DIR.glob("*.yaml") if not load_recipe(p).source.startswith("normswap:"))
 
 
-@pytest.mark.parametrize("recipe_path", [p if p.stem == "gpt2" else pytest.param(p, marks=pytest.mark.slow)
-                                         for p in HUB_RECIPES], ids=[p.stem for p in HUB_RECIPES])
+# gpt2.yaml runs literally above; these run with --run-slow
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe_path", HUB_RECIPES, ids=[p.stem for p in HUB_RECIPES])
 def test_hub_recipes_convert_and_evaluate_through_the_local_hub(recipe_path, tmp_path):
     """Each hub recipe's source, conversion and verification settings, run against a tiny model of
     the recipe's family served under the recipe's repo id; evaluation on a short local text (the
