@@ -153,6 +153,7 @@ def convert_checkpoint(
     allow_inexact: bool = False,
     quiet: bool = True,
     verification: str = "auto",
+    revision: str | None = None,
 ) -> dict:
     """Convert the LayerNorm checkpoint ``src`` into an exact RMSNorm checkpoint at ``out``.
 
@@ -171,7 +172,7 @@ def convert_checkpoint(
     if method == "naive" and not allow_inexact:
         raise NormswapError("--method naive changes the model's outputs; pass --allow-inexact to accept that")
     out_dtype = parse_dtype(dtype)
-    source_dir = resolve_source(src, trust_remote_code=trust_remote_code)
+    source_dir = resolve_source(src, trust_remote_code=trust_remote_code, revision=revision)
     out = output.absolute(out)
     inputs = source_inputs(source_dir)
     output.check_out(out, inputs, overwrite)
@@ -184,6 +185,8 @@ def convert_checkpoint(
         checkpoint_dtype = _main_dtype(plan)
         options = {"method": method, "fold_gains": fold_gains, "dtype": str(checkpoint_dtype).removeprefix("torch.")}
         provenance = provenance_block(str(src), plan, options, architecture.auto_class)
+        if revision is not None:
+            provenance["revision"] = revision
         _check_free_space(out, plan)
         with output.claimed_output(out, inputs=inputs, overwrite=overwrite, kind="checkpoint") as claim:
             tmp = claim.tmp

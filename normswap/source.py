@@ -39,17 +39,20 @@ def example_model_path() -> Path:
     return Path(str(resources.files("normswap") / "data" / "austen-gpt2"))
 
 
-def resolve_source(src: str | Path, *, trust_remote_code: bool = False) -> Path:
+def resolve_source(src: str | Path, *, trust_remote_code: bool = False, revision: str | None = None) -> Path:
     """A local directory in Hugging Face layout for ``src``.
 
     ``src`` is a local directory, the bundled example (``normswap:austen-gpt2``), or a hub id
-    that is downloaded when the hub is reachable. Only configuration, tokenizer and weight files
-    are fetched; Python files only with ``trust_remote_code``.
+    that is downloaded (at ``revision``: a branch, tag or commit; default the main branch) when
+    the hub is reachable, or read from the local hub cache. Only top-level configuration,
+    tokenizer and weight files are fetched; Python files only with ``trust_remote_code``.
     """
     if str(src) == EXAMPLE_MODEL:
         path = example_model_path()
         if not (path / "config.json").is_file():
             raise NormswapError(f"the bundled example model is missing from this install ({path})")
+        if revision is not None:
+            raise NormswapError("--revision applies to hub ids, not to the bundled example")
         return path
     path = Path(src).expanduser()
     if path.exists():
@@ -57,13 +60,24 @@ def resolve_source(src: str | Path, *, trust_remote_code: bool = False) -> Path:
             raise NormswapError(f"{src} is not a directory; pass a checkpoint directory or a hub id")
         if not (path / "config.json").is_file():
             raise NormswapError(f"{src} has no config.json; it is not a Hugging Face checkpoint directory")
+        if revision is not None:
+            raise NormswapError(f"--revision applies to hub ids, not to the local directory {src}")
         return path
     if not _HUB_ID.match(str(src)):
         raise NormswapError(f"{src} does not exist and is not a Hugging Face hub id")
-    return _download(str(src), trust_remote_code=trust_remote_code)
+    return _download(str(src), trust_remote_code=trust_remote_code, revision=revision)
 
 
-def _download(repo_id: str, *, trust_remote_code: bool) -> Path:
+# What the hub client's errors mean, by class name, in the one line the user reads.
+_HUB_ERRORS = {
+    "RepositoryNotFoundError": "repository not found (or private: log in with `hf auth login`)",
+    "GatedRepoError": "the repository is gated: accept its terms on the hub and log in with `hf auth login`",
+    "RevisionNotFoundError": "revision not found",
+    "OfflineModeIsEnabled": "offline mode is on (HF_HUB_OFFLINE) and it is not in the local cache",
+}
+
+
+def _download(repo_id: str, *, trust_remote_code: bool, revision: str | None = None) -> Path:
     import logging
 
     from huggingface_hub import snapshot_download
@@ -71,31 +85,49 @@ def _download(repo_id: str, *, trust_remote_code: bool) -> Path:
     # The hub client logs every retry; one line from us says it all.
     logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
     patterns = ["*.json", "*.txt", "*.model", "*.tiktoken"] + (["*.py"] if trust_remote_code else [])
+    # Top-level files only: onnx/, openvino/ and the like hold other exports of the same model.
+    options = {"revision": revision, "ignore_patterns": ["*/*"]}
     try:
-        path = Path(snapshot_download(repo_id, allow_patterns=patterns + ["*.safetensors"]))
+        path = Path(snapshot_download(repo_id, allow_patterns=patterns + ["*.safetensors"], **options))
         if not any(path.glob("*.safetensors")):
-            path = Path(snapshot_download(repo_id, allow_patterns=patterns + ["*.bin"]))
+            path = Path(snapshot_download(repo_id, allow_patterns=patterns + ["*.bin"], **options))
         return path
     except Exception as error:  # the hub client raises many types; all mean "could not fetch"
         raise NormswapError(
-            f"could not fetch '{repo_id}' ({_hub_reason(error)}); pass a local checkpoint directory instead"
+            f"could not fetch '{repo_id}'{f' at revision {revision}' if revision else ''} ({_hub_reason(error)}); "
+            "pass a local checkpoint directory instead"
         ) from None
 
 
 def _hub_reason(error: BaseException) -> str:
-    """Why a hub download failed, as a short phrase (the client's messages run to paragraphs)."""
-    text = str(error)
-    lowered = text.lower()
-    if "outgoing traffic has been disabled" in lowered or "offline mode" in lowered:
-        return "offline mode is on (HF_HUB_OFFLINE) and the model is not in the local cache"
-    if "name or service not known" in lowered or "connect" in lowered or "internet" in lowered:
-        return "the Hugging Face Hub is unreachable"
-    if type(error).__name__ in ("RepositoryNotFoundError", "GatedRepoError") or "404" in text:
-        return "no such repository on the hub, or it is private or gated"
-    sentence = _first_line(error).split(". ")[0].rstrip(".")
-    if len(sentence) > 160:
+    """The cause of a failed download, in a few words."""
+    chain: list[BaseException] = []
+    current: BaseException | None = error
+    while current is not None and len(chain) < 8:
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    names = [type(e).__name__ for e in chain]
+    if "OfflineModeIsEnabled" in names or any("offline" in _first_line(e).lower() for e in chain[:1]):
+        return _HUB_ERRORS["OfflineModeIsEnabled"]
+    for name in names:
+        if name in _HUB_ERRORS:
+            return _HUB_ERRORS[name]
+    status = getattr(getattr(error, "response", None), "status_code", None)
+    if status in (401, 403):
+        return _HUB_ERRORS["GatedRepoError"]
+    reason = _first_line(error)
+    connection = ("ConnectError", "ConnectionError", "RemoteProtocolError", "ReadError", "TimeoutException",
+                  "ConnectTimeout", "ReadTimeout", "LocalEntryNotFoundError")
+    if any(name in connection for name in names) or "Name or service not known" in reason or "connect" in reason.lower():
+        return f"the Hugging Face Hub is unreachable at {_endpoint()}"
+    sentence = reason.split(". ")[0].rstrip(".")
+    if len(sentence) > 160:  # the client's messages run to paragraphs; cut at a word
         sentence = sentence[:160].rsplit(" ", 1)[0] + " ..."
     return sentence
+
+
+def _endpoint() -> str:
+    return os.environ.get("HF_ENDPOINT", "https://huggingface.co")
 
 
 def read_config(path: Path) -> dict:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from normswap.analysis.collect import DEFAULT_TEXT, run_geometry
+from normswap.analysis.collect import DEFAULT_TEXT, run_geometry, run_geometry_on
 from normswap.analysis.report import build_report, format_comparison, format_report
 from normswap.errors import NormswapError
 
@@ -26,6 +26,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help=f"text to run the model on (default: the bundled excerpt {DEFAULT_TEXT.name})")
     parser.add_argument("--random-tokens", action="store_true",
                         help="use uniformly random token ids instead of text (for models without a tokenizer)")
+    parser.add_argument("--audio", metavar="PATH",
+                        help="speech models (Whisper): audio folder with .txt transcripts, JSONL manifest, or "
+                             "'bundled'; the encoder reads the audio, the decoder its transcript")
+    parser.add_argument("--images", metavar="PATH",
+                        help="vision models (ViT, CLIP): image folder (class subfolders as labels) or 'bundled'")
     parser.add_argument("--max-tokens", type=int, default=4096, help="number of tokens to measure (default 4096)")
     parser.add_argument("--seq-len", type=int, default=None,
                         help="window length (default: the model's context length, at most 1024)")
@@ -98,22 +103,64 @@ def _json_safe(value):
     return value
 
 
-def run(args: argparse.Namespace) -> int:
+def _media_reports(args: argparse.Namespace) -> dict:
+    """Reports on audio or images: the inputs are prepared once, by the first model's own processor."""
+    from normswap.evaluation import media
+    from normswap.evaluation.media_eval import check_sources
+    from normswap.source import read_config
+    from normswap.verify import load_tokenizer
+
+    kind = "audio" if args.audio else "images"
+    spec = args.audio or args.images
+    (media.check_audio if kind == "audio" else media.check_images)(spec)
+    sources = [args.model] + ([args.compare] if args.compare else [])
+    paths = check_sources(sources, kind, args.trust_remote_code)
+    if kind == "audio":
+        from normswap.evaluation import speech as task
+    else:
+        from normswap.evaluation import vision as task
+    data = task.prepare(paths[0], spec, load_tokenizer(paths[0]), read_config(paths[0]))
+    reports = {}
+    for label, source in zip(("original", "converted"), sources, strict=False):
+        model, _ = _load(source, args)
+        norms = run_geometry_on(model, task.geometry_batches(model, data, args.batch_size), top_dims=args.top_dims)
+        reports[label] = build_report(norms, model=source, dtype=DTYPES[args.dtype],
+                                      tokens=max(n["tokens"] for n in norms), text=data.describe())
+        del model
+    return reports
+
+
+def _text_reports(args: argparse.Namespace) -> dict:
+    from normswap.evaluation.media_eval import check_sources
+
     if args.max_tokens < 2:
         raise NormswapError("--max-tokens must be at least 2")
     if args.text is not None and not args.random_tokens and not args.text.is_file():
         raise NormswapError(f"text file not found: {args.text}")  # before spending time on loading
+    # Speech and vision models read audio or images: say so before loading anything.
+    check_sources([args.model] + ([args.compare] if args.compare else []), None, args.trust_remote_code)
 
     model, tokenizer = _load(args.model, args)
     converted, converted_tokenizer = _load(args.compare, args) if args.compare else (None, None)
     vocab_size = getattr(model.config, "vocab_size", None)
     ids, text = token_ids(args, tokenizer if tokenizer is not None else converted_tokenizer, vocab_size)
 
-    original = measure(args.model, model, ids, text, args)
-    reports = {"original": original}
+    reports = {"original": measure(args.model, model, ids, text, args)}
     if converted is not None:
         reports["converted"] = measure(args.compare, converted, ids, text, args)
-        print(format_comparison(original, reports["converted"]))
+    return reports
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.audio and args.images:
+        raise NormswapError("pass --audio or --images, not both: a model reads one kind of input")
+    if (args.audio or args.images) and (args.text is not None or args.random_tokens):
+        raise NormswapError("--text and --random-tokens are for text models; drop them with --audio/--images")
+    reports = _media_reports(args) if args.audio or args.images else _text_reports(args)
+    original = reports["original"]
+    converted = reports.get("converted")
+    if converted is not None:
+        print(format_comparison(original, converted))
     else:
         print(format_report(original))
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,7 +65,10 @@ class NormPosition:
 def classify(name: str) -> NormPosition:
     """Position of a norm from its module path, e.g. ``transformer.h.3.ln_1`` → ("", 3, "attention")."""
     parts = name.split(".")
-    stack = next((p for p in ("encoder", "decoder") if any(part.startswith(p) for part in parts)), "")
+    # Two-tower models (CLIP) name their towers; encoder-decoders (Whisper) their stacks.
+    # The outermost match decides: a decoder's ``encoder_attn_layer_norm`` belongs to the decoder.
+    stack = next((p for p in ("vision", "text") if f"{p}_model" in parts), "") or next(
+        (p for part in parts for p in ("encoder", "decoder") if part.startswith(p)), "")
     layer = next((int(part) for part in parts if part.isdigit()), None)
     leaf = parts[-1].lower()
     if layer is None:
@@ -237,13 +240,31 @@ def run_geometry(model: nn.Module, token_ids: torch.Tensor, *, seq_len: int | No
                  batch_size: int = 4, top_dims: int = 5) -> list[dict]:
     """Run ``model`` over ``token_ids`` (1-D) and return one summary dict per norm, in data-flow order."""
     seq_len = min(seq_len or context_length(model), context_length(model))
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    batches = ({"input_ids": batch} for batch in windows(token_ids.reshape(-1).long(), seq_len, batch_size))
+    return run_geometry_on(model, batches, top_dims=top_dims)
+
+
+def _forward_inputs(model: nn.Module, inputs: dict[str, torch.Tensor]) -> None:
+    parameter = next(model.parameters())
+    moved = {k: v.to(parameter.device, dtype=parameter.dtype if v.is_floating_point() else v.dtype)
+             for k, v in inputs.items()}
+    if "input_ids" in moved and set(moved) == {"input_ids"}:
+        _forward(model, moved["input_ids"])
+    elif "pixel_values" in moved and "input_ids" not in moved and hasattr(model, "get_image_features"):
+        model.get_image_features(pixel_values=moved["pixel_values"])  # a two-tower model's image tower alone
+    else:
+        model(**moved)
+
+
+def run_geometry_on(model: nn.Module, batches: Iterable[dict[str, torch.Tensor]], *, top_dims: int = 5) -> list[dict]:
+    """Run ``model`` on each batch of keyword inputs (token ids, audio features, pixels) and return
+    one summary dict per norm, in data-flow order."""
     was_training = model.training
     model.eval()
     try:
         with NormRecorder(model) as recorder, torch.no_grad():
-            for batch in windows(token_ids.reshape(-1).long(), seq_len, batch_size):
-                _forward(model, batch.to(device))
+            for inputs in batches:
+                _forward_inputs(model, inputs)
     finally:
         model.train(was_training)
     return [record.summary(top_dims) for record in recorder.records]

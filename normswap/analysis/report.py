@@ -97,8 +97,20 @@ def overall(norms: list[dict], dtype: torch.dtype) -> dict:
     worst_error = max(norms, key=lambda n: n["naive_error"]["mean"])
     noise = noise_level(dtype)
     max_token_share = max(n["abs_cos"]["max"] for n in norms)
+    by_stack = {}
+    for stack in dict.fromkeys(n["stack"] for n in norms):
+        members = [n for n in norms if n["stack"] == stack]
+        by_stack[stack or "all"] = {
+            "norms": len(members),
+            "tokens": max(n["tokens"] for n in members),
+            "mean_share_avg": sum(n["mean_share"] for n in members) / len(members),
+            "mean_share_min": min(n["mean_share"] for n in members),
+            "mean_share_max": max(n["mean_share"] for n in members),
+            "naive_error_avg": sum(n["naive_error"]["mean"] for n in members) / len(members),
+        }
     return {
         "norms": len(norms),
+        "by_stack": by_stack,
         "mean_share_avg": sum(n["mean_share"] for n in norms) / len(norms),
         # what a random direction would give, for scale (one value per hidden size present)
         "isotropic_mean_share": {str(n["d"]): n["isotropic_mean_share"] for n in norms},
@@ -187,6 +199,11 @@ def format_summary(report: dict) -> list[str]:
              f"{o['mean_share_max_at']}; largest single token {_g(o['token_share_max'])}",
              "  for scale, a random isotropic vector has mean |cos| "
              + ", ".join(f"{_g(v)} (d={d})" for d, v in o["isotropic_mean_share"].items())]
+    if len(o.get("by_stack", {})) > 1:
+        for stack, v in o["by_stack"].items():
+            lines.append(f"side {stack}: {v['norms']} norms over {v['tokens']} positions, mean share average "
+                         f"{_g(v['mean_share_avg'])} (range {_g(v['mean_share_min'])}-{_g(v['mean_share_max'])}), "
+                         f"naive err average {_g(v['naive_error_avg'])}")
     if o["mean_at_noise"]:
         lines.append(f"every norm input is orthogonal to 1 to floating-point noise (<= {_g(o['noise_level'])})")
     lines.append(f"naive-swap output error: average {_g(o['naive_error_avg'])}, largest {_g(o['naive_error_max'])} "

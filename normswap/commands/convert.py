@@ -12,6 +12,7 @@ from normswap.verify_layerwise import describe_mode
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("src", help="hub id (gpt2), local checkpoint directory, or normswap:austen-gpt2")
+    parser.add_argument("--revision", help="hub ids: the branch, tag or commit to download (default: main)")
     parser.add_argument("--out", required=True,
                         help="output directory: absent or empty, or with --overwrite one that normswap wrote")
     parser.add_argument("--fold-gains", action="store_true",
@@ -39,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
         fold_gains=args.fold_gains, method=args.method, dtype=args.dtype, overwrite=args.overwrite,
         trust_remote_code=args.trust_remote_code, atol=args.atol, rtol=args.rtol,
         allow_inexact=args.allow_inexact, quiet=args.quiet,
-        verification=args.verification,
+        verification=args.verification, revision=args.revision,
     )
     print(f"wrote {args.out}: {len(provenance['norms_swapped'])} norms swapped to RMSNorm, "
           f"{provenance['writers_centred']} writers centred, {len(provenance['norms_folded'])} norms folded")

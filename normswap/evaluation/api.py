@@ -26,6 +26,13 @@ def evaluate(
     ``verdict`` of ``"pass"`` or ``"fail"``; without one it lists the scores.
     """
     settings = settings or EvalSettings()
+    from normswap.evaluation.media_eval import check_sources, evaluate_media, media_kind
+
+    if media_kind(settings) is not None:
+        return evaluate_media(model, baseline=baseline, settings=settings, tolerances=tolerances,
+                              reference=reference, reference_source=reference_source)
+    # Speech and vision models read audio or images: say so before loading anything.
+    check_sources([m for m in (baseline, model) if m is not None], None, settings.trust_remote_code)
     evaluator = Evaluator(settings, workdir=workdir)
     try:
         results: list[ModelEval] = []

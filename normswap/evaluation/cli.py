@@ -30,6 +30,12 @@ def add_eval_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--trust-remote-code", action="store_true", default=default,
                        help="load a model whose type transformers lacks with its own code (auto_map); "
                             "converted checkpoints always load with normswap's classes, never their code")
+    media = parser.add_argument_group("speech and vision models (instead of text)")
+    media.add_argument("--audio", metavar="PATH", default=default,
+                       help="Whisper: a folder of audio files with same-stem .txt transcripts, a JSONL manifest "
+                            "of {\"audio\": FILE, \"text\": ...}, or 'bundled'")
+    media.add_argument("--images", metavar="PATH", default=default,
+                       help="ViT, CLIP: a folder of images, class subfolders as labels, or 'bundled'")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -74,6 +80,7 @@ def settings_from_args(args: argparse.Namespace, **overrides):
         text=args.text, perplexity=not args.no_perplexity, tasks=tasks, limit=_limit(args.limit),
         device=args.device, device_map=args.device_map, trust_remote_code=bool(args.trust_remote_code),
         progress=not args.no_progress and sys.stderr.isatty(),
+        audio=getattr(args, "audio", None), images=getattr(args, "images", None),
     )
     values.update(overrides)
     return EvalSettings(**values)
@@ -110,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.plot and args.out is None:
         raise NormswapError("--plot needs --out DIR")
-    if args.no_perplexity and not args.tasks:
+    if args.no_perplexity and not args.tasks and not (args.audio or args.images):
         raise NormswapError("nothing to evaluate: --no-perplexity and no --tasks")
     settings = settings_from_args(args)
     tolerances = tolerances_from_args(args, settings.dtype) if args.baseline else None

@@ -22,6 +22,8 @@
       perplexity: true
       tasks: [local]
       limit: null
+      audio: null                     # speech models: audio folder, JSONL manifest, or bundled
+      images: null                    # vision models: image folder (class subfolders), or bundled
     tolerances:                       # verdict limits; omitted ones take the dtype's defaults
       ppl_rtol: 1.0e-4
       acc_atol: 0.005
@@ -52,7 +54,8 @@ SECTIONS = {"name", "description", "source", "convert", "verify", "eval", "toler
 CONVERT_KEYS = {"fold_gains": bool, "method": str, "dtype": str, "trust_remote_code": bool}
 VERIFY_KEYS = {"atol": float, "rtol": float, "allow_inexact": bool, "verification": str}
 EVAL_KEYS = {"dtype": str, "batch_size": int, "max_length": int, "stride": int, "text": str,
-             "perplexity": bool, "tasks": list, "limit": float, "device": str, "device_map": str}
+             "perplexity": bool, "tasks": list, "limit": float, "device": str, "device_map": str,
+             "audio": str, "images": str}
 TOLERANCE_KEYS = {"ppl_rtol": float, "acc_atol": float, "doc_ll_atol": float}
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 # a recipe's name becomes a folder name under runs/: never a path

@@ -43,6 +43,8 @@ def _merged_settings(recipe, args: argparse.Namespace):
         device_map=args.device_map or base.device_map,
         trust_remote_code=bool(args.trust_remote_code or recipe.convert.get("trust_remote_code")),
         no_progress=args.no_progress,
+        audio=args.audio or base.audio,
+        images=args.images or base.images,
     )
     return settings_from_args(merged)
 

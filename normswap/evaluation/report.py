@@ -99,11 +99,15 @@ def to_markdown(report: dict[str, Any]) -> str:
     if recipe and recipe.get("description"):
         lines += [recipe["description"].strip(), ""]
     settings = report["settings"]
-    lines.append(
-        f"dtype {settings['dtype']}, batch size {settings['batch_size']}, max length "
-        f"{report.get('max_length') or settings['max_length']}, stride {settings['stride'] or 'max length'}, "
-        f"lm-eval limit {settings['limit'] or 'none'}; text: {(report.get('text') or {}).get('name', '–')}"
-    )
+    if report.get("modality") in ("audio", "images"):
+        lines.append(f"dtype {settings['dtype']}, batch size {settings['batch_size']}; "
+                     f"{report['modality']}: {(report.get('text') or {}).get('name', '–')}")
+    else:
+        lines.append(
+            f"dtype {settings['dtype']}, batch size {settings['batch_size']}, max length "
+            f"{report.get('max_length') or settings['max_length']}, stride {settings['stride'] or 'max length'}, "
+            f"lm-eval limit {settings['limit'] or 'none'}; text: {(report.get('text') or {}).get('name', '–')}"
+        )
     lines.append("")
     models = report["models"]
     for label, model in models.items():
@@ -121,7 +125,9 @@ def to_markdown(report: dict[str, Any]) -> str:
             [[r["key"], r["original"], r["converted"], r["delta"], r["rel_delta"], r["limit"], _ok(r["ok"])]
              for r in comparison["metrics"]],
         )
-        lines += ["", "Per-document loglikelihood (nats; strided: per window):", ""]
+        unit = {"audio": "per utterance", "images": "per image, every class or text"}.get(
+            report.get("modality"), "strided: per window")
+        lines += ["", f"Per-document loglikelihood (nats; {unit}):", ""]
         lines += _table(
             ["task", "documents", "max abs Δ loglik", "worst doc", "tolerance", "ok"],
             [[d["task"], d["n_docs"], d["max_abs_delta_ll"], d["worst_doc"], d["limit"], _ok(d["ok"])]
@@ -130,10 +136,20 @@ def to_markdown(report: dict[str, Any]) -> str:
         for problem in comparison["problems"]:
             lines.append(f"- problem: {problem}")
         lines.append("")
+        if report.get("agreement"):
+            lines += ["Outputs compared directly:", ""]
+            lines += _table(["task/measure", "value", "limit", "ok"],
+                            [[r["key"], r["value"], r["limit"], _ok(r["ok"])] for r in report["agreement"]])
+            lines.append("")
     else:
         lines += ["## Scores", ""]
         keys = sorted({k for m in models.values() for k in m["metrics"]})
         lines += _table(["task/metric", *models], [[k, *(m["metrics"].get(k) for m in models.values())] for k in keys])
+        lines.append("")
+    if report.get("samples"):
+        header = list(report["samples"][0])
+        lines += ["## Samples", ""]
+        lines += _table(header, [[row.get(h) for h in header] for row in report["samples"]])
         lines.append("")
     reference = report.get("reference")
     if reference:

@@ -56,6 +56,8 @@ class EvalSettings:
     device_map: str | None = None  # "auto" spreads a big model over the visible GPUs
     trust_remote_code: bool = False
     progress: bool = True
+    audio: str | None = None  # speech models: folder or manifest of transcribed audio (evaluation/media.py)
+    images: str | None = None  # vision models: folder of images, class subfolders as labels
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

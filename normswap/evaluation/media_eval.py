@@ -1,0 +1,124 @@
+"""``normswap eval --audio`` / ``--images``: speech and vision models, original and converted side by side.
+
+The inputs are read and preprocessed once, with the processor of the first checkpoint (the
+original when there is one), and given unchanged to every model. Scores become the same
+``ModelEval`` records as text evaluation, so metrics and per-utterance / per-image scores are
+compared under the same tolerances; outputs the two models can be compared on directly (identical
+decodes, top-1 agreement, embedding cosines) are added as ``agreement`` rows, and the verdict
+needs both.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from normswap.errors import NormswapError
+from normswap.evaluation import media
+from normswap.evaluation.compare import Tolerances, compare, default_tolerances
+from normswap.evaluation.report import build_report
+from normswap.evaluation.runner import EvalSettings, ModelEval, parse_dtype
+
+
+def media_kind(settings: EvalSettings) -> str | None:
+    """``audio``, ``images`` or None (text) from the settings; both at once is an error."""
+    audio, images = getattr(settings, "audio", None), getattr(settings, "images", None)
+    if audio and images:
+        raise NormswapError("pass --audio or --images, not both: a model reads one kind of input")
+    return "audio" if audio else "images" if images else None
+
+
+def check_sources(sources: list[str], kind: str | None, trust_remote_code: bool) -> list[Path]:
+    """Resolve every checkpoint and check that it reads ``kind``; one line otherwise."""
+    from normswap.source import read_config, resolve_source
+
+    paths = []
+    for source in sources:
+        path = resolve_source(source, trust_remote_code=trust_remote_code)
+        media.require_modality(read_config(path), source, kind)
+        paths.append(path)
+    return paths
+
+
+def _task(kind: str, config: dict):
+    if kind == "audio":
+        from normswap.evaluation import speech
+
+        return speech
+    from normswap.evaluation import vision
+
+    return vision
+
+
+def _load(path: Path, settings: EvalSettings):
+    from normswap import load_model
+
+    kwargs: dict[str, Any] = {"dtype": parse_dtype(settings.dtype), "trust_remote_code": settings.trust_remote_code}
+    if settings.device_map:
+        kwargs["device_map"] = settings.device_map
+    model, tokenizer = load_model(path, **kwargs)
+    if not settings.device_map:
+        model = model.to(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    return model.eval(), tokenizer
+
+
+def evaluate_media(
+    model: str,
+    *,
+    baseline: str | None = None,
+    settings: EvalSettings,
+    tolerances: Tolerances | None = None,
+    reference: dict[str, float] | None = None,
+    reference_source: str | None = None,
+) -> dict[str, Any]:
+    """Evaluate ``model`` (and ``baseline``) on ``settings.audio`` or ``settings.images``; the report."""
+    from normswap.source import read_config
+    from normswap.verify import load_tokenizer
+
+    kind = media_kind(settings)
+    assert kind is not None
+    spec = settings.audio if kind == "audio" else settings.images
+    (media.check_audio if kind == "audio" else media.check_images)(spec)
+    labelled = [("original", baseline), ("converted", model)] if baseline is not None else [("model", model)]
+    paths = check_sources([source for _, source in labelled], kind, settings.trust_remote_code)
+    config = read_config(paths[0])
+    task = _task(kind, config)
+    data = task.prepare(paths[0], spec, load_tokenizer(paths[0]), config)
+
+    results: list[ModelEval] = []
+    raw: list[Any] = []
+    for (label, source), path in zip(labelled, paths, strict=True):
+        started = time.perf_counter()
+        result = ModelEval(label=label, source=str(source))
+        loaded, tokenizer = _load(path, settings)
+        try:
+            raw.append(task.score(loaded, tokenizer or load_tokenizer(paths[0]), data, result, settings.batch_size))
+        finally:
+            del loaded
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        result.details["seconds"] = round(time.perf_counter() - started, 2)
+        results.append(result)
+
+    comparison = None
+    agreement: list[dict[str, Any]] = []
+    if baseline is not None:
+        tolerances = tolerances or default_tolerances(settings.dtype)
+        comparison = compare(results[0], results[1], tolerances)
+        if kind == "audio":
+            agreement = task.agreement(results[0], results[1], tolerances)
+        else:
+            agreement = task.agreement(raw[0], raw[1], data.kind, tolerances)
+    report = build_report(
+        results, settings, comparison=comparison, reference=reference, reference_source=reference_source,
+        text={"name": data.describe()},
+        extra={"modality": kind, "agreement": agreement or None, "samples": task.samples(data, results)},
+    )
+    if comparison is not None and not all(row["ok"] for row in agreement):
+        report["verdict"] = "fail"
+    return report

@@ -1,0 +1,210 @@
+"""Image evaluation of vision models (ViT) and image–text models (CLIP).
+
+Images go through the checkpoint's own image processor (``preprocessor_config.json``); CLIP's
+texts through its own tokenizer.
+
+* ViT with a classification head: each image's class distribution (its log-softmax is the
+  per-image score the comparison takes differences of), top-1 accuracy when the class subfolders
+  name classes of the model's ``id2label``, and, between the two models, top-1 agreement and the
+  largest |Δlogit|. A ViT without a head is compared on its pooled output (cosine, max |Δ|).
+* CLIP: image–text similarities against one prompt per class (``a photo of a {label}.``), or
+  against each image's own file name as caption when there are no class subfolders; zero-shot
+  accuracy when labels exist; between the two models, agreement of the best-matching text per
+  image, the largest |Δ similarity logit|, and the smallest cosine between their image and text
+  embeddings.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from normswap.errors import NormswapError
+from normswap.evaluation.media import ImageSet, read_images
+from normswap.evaluation.runner import ModelEval
+
+PROMPT = "a photo of a {label}."
+
+
+def image_processor(path: Path):
+    """The checkpoint's own image processor."""
+    from transformers import AutoImageProcessor
+
+    if not (path / "preprocessor_config.json").is_file():
+        raise NormswapError(f"{path} has no preprocessor_config.json: image input needs the checkpoint's own "
+                            "image processor")
+    try:
+        return AutoImageProcessor.from_pretrained(str(path))
+    except Exception as error:  # a malformed processor file raises whatever its class raises
+        raise NormswapError(f"cannot build the image processor of {path}: {str(error).splitlines()[0]}") from None
+
+
+def _names(label: str) -> set[str]:
+    # ImageNet-style id2label entries list synonyms: "tabby, tabby cat".
+    return {re.sub(r"[\s_-]+", " ", part).strip().lower() for part in label.split(",") if part.strip()}
+
+
+def class_indices(images: ImageSet, id2label: dict) -> tuple[list[int] | None, str | None]:
+    """Model class index of each image's label, or (None, why not)."""
+    if images.labels is None:
+        return None, "no class subfolders"
+    lookup: dict[str, int] = {}
+    for index, label in (id2label or {}).items():
+        for name in _names(str(label)):
+            lookup.setdefault(name, int(index))
+    missing = sorted({i.label for i in images.images if _names(str(i.label)).isdisjoint(lookup)})  # type: ignore[arg-type]
+    if missing:
+        return None, f"class(es) {', '.join(missing[:3])} are not among the model's labels"
+    return [next(lookup[n] for n in sorted(_names(str(i.label))) if n in lookup) for i in images.images], None
+
+
+@dataclass
+class ImageData:
+    images: ImageSet
+    pixel_values: torch.Tensor
+    kind: str  # vit | clip
+    targets: list[int] | None = None  # class index per image (ViT) or text index per image (CLIP)
+    texts: list[str] = field(default_factory=list)  # CLIP only
+    text_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    note: str | None = None  # why accuracy is not measured
+
+    def describe(self) -> str:
+        return self.images.describe()
+
+
+def prepare(path: Path, spec: str, tokenizer, config: dict) -> ImageData:
+    """Read ``spec`` and preprocess it for the checkpoint at ``path``."""
+    images = read_images(spec)
+    processor = image_processor(path)
+    pixels = processor([i.image for i in images.images], return_tensors="pt").pixel_values
+    model_type = (config.get("normswap") or {}).get("original_model_type", config.get("model_type"))
+    if model_type != "clip":
+        targets, note = class_indices(images, config.get("id2label") or {})
+        return ImageData(images, pixels, "vit", targets, note=note)
+    if tokenizer is None:
+        raise NormswapError(f"{path} has no tokenizer files; CLIP evaluation needs the checkpoint's tokenizer")
+    labels = images.labels
+    if labels is not None:
+        texts = [PROMPT.format(label=label.replace("_", " ")) for label in labels]
+        targets = [labels.index(i.label) for i in images.images]  # type: ignore[arg-type]
+    else:
+        texts = [re.sub(r"[\s_-]+", " ", i.name).strip() for i in images.images]
+        targets = None
+    limit = (config.get("text_config") or {}).get("max_position_embeddings", 77)
+    text_inputs = dict(tokenizer(texts, padding=True, truncation=True, max_length=limit, return_tensors="pt"))
+    return ImageData(images, pixels, "clip", targets, texts, text_inputs,
+                     note=None if labels is not None else "no class subfolders: each image's file name is its caption")
+
+
+def _device_of(model) -> tuple[torch.device, torch.dtype]:
+    parameter = next(model.parameters())
+    return parameter.device, parameter.dtype
+
+
+@torch.no_grad()
+def score(model, tokenizer, data: ImageData, result: ModelEval, batch_size: int) -> dict[str, torch.Tensor]:
+    """Fill ``result`` with the model's metrics; returns its raw outputs (float64, CPU) for agreement."""
+    device, dtype = _device_of(model)
+    outputs: dict[str, list[torch.Tensor]] = {}
+
+    def keep(name: str, value: torch.Tensor) -> None:
+        outputs.setdefault(name, []).append(value.detach().double().cpu())
+
+    text_inputs = {k: v.to(device) for k, v in data.text_inputs.items()}
+    for start in range(0, len(data.pixel_values), batch_size):
+        pixels = data.pixel_values[start:start + batch_size].to(device=device, dtype=dtype)
+        if data.kind == "clip":
+            out = model(pixel_values=pixels, **text_inputs)
+            keep("logits", out.logits_per_image)
+            keep("image_embeds", out.image_embeds)
+            if start == 0:
+                keep("text_embeds", out.text_embeds)
+        else:
+            out = model(pixel_values=pixels)
+            logits = getattr(out, "logits", None)
+            if logits is not None:
+                keep("logits", logits)
+            else:
+                pooled = getattr(out, "pooler_output", None)
+                keep("pooled", pooled if pooled is not None else out.last_hidden_state[:, 0])
+    raw = {name: torch.cat(parts) for name, parts in outputs.items()}
+    task = data.kind
+    if "logits" in raw:
+        logprobs = torch.log_softmax(raw["logits"], dim=-1)
+        result.per_doc[task] = {i: row.tolist() for i, row in enumerate(logprobs)}
+        predictions = raw["logits"].argmax(-1)
+        if data.targets is not None:
+            metric = "zero_shot_accuracy" if data.kind == "clip" else "accuracy"
+            result.metrics[f"{task}/{metric}"] = float((predictions == torch.tensor(data.targets)).double().mean())
+        result.details[task] = {"images": len(predictions), "predictions": _predicted_names(model, data, predictions)}
+    else:
+        result.details[task] = {"images": len(raw["pooled"])}
+    if data.note:
+        result.details[task]["note"] = data.note
+    return raw
+
+
+def _predicted_names(model, data: ImageData, predictions: torch.Tensor) -> dict[str, str]:
+    if data.kind == "clip":
+        names = data.texts
+        return {i.name: names[int(p)] for i, p in zip(data.images.images, predictions, strict=True)}
+    id2label = getattr(model.config, "id2label", None) or {}
+    return {i.name: str(id2label.get(int(p), int(p))) for i, p in zip(data.images.images, predictions, strict=True)}
+
+
+def _min_cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.nn.functional.cosine_similarity(a, b, dim=-1).min())
+
+
+def agreement(original: dict[str, torch.Tensor], converted: dict[str, torch.Tensor], kind: str,
+              tolerances) -> list[dict[str, Any]]:
+    """Rows comparing the two models' outputs directly."""
+    rows = []
+
+    def row(key: str, value: float, limit: str, ok: bool) -> None:
+        rows.append({"key": f"{kind}/{key}", "value": value, "limit": limit, "ok": bool(ok)})
+
+    top1 = 1 - tolerances.acc_atol
+    cos_limit = 1 - tolerances.ppl_rtol
+    if "logits" in original:
+        same = float((original["logits"].argmax(-1) == converted["logits"].argmax(-1)).double().mean())
+        row("similarity_agreement" if kind == "clip" else "top1_agreement", same, f"≥ {top1:g}", same >= top1)
+        gap = float((original["logits"] - converted["logits"]).abs().max())
+        name = "max_abs_delta_similarity_logit" if kind == "clip" else "max_abs_delta_logit"
+        row(name, gap, f"≤ {tolerances.doc_ll_atol:g}", gap <= tolerances.doc_ll_atol)
+    for name in ("image_embeds", "text_embeds", "pooled"):
+        if name in original:
+            cosine = _min_cosine(original[name], converted[name])
+            label = {"image_embeds": "image_embedding", "text_embeds": "text_embedding", "pooled": "pooled_output"}[name]
+            row(f"min_cosine_{label}", cosine, f"≥ {cos_limit:g}", cosine >= cos_limit)
+    if "pooled" in original:
+        gap = float((original["pooled"] - converted["pooled"]).abs().max())
+        row("max_abs_delta_pooled_output", gap, f"≤ {tolerances.doc_ll_atol:g}", gap <= tolerances.doc_ll_atol)
+    return rows
+
+
+def samples(data: ImageData, models: list[ModelEval], count: int = 3) -> list[dict[str, str]]:
+    """The first ``count`` images with their label and each model's prediction, for the report."""
+    rows = []
+    for image in data.images.images[:count]:
+        row = {"image": image.name, "label": image.label or "–"}
+        for model in models:
+            predictions = model.details.get(data.kind, {}).get("predictions")
+            if predictions is not None:
+                row[model.label] = predictions[image.name]
+        rows.append(row)
+    return rows
+
+
+def geometry_batches(model, data: ImageData, batch_size: int):
+    """Model inputs for ``normswap geometry``: the images, with CLIP's texts for its text tower."""
+    for start in range(0, len(data.pixel_values), batch_size):
+        batch: dict[str, torch.Tensor] = {"pixel_values": data.pixel_values[start:start + batch_size]}
+        if data.kind == "clip" and start == 0:
+            # The text tower runs once on the prompts; later batches go through the image tower only.
+            batch.update(data.text_inputs)
+        yield batch

@@ -1,0 +1,103 @@
+"""Every command on every supported family, with the input that family reads.
+
+For a tiny model of each family: ``convert`` (plain and ``--fold-gains``), ``inspect``, ``verify``,
+``eval`` (converted against original) and ``geometry`` (original and converted side by side) run
+through the command line and succeed; text models read a short text through the bundled
+tokenizer, Whisper the bundled speech, ViT and CLIP the bundled images. Nothing tracebacks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as T
+from helpers import make_hard
+from media_models import tiny_clip, tiny_vit, tiny_whisper
+
+from normswap.architectures import ARCHITECTURES
+from normswap.cli import main
+from normswap.source import example_model_path
+
+SMALL = dict(vocab_size=2048, bos_token_id=0, eos_token_id=0, pad_token_id=1)
+TEXT_FAMILIES = {
+    "gpt2": lambda: T.GPT2LMHeadModel(T.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=64, **SMALL)),
+    "gpt_neo": lambda: T.GPTNeoForCausalLM(T.GPTNeoConfig(
+        num_layers=2, hidden_size=32, num_heads=4, intermediate_size=64, max_position_embeddings=64,
+        attention_types=[[["global", "local"], 1]], window_size=4, **SMALL)),
+    "gptj": lambda: T.GPTJForCausalLM(T.GPTJConfig(n_layer=2, n_embd=32, n_head=4, rotary_dim=4, n_positions=64,
+                                                   **SMALL)),
+    "gpt_neox": lambda: T.GPTNeoXForCausalLM(T.GPTNeoXConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, max_position_embeddings=64,
+        **SMALL)),
+    "opt": lambda: T.OPTForCausalLM(T.OPTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                                ffn_dim=64, max_position_embeddings=64, word_embed_proj_dim=32,
+                                                **SMALL)),
+    "bloom": lambda: T.BloomForCausalLM(T.BloomConfig(hidden_size=32, n_layer=2, n_head=4, seq_length=64, **SMALL)),
+    "phi": lambda: T.PhiForCausalLM(T.PhiConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                                intermediate_size=64, max_position_embeddings=64,
+                                                partial_rotary_factor=0.5, **SMALL)),
+    "falcon": lambda: T.FalconForCausalLM(T.FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                                         new_decoder_architecture=True, num_kv_heads=2,
+                                                         max_position_embeddings=64, **SMALL)),
+    "gpt_bigcode": lambda: T.GPTBigCodeForCausalLM(T.GPTBigCodeConfig(n_layer=2, n_embd=32, n_head=4,
+                                                                      n_positions=64, **SMALL)),
+    "codegen": lambda: T.CodeGenForCausalLM(T.CodeGenConfig(n_layer=2, n_embd=32, n_head=4, rotary_dim=4,
+                                                            n_positions=64, **SMALL)),
+}
+MEDIA_FAMILIES = {"whisper": (tiny_whisper, "--audio"), "vit": (tiny_vit, "--images"), "clip": (tiny_clip, "--images")}
+FAMILIES = sorted({*TEXT_FAMILIES, *MEDIA_FAMILIES})
+
+
+def test_every_supported_family_is_covered():
+    assert {a.model_types[0] for a in ARCHITECTURES.values()} <= set(FAMILIES)
+
+
+@pytest.fixture(scope="module")
+def short_text(tmp_path_factory):
+    path = tmp_path_factory.mktemp("text") / "short.txt"
+    excerpt = (example_model_path().parent / "text" / "persuasion-excerpt.txt").read_text(encoding="utf-8")
+    path.write_text(excerpt[20_000:22_000], encoding="utf-8")
+    return path
+
+
+def build(family: str, path):
+    if family in MEDIA_FAMILIES:
+        return MEDIA_FAMILIES[family][0](path)
+    torch.manual_seed(0)
+    make_hard(TEXT_FAMILIES[family]()).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (path / name).write_bytes((example_model_path() / name).read_bytes())
+    return path
+
+
+# One text family of each kind of adapter runs by default; every family with --run-slow.
+QUICK = {"gpt2", "bloom", "whisper", "vit", "clip"}
+
+
+@pytest.mark.parametrize("family", [f if f in QUICK else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES])
+def test_every_command(family, tmp_path, short_text, capsys):
+    src = build(family, tmp_path / family)
+    plain, folded = tmp_path / "plain", tmp_path / "folded"
+
+    def ok(*args: str) -> str:
+        code = main(list(args))
+        captured = capsys.readouterr()
+        assert code == 0, f"{' '.join(args[:1])}: {captured.err[-1500:]}"
+        assert "Traceback" not in captured.err
+        return captured.out
+
+    ok("convert", str(src), "--out", str(plain), "--quiet")
+    ok("convert", str(src), "--out", str(folded), "--fold-gains", "--quiet")
+    assert "norm" in ok("inspect", str(src)).lower()
+    ok("verify", str(src), str(folded))
+    if family in MEDIA_FAMILIES:
+        option = MEDIA_FAMILIES[family][1]
+        inputs = [option, "bundled"]
+        geometry_inputs = inputs
+    else:
+        inputs = ["--text", str(short_text), "--max-length", "32", "--batch-size", "4"]
+        geometry_inputs = ["--text", str(short_text), "--max-tokens", "128", "--seq-len", "32"]
+    report = ok("eval", str(folded), "--baseline", str(src), "--device", "cpu", "--no-progress", *inputs)
+    assert "## Comparison: PASS" in report
+    geometry = ok("geometry", str(src), "--compare", str(plain), *geometry_inputs)
+    assert "mean share" in geometry and "NOT orthogonal" not in geometry

@@ -1,0 +1,240 @@
+"""Speech (Whisper) and vision (ViT, CLIP): ``eval`` and ``geometry`` on audio and images.
+
+Tiny random checkpoints with their own processors (``media_models``) are converted once per
+module; the commands then run on the bundled speech and images through the command line, and every
+bad input gives one line.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import soundfile
+from media_models import tiny_clip, tiny_vit, tiny_whisper
+from test_bad_input import assert_one_line_error, run_cli
+
+import normswap
+from normswap.cli import main
+from normswap.errors import NormswapError
+from normswap.evaluation import media
+from normswap.evaluation.speech import word_error_rate
+
+BUNDLED_SPEECH = media._data_dir("speech")
+BUNDLED_IMAGES = media._data_dir("images")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("media")
+    built = {}
+    for name, build in (("whisper", tiny_whisper), ("vit", tiny_vit), ("clip", tiny_clip)):
+        src = build(root / name)
+        normswap.convert_checkpoint(src, root / f"{name}-rms", quiet=True)
+        built[name] = (src, root / f"{name}-rms")
+    return built
+
+
+@pytest.fixture(scope="module")
+def two_utterances(tmp_path_factory):
+    """Two of the bundled utterances: enough for the commands, quicker than all six."""
+    folder = tmp_path_factory.mktemp("speech")
+    for stem in ("sense-01", "emma-01"):
+        for suffix in (".flac", ".txt"):
+            shutil.copy(BUNDLED_SPEECH / f"{stem}{suffix}", folder)
+    return folder
+
+
+# ---------------------------------------------------------------------------------------------
+# reading inputs
+
+
+def test_bundled_speech_is_small_16k_and_transcribed():
+    total = sum(p.stat().st_size for p in BUNDLED_SPEECH.iterdir())
+    assert total < 1_000_000
+    audio = media.read_audio(media.BUNDLED, 16_000)
+    assert len(audio.utterances) >= 5
+    assert all(u.rate == 16_000 and 2 < u.seconds < 10 and u.text for u in audio.utterances)
+    assert soundfile.info(str(BUNDLED_SPEECH / "sense-01.flac")).samplerate == 16_000
+
+
+def test_audio_is_resampled_and_mixed_to_mono(tmp_path):
+    stereo = np.stack([np.sin(np.linspace(0, 100, 8000)), np.zeros(8000)], axis=1).astype("float32")
+    soundfile.write(tmp_path / "a.wav", stereo, 8000)
+    (tmp_path / "a.txt").write_text("hello there\n")
+    audio = media.read_audio(str(tmp_path), 16_000)
+    [utterance] = audio.utterances
+    assert utterance.audio.ndim == 1 and abs(len(utterance.audio) - 16_000) <= 1
+    assert utterance.text == "hello there"
+
+
+def test_manifest(tmp_path):
+    shutil.copy(BUNDLED_SPEECH / "sense-01.flac", tmp_path / "x.flac")
+    (tmp_path / "m.jsonl").write_text(json.dumps({"audio": "x.flac", "text": "The family of Dashwood."}) + "\n\n")
+    audio = media.read_audio(str(tmp_path / "m.jsonl"), 16_000)
+    assert [u.text for u in audio.utterances] == ["The family of Dashwood."]
+
+
+@pytest.mark.parametrize("case, needle", [
+    ("missing", "audio path not found"),
+    ("empty", "no audio files"),
+    ("no-transcript", "transcript missing"),
+    ("unreadable", "cannot read audio file"),
+    ("bad-json", "line 1 is not JSON"),
+    ("manifest-missing-file", "audio file not found"),
+    ("manifest-no-text", '"audio" and "text"'),
+])
+def test_audio_errors(tmp_path, case, needle):
+    spec = tmp_path / "audio"
+    spec.mkdir()
+    if case == "missing":
+        spec = tmp_path / "nowhere"
+    elif case == "no-transcript":
+        shutil.copy(BUNDLED_SPEECH / "sense-01.flac", spec)
+    elif case == "unreadable":
+        (spec / "broken.wav").write_bytes(b"RIFF not really a wave file")
+        (spec / "broken.txt").write_text("words")
+    elif case.startswith(("bad-json", "manifest")):
+        spec = tmp_path / "m.jsonl"
+        line = {"bad-json": "{nope", "manifest-missing-file": json.dumps({"audio": "gone.wav", "text": "t"}),
+                "manifest-no-text": json.dumps({"audio": "gone.wav"})}[case]
+        spec.write_text(line + "\n")
+    with pytest.raises(NormswapError, match=needle):
+        media.read_audio(str(spec), 16_000)
+
+
+def test_images_with_labels_and_errors(tmp_path):
+    images = media.read_images(media.BUNDLED)
+    assert images.labels == ["circle", "square", "triangle"] and len(images.images) == 6
+    (tmp_path / "a.png").write_bytes(b"not a png")
+    with pytest.raises(NormswapError, match="cannot read image file"):
+        media.read_images(str(tmp_path))
+    with pytest.raises(NormswapError, match="image path not found"):
+        media.read_images(str(tmp_path / "nowhere"))
+    (tmp_path / "a.png").unlink()
+    with pytest.raises(NormswapError, match="no images"):
+        media.read_images(str(tmp_path))
+
+
+def test_wer_is_jiwer_after_normalisation():
+    assert word_error_rate(["Hello, World!"], ["hello world"]) == 0.0
+    assert word_error_rate(["a b c d"], ["a x c"]) == pytest.approx(0.5)
+
+
+# ---------------------------------------------------------------------------------------------
+# the commands
+
+
+def _report(tmp_path):
+    return json.loads((tmp_path / "report.json").read_text())
+
+
+def test_whisper_eval_side_by_side(models, two_utterances, tmp_path, capsys):
+    src, out = models["whisper"]
+    code = main(["eval", str(out), "--baseline", str(src), "--audio", str(two_utterances),
+                              "--device", "cpu", "--out", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    report = _report(tmp_path)
+    assert report["verdict"] == "pass" and report["modality"] == "audio"
+    keys = {row["key"] for row in report["comparison"]["metrics"]}
+    assert keys == {"speech/token_perplexity", "speech/wer"}
+    [documents] = report["comparison"]["documents"]
+    assert documents["n_docs"] == 2 and documents["max_abs_delta_ll"] < 1e-3
+    assert report["agreement"][0]["key"] == "speech/identical_decodes" and report["agreement"][0]["value"] == 1.0
+    assert "speech/identical_decodes" in printed and "## Samples" in printed
+
+
+def test_whisper_eval_catches_a_broken_conversion(models, two_utterances, tmp_path, capsys):
+    """A naive swap (no centring) must fail the speech comparison."""
+    src, _ = models["whisper"]
+    naive = tmp_path / "naive"
+    normswap.convert_checkpoint(src, naive, method="naive", allow_inexact=True, quiet=True)
+    code = main(["eval", str(naive), "--baseline", str(src), "--audio", str(two_utterances),
+                              "--device", "cpu"])
+    captured = capsys.readouterr()
+    assert code == 3, captured.out
+    assert "FAIL" in captured.out
+
+
+def test_whisper_geometry_on_audio(models, two_utterances, tmp_path, capsys):
+    src, out = models["whisper"]
+    code = main(["geometry", str(src), "--compare", str(out), "--audio", str(two_utterances),
+                              "--json", str(tmp_path / "g.json")])
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert "side encoder:" in printed and "side decoder:" in printed
+    reports = json.loads((tmp_path / "g.json").read_text())
+    original, converted = reports["original"], reports["converted"]
+    stacks = {n["name"]: n["stack"] for n in original["norms"]}
+    assert stacks["model.decoder.layers.0.encoder_attn_layer_norm"] == "decoder"
+    assert {"encoder", "decoder"} <= set(original["overall"]["by_stack"])
+    assert original["overall"]["by_stack"]["encoder"]["mean_share_avg"] > 0.1
+    assert converted["overall"]["mean_at_noise"]
+
+
+def test_vit_eval_and_geometry(models, tmp_path, capsys):
+    src, out = models["vit"]
+    code = main(["eval", str(out), "--baseline", str(src), "--images", "bundled", "--device", "cpu",
+                              "--out", str(tmp_path)])
+    capsys.readouterr()
+    assert code == 0
+    report = _report(tmp_path)
+    agreement = {row["key"]: row["value"] for row in report["agreement"]}
+    assert agreement["vit/top1_agreement"] == 1.0 and agreement["vit/max_abs_delta_logit"] < 1e-4
+    assert "vit/accuracy" in report["models"]["original"]["metrics"]
+    code = main(["geometry", str(src), "--images", str(BUNDLED_IMAGES)])
+    assert code == 0 and "mean share" in capsys.readouterr().out
+
+
+def test_clip_eval_and_geometry(models, tmp_path, capsys):
+    src, out = models["clip"]
+    code = main(["eval", str(out), "--baseline", str(src), "--images", "bundled", "--device", "cpu",
+                              "--out", str(tmp_path)])
+    capsys.readouterr()
+    assert code == 0
+    report = _report(tmp_path)
+    agreement = {row["key"]: row["value"] for row in report["agreement"]}
+    assert agreement["clip/similarity_agreement"] == 1.0
+    assert agreement["clip/min_cosine_image_embedding"] > 0.9999
+    assert agreement["clip/min_cosine_text_embedding"] > 0.9999
+    assert "clip/zero_shot_accuracy" in report["models"]["converted"]["metrics"]
+    code = main(["geometry", str(src), "--images", "bundled"])
+    printed = capsys.readouterr().out
+    assert code == 0 and "side vision:" in printed and "side text:" in printed
+
+
+# ---------------------------------------------------------------------------------------------
+# one line for every wrong input
+
+
+@pytest.mark.parametrize("command", ["eval", "geometry"])
+def test_media_errors_are_one_line(models, tmp_path, capsys, command):
+    whisper, _ = models["whisper"]
+    vit, _ = models["vit"]
+    gpt2 = "normswap:austen-gpt2"
+    no_transcript = tmp_path / "no-transcript"
+    no_transcript.mkdir()
+    shutil.copy(BUNDLED_SPEECH / "sense-01.flac", no_transcript)
+    unreadable = tmp_path / "unreadable"
+    unreadable.mkdir()
+    (unreadable / "x.wav").write_bytes(b"garbage")
+    (unreadable / "x.txt").write_text("words")
+    cases = [
+        ([str(whisper), "--audio", str(tmp_path / "nowhere")], "audio path not found"),
+        ([str(whisper), "--audio", str(no_transcript)], "transcript missing"),
+        ([str(whisper), "--audio", str(unreadable)], "cannot read audio file"),
+        ([str(whisper)], "reads audio, not text: pass --audio"),
+        ([str(vit)], "reads images, not text: pass --images"),
+        ([gpt2, "--audio", "bundled"], "--audio needs a model that reads audio"),
+        ([gpt2, "--images", "bundled"], "--images needs a model that reads images"),
+        ([str(vit), "--audio", "bundled"], "--audio needs a model that reads audio"),
+        ([str(whisper), "--images", "bundled"], "--images needs a model that reads images"),
+        ([str(vit), "--images", str(tmp_path / "nowhere")], "image path not found"),
+        ([str(vit), "--audio", "bundled", "--images", "bundled"], "not both"),
+    ]
+    for args, needle in cases:
+        code, err = run_cli(capsys, command, *args, *(["--device", "cpu"] if command == "eval" else []))
+        assert_one_line_error(code, err, needle)
