@@ -34,10 +34,10 @@ def test_pattern_layer_and_alternatives():
 
 
 def test_pattern_named_choice_fills_readers():
-    norm = Norm("{m=model.|}decoder.layers.{layer}.final_layer_norm", (linear_reader("{m=model.|}decoder.layers.{layer}.fc1"),))
+    norm = Norm("{base=model.|}decoder.layers.{layer}.final_layer_norm", (linear_reader("{base=model.|}decoder.layers.{layer}.fc1"),))
     for prefix in ("model.", ""):
         groups = re.fullmatch(norm.pattern, f"{prefix}decoder.layers.3.final_layer_norm").groupdict()
-        assert groups == {"m": prefix, "layer": "3"}
+        assert groups == {"base": prefix, "layer": "3"}
         (reader,) = norm.readers
         assert reader.weight.format(**groups) == f"{prefix}decoder.layers.3.fc1.weight"
         assert reader.bias.format(**groups) == f"{prefix}decoder.layers.3.fc1.bias"

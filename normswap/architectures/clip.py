@@ -37,7 +37,7 @@ from normswap.architectures.spec import (
     pattern,
 )
 
-P = "{p=text_model.|vision_model.|}"  # CLIPModel nests each tower under its prefix
+P = "{tower=text_model.|vision_model.|}"  # CLIPModel nests each tower under its prefix
 L = P + "encoder.layers.{layer}"
 UNSUPPORTED_CLASSES = {
     "CLIPForImageClassification": "its classifier reads the vision tower's raw residual stream, whose "

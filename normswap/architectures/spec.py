@@ -12,8 +12,8 @@ never deal with prefixes. In a template
 * ``{layer}`` is a layer index;
 * ``{a|b}`` is one of the alternatives (``transformer.{wte|wpe}.weight``);
 * ``{name=a|b|}`` is a named choice (here ``a``, ``b`` or nothing): a prefix under which some of
-  a family's classes nest the same modules (CLIP's ``{tower=text_model.|vision_model.|}``);
-  a reader's template names it again to take the same value as the norm it reads.
+  a family's classes nest the same modules (CLIP's ``{tower=text_model.|vision_model.|}``).
+  Readers' templates repeat it and take the value it has in the norm they read.
 
 ``pattern`` compiles a template to the regular expression the surgery matches whole names with;
 a norm's named groups (``layer``, the named choices) fill its readers' templates.

@@ -22,7 +22,7 @@ from normswap.architectures.spec import (
     only_classes,
 )
 
-P = "{p=vit.|}"  # ViTForImageClassification nests the encoder under ``vit.``
+P = "{base=vit.|}"  # ViTForImageClassification nests the encoder under ``vit.``
 L = P + "layers.{layer}"
 SUPPORTED_CLASSES = ("ViTModel", "ViTForImageClassification")
 

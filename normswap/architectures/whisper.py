@@ -42,7 +42,7 @@ from normswap.architectures.spec import (
     pattern,
 )
 
-M = "{m=model.|}"  # WhisperForConditionalGeneration nests the encoder-decoder under ``model.``
+M = "{base=model.|}"  # WhisperForConditionalGeneration nests the encoder-decoder under ``model.``
 ENC = M + "encoder.layers.{layer}"
 DEC = M + "decoder.layers.{layer}"
 SUPPORTED_CLASSES = ("WhisperForConditionalGeneration",)
