@@ -18,7 +18,7 @@ import transformers
 from torch import nn
 
 from normswap import __version__, output, validation, verify, verify_layerwise
-from normswap.architectures import Architecture, architecture_for
+from normswap.architectures import IDENTITY, Architecture, architecture_for
 from normswap.card import MODEL_CARD
 from normswap.errors import NormswapError, VerificationError
 from normswap.modeling import build, remote
@@ -88,7 +88,7 @@ def stock_can_hold(plan: ConversionPlan) -> bool:
     was removed. A naive swap changes the function, and a baked embedding norm must not be applied
     a second time, so those get their own model type, which stock transformers refuses to load.
     """
-    return plan.method == "exact" and not plan.structure.get("identity")
+    return plan.method == "exact" and not plan.structure.get(IDENTITY)
 
 
 def converted_config(config: dict, plan: ConversionPlan, meta: nn.Module, architecture: Architecture,

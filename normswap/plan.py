@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from normswap.architectures.spec import Architecture
+from normswap.architectures.spec import IDENTITY, Architecture
 from normswap.errors import NormswapError
 from normswap.source import TensorInfo
 
@@ -254,7 +254,7 @@ def build_plan(
         for suffix in (".weight", ".bias"):
             dropped.append(bake.norm + suffix)
             del plans[bake.norm + suffix]
-        structure.setdefault("identity", []).append(bake.norm)
+        structure.setdefault(IDENTITY, []).append(bake.norm)
         norms.append(NormPlan(bake.norm, [], baked_into=bake.embedding, note="baked into the table; nothing left to fold"))
 
     writers = []

@@ -13,7 +13,17 @@ from normswap.architectures.gpt_neox import GPT_NEOX
 from normswap.architectures.gptj import GPTJ
 from normswap.architectures.opt import OPT
 from normswap.architectures.phi import PHI
-from normswap.architectures.spec import Architecture, EmbeddingNormBake, Norm, Reader, Writer
+from normswap.architectures.spec import (
+    CENTRE_INPUT,
+    CENTRE_OUTPUT,
+    IDENTITY,
+    STRUCTURE_KINDS,
+    Architecture,
+    EmbeddingNormBake,
+    Norm,
+    Reader,
+    Writer,
+)
 from normswap.architectures.vit import VIT
 from normswap.architectures.whisper import WHISPER
 from normswap.errors import NormswapError
@@ -61,7 +71,11 @@ def architecture_for(config: dict) -> Architecture:
 
 __all__ = [
     "ARCHITECTURES",
+    "CENTRE_INPUT",
+    "CENTRE_OUTPUT",
+    "IDENTITY",
     "POST_LN",
+    "STRUCTURE_KINDS",
     "Architecture",
     "EmbeddingNormBake",
     "Norm",

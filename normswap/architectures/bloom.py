@@ -14,45 +14,34 @@ are writers) and is refused.
 """
 
 from normswap.architectures.spec import (
-    LINEAR_IN_AXIS,
-    LINEAR_OUT_AXIS,
     Architecture,
     EmbeddingNormBake,
     Norm,
-    Reader,
     Writer,
+    linear_reader,
+    linear_writers,
+    refuse_if,
 )
 
-H = r"transformer\.h\.(?P<layer>\d+)"
-L = "transformer.h.{layer}"
-
-
-def _refuse(config: dict) -> str | None:
-    if config.get("apply_residual_connection_post_layernorm"):
-        return ("apply_residual_connection_post_layernorm makes each norm's output the residual, so the "
-                "norms write the stream and their mean removal cannot be moved into the weights")
-    return None
+H = "transformer.h.{layer}"
 
 
 BLOOM = Architecture(
     model_types=("bloom",),
     auto_class="AutoModelForCausalLM",
     writers=(
-        Writer(r"transformer\.word_embeddings\.weight", hidden_axis=1),
-        Writer(H + r"\.(self_attention\.dense|mlp\.dense_4h_to_h)\.weight", hidden_axis=LINEAR_OUT_AXIS),
-        Writer(H + r"\.(self_attention\.dense|mlp\.dense_4h_to_h)\.bias", hidden_axis=0),
+        Writer("transformer.word_embeddings.weight", hidden_axis=1),
+        *linear_writers(H + ".{self_attention.dense|mlp.dense_4h_to_h}"),
     ),
     norms=(
-        Norm(H + r"\.input_layernorm", (
-            Reader(f"{L}.self_attention.query_key_value.weight", LINEAR_IN_AXIS, f"{L}.self_attention.query_key_value.bias"),
-        )),
-        Norm(H + r"\.post_attention_layernorm", (
-            Reader(f"{L}.mlp.dense_h_to_4h.weight", LINEAR_IN_AXIS, f"{L}.mlp.dense_h_to_4h.bias"),
-        )),
-        Norm(r"transformer\.ln_f", (Reader("lm_head.weight", LINEAR_IN_AXIS),)),
+        Norm(H + ".input_layernorm", (linear_reader(H + ".self_attention.query_key_value"),)),
+        Norm(H + ".post_attention_layernorm", (linear_reader(H + ".mlp.dense_h_to_4h"),)),
+        Norm("transformer.ln_f", (linear_reader("lm_head", bias=False),)),
     ),
     tied=(("lm_head.weight", "transformer.word_embeddings.weight"),),
     bake=(EmbeddingNormBake("transformer.word_embeddings.weight", "transformer.word_embeddings_layernorm"),),
-    refuse=_refuse,
+    refuse=refuse_if(apply_residual_connection_post_layernorm=(
+        "apply_residual_connection_post_layernorm makes each norm's output the residual, so the norms "
+        "write the stream and their mean removal cannot be moved into the weights")),
     blocks="transformer.h",
 )

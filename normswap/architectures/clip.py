@@ -21,21 +21,28 @@ Not exact: the vision tower's ``last_hidden_state`` is the raw residual stream, 
 Converting removes exactly its per-token mean component, so the converted model returns
 C·h = h - mean(h)·1 where the original returns h (pooled outputs, embeddings and logits are exact).
 ``CLIPForImageClassification`` classifies that raw stream's token average, so it is refused.
+
+In short: the vision stream is centred after ``pre_layrnorm`` in the RMSNorm class, and the
+vision ``last_hidden_state`` is exact only up to its per-token mean.
 """
 
-from normswap.architectures.spec import LINEAR_IN_AXIS, LINEAR_OUT_AXIS, Architecture, Norm, Reader, Writer
+from normswap.architectures.spec import (
+    CENTRE_OUTPUT,
+    Architecture,
+    Norm,
+    Writer,
+    attention_readers,
+    linear_reader,
+    linear_writers,
+    pattern,
+)
 
-P = r"(?P<p>((text|vision)_model\.)?)"
-LAYER = P + r"encoder\.layers\.(?P<layer>\d+)"
+P = "{tower=text_model.|vision_model.|}"  # CLIPModel nests each tower under its prefix
+L = P + "encoder.layers.{layer}"
 UNSUPPORTED_CLASSES = {
     "CLIPForImageClassification": "its classifier reads the vision tower's raw residual stream, whose "
     "per-token mean an RMSNorm conversion must remove",
 }
-
-
-def _linear(name: str, constant_cancels: bool = False) -> Reader:
-    prefix = "{p}encoder.layers.{layer}." + name
-    return Reader(prefix + ".weight", LINEAR_IN_AXIS, prefix + ".bias", constant_cancels=constant_cancels)
 
 
 def _refuse(config: dict) -> str | None:
@@ -48,34 +55,29 @@ def _refuse(config: dict) -> str | None:
 def _structure(config: dict) -> dict[str, list[str]]:
     if config.get("model_type") == "clip_text_model":
         return {}
-    return {"centre_output": [r"(vision_model\.)?pre_layrnorm"]}
+    return {CENTRE_OUTPUT: [pattern("{vision_model.|}pre_layrnorm")]}
 
 
 CLIP = Architecture(
     model_types=("clip", "clip_text_model", "clip_vision_model"),
     auto_class="AutoModel",
     writers=(
-        Writer(P + r"embeddings\.(token_embedding|position_embedding)\.weight", hidden_axis=1),
-        Writer(P + r"embeddings\.class_embedding", hidden_axis=0),
-        Writer(P + r"embeddings\.patch_embedding\.(weight|bias)", hidden_axis=0),
-        Writer(LAYER + r"\.(self_attn\.out_proj|mlp\.fc2)\.weight", hidden_axis=LINEAR_OUT_AXIS),
-        Writer(LAYER + r"\.(self_attn\.out_proj|mlp\.fc2)\.bias", hidden_axis=0),
+        Writer(P + "embeddings.{token_embedding|position_embedding}.weight", hidden_axis=1),
+        Writer(P + "embeddings.class_embedding", hidden_axis=0),
+        Writer(P + "embeddings.patch_embedding.{weight|bias}", hidden_axis=0),
+        *linear_writers(L + ".{self_attn.out_proj|mlp.fc2}"),
     ),
     norms=(
-        Norm(LAYER + r"\.layer_norm1", (
-            _linear("self_attn.q_proj"), _linear("self_attn.k_proj", constant_cancels=True), _linear("self_attn.v_proj"),
-        )),
-        Norm(LAYER + r"\.layer_norm2", (_linear("mlp.fc1"),)),
-        Norm(P + r"final_layer_norm", output_is_model_output=True),
+        Norm(L + ".layer_norm1", attention_readers(L + ".self_attn")),
+        Norm(L + ".layer_norm2", (linear_reader(L + ".mlp.fc1"),)),
+        Norm(P + "final_layer_norm", output_is_model_output=True),
         # its output is the residual stream: no reader to fold into; centred in the RMSNorm class
-        Norm(P + r"pre_layrnorm"),
-        Norm(P + r"post_layernorm", output_is_model_output=True),
+        Norm(P + "pre_layrnorm"),
+        Norm(P + "post_layernorm", output_is_model_output=True),
     ),
     # older checkpoints store the position-id buffers, which current classes rebuild
-    ignore=(P + r"embeddings\.position_ids",),
+    ignore=(pattern(P + "embeddings.position_ids"),),
     refuse=_refuse,
     structure=_structure,
     probe="clip",
-    notes="vision stream centred after pre_layrnorm in the RMSNorm class; vision last_hidden_state "
-    "exact only up to its per-token mean",
 )

@@ -17,22 +17,21 @@ width. Rotary and ALiBi never write the stream. With ``bias=False`` the readers 
 slot, so every norm keeps β/γ when γ is folded.
 """
 
-from normswap.architectures.spec import LINEAR_IN_AXIS, LINEAR_OUT_AXIS, Architecture, Norm, Reader, Writer
+from normswap.architectures.spec import Architecture, Norm, Writer, linear_reader, linear_writers
 
-H = r"transformer\.h\.(?P<layer>\d+)"
-L = "transformer.h.{layer}"
+H = "transformer.h.{layer}"
 
-_ATTN = Reader(f"{L}.self_attention.query_key_value.weight", LINEAR_IN_AXIS, f"{L}.self_attention.query_key_value.bias")
-_MLP = Reader(f"{L}.mlp.dense_h_to_4h.weight", LINEAR_IN_AXIS, f"{L}.mlp.dense_h_to_4h.bias")
+_ATTN = linear_reader(H + ".self_attention.query_key_value")
+_MLP = linear_reader(H + ".mlp.dense_h_to_4h")
 
 
 def _norms(parallel: bool) -> tuple[Norm, ...]:
     return (
-        Norm(H + r"\.ln_attn", (_ATTN,)),
-        Norm(H + r"\.ln_mlp", (_MLP,)),
-        Norm(H + r"\.input_layernorm", (_ATTN, _MLP) if parallel else (_ATTN,)),
-        Norm(H + r"\.post_attention_layernorm", (_MLP,)),
-        Norm(r"transformer\.ln_f", (Reader("lm_head.weight", LINEAR_IN_AXIS),)),
+        Norm(H + ".ln_attn", (_ATTN,)),
+        Norm(H + ".ln_mlp", (_MLP,)),
+        Norm(H + ".input_layernorm", (_ATTN, _MLP) if parallel else (_ATTN,)),
+        Norm(H + ".post_attention_layernorm", (_MLP,)),
+        Norm("transformer.ln_f", (linear_reader("lm_head", bias=False),)),
     )
 
 
@@ -44,9 +43,8 @@ FALCON = Architecture(
     model_types=("falcon",),
     auto_class="AutoModelForCausalLM",
     writers=(
-        Writer(r"transformer\.word_embeddings\.weight", hidden_axis=1),
-        Writer(H + r"\.(self_attention\.dense|mlp\.dense_4h_to_h)\.weight", hidden_axis=LINEAR_OUT_AXIS),
-        Writer(H + r"\.(self_attention\.dense|mlp\.dense_4h_to_h)\.bias", hidden_axis=0),
+        Writer("transformer.word_embeddings.weight", hidden_axis=1),
+        *linear_writers(H + ".{self_attention.dense|mlp.dense_4h_to_h}"),
     ),
     norms=_norms(parallel=True),
     tied=(("lm_head.weight", "transformer.word_embeddings.weight"),),

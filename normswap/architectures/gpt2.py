@@ -1,35 +1,33 @@
 """GPT-2: pre-LN blocks, Conv1D weights stored [in, out], learned positions, tied head."""
 
 from normswap.architectures.spec import (
-    CONV1D_IN_AXIS,
-    CONV1D_OUT_AXIS,
-    LINEAR_IN_AXIS,
     Architecture,
     Norm,
-    Reader,
     Writer,
+    conv1d_reader,
+    linear_reader,
+    linear_writers,
+    pattern,
 )
 
-H = r"transformer\.h\.(?P<layer>\d+)"
+H = "transformer.h.{layer}"
 
 GPT2 = Architecture(
     model_types=("gpt2",),
     auto_class="AutoModelForCausalLM",
     writers=(
-        Writer(r"transformer\.wte\.weight", hidden_axis=1),
-        Writer(r"transformer\.wpe\.weight", hidden_axis=1),
-        Writer(H + r"\.(attn|crossattention|mlp)\.c_proj\.weight", hidden_axis=CONV1D_OUT_AXIS),
-        Writer(H + r"\.(attn|crossattention|mlp)\.c_proj\.bias", hidden_axis=0),
+        Writer("transformer.{wte|wpe}.weight", hidden_axis=1),
+        *linear_writers(H + ".{attn|crossattention|mlp}.c_proj", conv1d=True),
     ),
     norms=(
-        Norm(H + r"\.ln_1", (Reader("transformer.h.{layer}.attn.c_attn.weight", CONV1D_IN_AXIS, "transformer.h.{layer}.attn.c_attn.bias"),)),
+        Norm(H + ".ln_1", (conv1d_reader(H + ".attn.c_attn"),)),
         # cross-attention reads the stream only through its queries; keys/values read the encoder
-        Norm(H + r"\.ln_cross_attn", (Reader("transformer.h.{layer}.crossattention.q_attn.weight", CONV1D_IN_AXIS, "transformer.h.{layer}.crossattention.q_attn.bias"),)),
-        Norm(H + r"\.ln_2", (Reader("transformer.h.{layer}.mlp.c_fc.weight", CONV1D_IN_AXIS, "transformer.h.{layer}.mlp.c_fc.bias"),)),
-        Norm(r"transformer\.ln_f", (Reader("lm_head.weight", LINEAR_IN_AXIS),)),
+        Norm(H + ".ln_cross_attn", (conv1d_reader(H + ".crossattention.q_attn"),)),
+        Norm(H + ".ln_2", (conv1d_reader(H + ".mlp.c_fc"),)),
+        Norm("transformer.ln_f", (linear_reader("lm_head", bias=False),)),
     ),
     tied=(("lm_head.weight", "transformer.wte.weight"),),
     blocks="transformer.h",
     # the causal-mask buffers that old checkpoints carry; current classes rebuild them
-    ignore=(H + r"\.(attn|crossattention)\.(bias|masked_bias)",),
+    ignore=(pattern(H + ".{attn|crossattention}.{bias|masked_bias}"),),
 )

@@ -6,28 +6,24 @@ Writers: token and position tables, ``attn.c_proj`` and ``mlp.c_proj`` (weights 
 biases); cross-attention (when configured) reads the stream through ``q_attn`` only.
 """
 
-from normswap.architectures.spec import LINEAR_IN_AXIS, LINEAR_OUT_AXIS, Architecture, Norm, Reader, Writer
+from normswap.architectures.spec import Architecture, Norm, Writer, linear_reader, linear_writers, pattern
 
-H = r"transformer\.h\.(?P<layer>\d+)"
-L = "transformer.h.{layer}"
+H = "transformer.h.{layer}"
 
 GPT_BIGCODE = Architecture(
     model_types=("gpt_bigcode",),
     auto_class="AutoModelForCausalLM",
     writers=(
-        Writer(r"transformer\.(wte|wpe)\.weight", hidden_axis=1),
-        Writer(H + r"\.(attn|crossattention|mlp)\.c_proj\.weight", hidden_axis=LINEAR_OUT_AXIS),
-        Writer(H + r"\.(attn|crossattention|mlp)\.c_proj\.bias", hidden_axis=0),
+        Writer("transformer.{wte|wpe}.weight", hidden_axis=1),
+        *linear_writers(H + ".{attn|crossattention|mlp}.c_proj"),
     ),
     norms=(
-        Norm(H + r"\.ln_1", (Reader(f"{L}.attn.c_attn.weight", LINEAR_IN_AXIS, f"{L}.attn.c_attn.bias"),)),
-        Norm(H + r"\.ln_cross_attn", (
-            Reader(f"{L}.crossattention.q_attn.weight", LINEAR_IN_AXIS, f"{L}.crossattention.q_attn.bias"),
-        )),
-        Norm(H + r"\.ln_2", (Reader(f"{L}.mlp.c_fc.weight", LINEAR_IN_AXIS, f"{L}.mlp.c_fc.bias"),)),
-        Norm(r"transformer\.ln_f", (Reader("lm_head.weight", LINEAR_IN_AXIS),)),
+        Norm(H + ".ln_1", (linear_reader(H + ".attn.c_attn"),)),
+        Norm(H + ".ln_cross_attn", (linear_reader(H + ".crossattention.q_attn"),)),
+        Norm(H + ".ln_2", (linear_reader(H + ".mlp.c_fc"),)),
+        Norm("transformer.ln_f", (linear_reader("lm_head", bias=False),)),
     ),
     tied=(("lm_head.weight", "transformer.wte.weight"),),
     blocks="transformer.h",
-    ignore=(r"transformer\.bias", H + r"\.attn\.(bias|masked_bias)"),
+    ignore=(pattern("transformer.bias"), pattern(H + ".attn.{bias|masked_bias}")),
 )

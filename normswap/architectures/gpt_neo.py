@@ -6,26 +6,24 @@ folds into them and β stays in the norm as β/γ (the plan's policy when a read
 slot). The local attention window changes which positions are mixed, not what is written.
 """
 
-from normswap.architectures.spec import LINEAR_IN_AXIS, LINEAR_OUT_AXIS, Architecture, Norm, Reader, Writer
+from normswap.architectures.spec import Architecture, Norm, Writer, linear_reader, linear_writers, pattern
 
-H = r"transformer\.h\.(?P<layer>\d+)"
-L = "transformer.h.{layer}"
+H = "transformer.h.{layer}"
 
 GPT_NEO = Architecture(
     model_types=("gpt_neo",),
     auto_class="AutoModelForCausalLM",
     writers=(
-        Writer(r"transformer\.(wte|wpe)\.weight", hidden_axis=1),
-        Writer(H + r"\.(attn\.attention\.out_proj|mlp\.c_proj)\.weight", hidden_axis=LINEAR_OUT_AXIS),
-        Writer(H + r"\.(attn\.attention\.out_proj|mlp\.c_proj)\.bias", hidden_axis=0),
+        Writer("transformer.{wte|wpe}.weight", hidden_axis=1),
+        *linear_writers(H + ".{attn.attention.out_proj|mlp.c_proj}"),
     ),
     norms=(
-        Norm(H + r"\.ln_1", tuple(Reader(f"{L}.attn.attention.{p}_proj.weight", LINEAR_IN_AXIS) for p in "qkv")),
-        Norm(H + r"\.ln_2", (Reader(f"{L}.mlp.c_fc.weight", LINEAR_IN_AXIS, f"{L}.mlp.c_fc.bias"),)),
-        Norm(r"transformer\.ln_f", (Reader("lm_head.weight", LINEAR_IN_AXIS),)),
+        Norm(H + ".ln_1", tuple(linear_reader(f"{H}.attn.attention.{p}_proj", bias=False) for p in "qkv")),
+        Norm(H + ".ln_2", (linear_reader(H + ".mlp.c_fc"),)),
+        Norm("transformer.ln_f", (linear_reader("lm_head", bias=False),)),
     ),
     tied=(("lm_head.weight", "transformer.wte.weight"),),
     blocks="transformer.h",
     # causal-mask buffers that old checkpoints carry; the current class rebuilds them
-    ignore=(H + r"\.attn\.attention\.(bias|masked_bias)",),
+    ignore=(pattern(H + ".attn.attention.{bias|masked_bias}"),),
 )

@@ -8,29 +8,23 @@ head ``embed_out``; transformers renames it to ``lm_head`` on load and the plan 
 With ``attention_bias=False`` the input norm keeps β/γ (``query_key_value`` has no bias slot).
 """
 
-from normswap.architectures.spec import LINEAR_IN_AXIS, LINEAR_OUT_AXIS, Architecture, Norm, Reader, Writer
+from normswap.architectures.spec import Architecture, Norm, Writer, linear_reader, linear_writers, pattern
 
-H = r"gpt_neox\.layers\.(?P<layer>\d+)"
-L = "gpt_neox.layers.{layer}"
+H = "gpt_neox.layers.{layer}"
 
 GPT_NEOX = Architecture(
     model_types=("gpt_neox",),
     auto_class="AutoModelForCausalLM",
     writers=(
-        Writer(r"gpt_neox\.embed_in\.weight", hidden_axis=1),
-        Writer(H + r"\.(attention\.dense|mlp\.dense_4h_to_h)\.weight", hidden_axis=LINEAR_OUT_AXIS),
-        Writer(H + r"\.(attention\.dense|mlp\.dense_4h_to_h)\.bias", hidden_axis=0),
+        Writer("gpt_neox.embed_in.weight", hidden_axis=1),
+        *linear_writers(H + ".{attention.dense|mlp.dense_4h_to_h}"),
     ),
     norms=(
-        Norm(H + r"\.input_layernorm", (
-            Reader(f"{L}.attention.query_key_value.weight", LINEAR_IN_AXIS, f"{L}.attention.query_key_value.bias"),
-        )),
-        Norm(H + r"\.post_attention_layernorm", (
-            Reader(f"{L}.mlp.dense_h_to_4h.weight", LINEAR_IN_AXIS, f"{L}.mlp.dense_h_to_4h.bias"),
-        )),
-        Norm(r"gpt_neox\.final_layer_norm", (Reader("lm_head.weight", LINEAR_IN_AXIS),)),
+        Norm(H + ".input_layernorm", (linear_reader(H + ".attention.query_key_value"),)),
+        Norm(H + ".post_attention_layernorm", (linear_reader(H + ".mlp.dense_h_to_4h"),)),
+        Norm("gpt_neox.final_layer_norm", (linear_reader("lm_head", bias=False),)),
     ),
     tied=(("lm_head.weight", "gpt_neox.embed_in.weight"),),
     blocks="gpt_neox.layers",
-    ignore=(H + r"\.attention\.(bias|masked_bias|rotary_emb\.inv_freq)",),
+    ignore=(pattern(H + ".attention.{bias|masked_bias|rotary_emb.inv_freq}"),),
 )

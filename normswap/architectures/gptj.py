@@ -8,27 +8,36 @@ keeps β/γ because ``q/k/v_proj`` have no bias slot. (A key constant would canc
 not after rotary rotates it by position, so keys are not marked ``constant_cancels``.)
 """
 
-from normswap.architectures.spec import LINEAR_IN_AXIS, LINEAR_OUT_AXIS, Architecture, Norm, Reader, Writer
+from normswap.architectures.spec import (
+    Architecture,
+    Norm,
+    Reader,
+    Writer,
+    linear_reader,
+    linear_writers,
+    pattern,
+)
 
-H = r"transformer\.h\.(?P<layer>\d+)"
-L = "transformer.h.{layer}"
+H = "transformer.h.{layer}"
+
+
+def parallel_block_norms(*attention: Reader) -> tuple[Norm, ...]:
+    """``ln_1`` read by the attention's input projections and ``fc_in``; ``ln_f`` by a head with a bias."""
+    return (
+        Norm(H + ".ln_1", (*attention, linear_reader(H + ".mlp.fc_in"))),
+        Norm("transformer.ln_f", (linear_reader("lm_head"),)),
+    )
+
 
 GPTJ = Architecture(
     model_types=("gptj",),
     auto_class="AutoModelForCausalLM",
     writers=(
-        Writer(r"transformer\.wte\.weight", hidden_axis=1),
-        Writer(H + r"\.(attn\.out_proj|mlp\.fc_out)\.weight", hidden_axis=LINEAR_OUT_AXIS),
-        Writer(H + r"\.(attn\.out_proj|mlp\.fc_out)\.bias", hidden_axis=0),
+        Writer("transformer.wte.weight", hidden_axis=1),
+        *linear_writers(H + ".{attn.out_proj|mlp.fc_out}"),
     ),
-    norms=(
-        Norm(H + r"\.ln_1", (
-            *(Reader(f"{L}.attn.{p}_proj.weight", LINEAR_IN_AXIS) for p in "qkv"),
-            Reader(f"{L}.mlp.fc_in.weight", LINEAR_IN_AXIS, f"{L}.mlp.fc_in.bias"),
-        )),
-        Norm(r"transformer\.ln_f", (Reader("lm_head.weight", LINEAR_IN_AXIS, "lm_head.bias"),)),
-    ),
+    norms=parallel_block_norms(*(linear_reader(f"{H}.attn.{p}_proj", bias=False) for p in "qkv")),
     tied=(("lm_head.weight", "transformer.wte.weight"),),
     blocks="transformer.h",
-    ignore=(H + r"\.attn\.(bias|masked_bias)",),
+    ignore=(pattern(H + ".attn.{bias|masked_bias}"),),
 )

@@ -13,22 +13,25 @@ residual stream; and a pre-LN model without its final norm (``_remove_final_laye
 whose head reads the raw stream, so centring the stream would change the logits.
 """
 
-from normswap.architectures.spec import LINEAR_IN_AXIS, LINEAR_OUT_AXIS, Architecture, Norm, Reader, Writer
+from normswap.architectures.spec import (
+    LINEAR_OUT_AXIS,
+    Architecture,
+    Norm,
+    Writer,
+    linear_reader,
+    linear_writers,
+)
 
-D = r"model\.decoder"
-H = D + r"\.layers\.(?P<layer>\d+)"
-L = "model.decoder.layers.{layer}"
+D = "model.decoder"
+H = D + ".layers.{layer}"
 
 _BLOCK_WRITERS = (
-    Writer(D + r"\.embed_positions\.weight", hidden_axis=1),
-    Writer(H + r"\.(self_attn\.out_proj|fc2)\.weight", hidden_axis=LINEAR_OUT_AXIS),
-    Writer(H + r"\.(self_attn\.out_proj|fc2)\.bias", hidden_axis=0),
+    Writer(D + ".embed_positions.weight", hidden_axis=1),
+    *linear_writers(H + ".{self_attn.out_proj|fc2}"),
 )
 _BLOCK_NORMS = (
-    Norm(H + r"\.self_attn_layer_norm", tuple(
-        Reader(f"{L}.self_attn.{p}_proj.weight", LINEAR_IN_AXIS, f"{L}.self_attn.{p}_proj.bias") for p in "qkv"
-    )),
-    Norm(H + r"\.final_layer_norm", (Reader(f"{L}.fc1.weight", LINEAR_IN_AXIS, f"{L}.fc1.bias"),)),
+    Norm(H + ".self_attn_layer_norm", tuple(linear_reader(f"{H}.self_attn.{p}_proj") for p in "qkv")),
+    Norm(H + ".final_layer_norm", (linear_reader(H + ".fc1"),)),
 )
 
 
@@ -41,10 +44,8 @@ def _variant(config: dict) -> dict:
     if not _projected(config):
         return {}
     return {
-        "writers": (Writer(D + r"\.project_in\.weight", hidden_axis=LINEAR_OUT_AXIS), *_BLOCK_WRITERS),
-        "norms": (*_BLOCK_NORMS, Norm(D + r"\.final_layer_norm", (
-            Reader("model.decoder.project_out.weight", LINEAR_IN_AXIS),
-        ))),
+        "writers": (Writer(D + ".project_in.weight", hidden_axis=LINEAR_OUT_AXIS), *_BLOCK_WRITERS),
+        "norms": (*_BLOCK_NORMS, Norm(D + ".final_layer_norm", (linear_reader(D + ".project_out", bias=False),))),
     }
 
 
@@ -61,8 +62,8 @@ def _refuse(config: dict) -> str | None:
 OPT = Architecture(
     model_types=("opt",),
     auto_class="AutoModelForCausalLM",
-    writers=(Writer(D + r"\.embed_tokens\.weight", hidden_axis=1), *_BLOCK_WRITERS),
-    norms=(*_BLOCK_NORMS, Norm(D + r"\.final_layer_norm", (Reader("lm_head.weight", LINEAR_IN_AXIS),))),
+    writers=(Writer(D + ".embed_tokens.weight", hidden_axis=1), *_BLOCK_WRITERS),
+    norms=(*_BLOCK_NORMS, Norm(D + ".final_layer_norm", (linear_reader("lm_head", bias=False),))),
     tied=(("lm_head.weight", "model.decoder.embed_tokens.weight"),),
     refuse=_refuse,
     variant=_variant,

@@ -10,35 +10,26 @@ vectors, which are not residual-stream writes; those norms cannot become RMSNorm
 the stream, so such checkpoints are refused.
 """
 
-from normswap.architectures.spec import LINEAR_IN_AXIS, LINEAR_OUT_AXIS, Architecture, Norm, Reader, Writer
+from normswap.architectures.spec import Architecture, Norm, Writer, linear_reader, linear_writers, refuse_if
 
-H = r"model\.layers\.(?P<layer>\d+)"
-L = "model.layers.{layer}"
-
-
-def _refuse(config: dict) -> str | None:
-    if config.get("qk_layernorm"):
-        return ("qk_layernorm normalises per-head queries and keys, which are not centred by "
-                "centring the residual stream; those LayerNorms cannot become RMSNorms exactly")
-    return None
+H = "model.layers.{layer}"
 
 
 PHI = Architecture(
     model_types=("phi",),
     auto_class="AutoModelForCausalLM",
     writers=(
-        Writer(r"model\.embed_tokens\.weight", hidden_axis=1),
-        Writer(H + r"\.(self_attn\.dense|mlp\.fc2)\.weight", hidden_axis=LINEAR_OUT_AXIS),
-        Writer(H + r"\.(self_attn\.dense|mlp\.fc2)\.bias", hidden_axis=0),
+        Writer("model.embed_tokens.weight", hidden_axis=1),
+        *linear_writers(H + ".{self_attn.dense|mlp.fc2}"),
     ),
     norms=(
-        Norm(H + r"\.input_layernorm", (
-            *(Reader(f"{L}.self_attn.{p}_proj.weight", LINEAR_IN_AXIS, f"{L}.self_attn.{p}_proj.bias") for p in "qkv"),
-            Reader(f"{L}.mlp.fc1.weight", LINEAR_IN_AXIS, f"{L}.mlp.fc1.bias"),
+        Norm(H + ".input_layernorm", (
+            *(linear_reader(f"{H}.self_attn.{p}_proj") for p in "qkv"), linear_reader(H + ".mlp.fc1"),
         )),
-        Norm(r"model\.final_layernorm", (Reader("lm_head.weight", LINEAR_IN_AXIS, "lm_head.bias"),)),
+        Norm("model.final_layernorm", (linear_reader("lm_head"),)),
     ),
     tied=(("lm_head.weight", "model.embed_tokens.weight"),),
-    refuse=_refuse,
+    refuse=refuse_if(qk_layernorm="qk_layernorm normalises per-head queries and keys, which are not centred "
+                     "by centring the residual stream; those LayerNorms cannot become RMSNorms exactly"),
     blocks="model.layers",
 )

@@ -1,25 +1,77 @@
 """The declarative description of an architecture that the generic surgery works from.
 
-An adapter says, with regular expressions over state-dict names, which tensors *write* the
-residual stream (and along which axis the hidden dimension runs), which norms exist and which
-tensors *read* each norm's output, and how the head is tied. It holds no tensor math: that is in
-``normswap.fold``, shared by every family.
+An adapter says which tensors *write* the residual stream (and along which axis the hidden
+dimension runs), which norms exist and which tensors *read* each norm's output, and how the head
+is tied. It holds no tensor math: that is in ``normswap.fold``, shared by every family.
 
-Patterns match whole *canonical* names: the names in the state dict of the family's model class
-(``transformer.h.0.ln_1.weight``). Checkpoints saved from the base model (``h.0.ln_1.weight``)
-are renamed to canonical names when they are read, so adapters never deal with prefixes.
+Names are written in one dialect, templates of whole *canonical* names: the names in the state
+dict of the family's model class (``transformer.h.{layer}.ln_1``). Checkpoints saved from the
+base model (``h.0.ln_1.weight``) are renamed to canonical names when they are read, so adapters
+never deal with prefixes. In a template
+
+* ``{layer}`` is a layer index;
+* ``{a|b}`` is one of the alternatives (``transformer.{wte|wpe}.weight``);
+* ``{name=a|b|}`` is a named choice (here ``a``, ``b`` or nothing): a prefix under which some of
+  a family's classes nest the same modules (CLIP's ``{tower=text_model.|vision_model.|}``).
+  Readers' templates repeat it and take the value it has in the norm they read.
+
+``pattern`` compiles a template to the regular expression the surgery matches whole names with;
+a norm's named groups (``layer``, the named choices) fill its readers' templates.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 # The Conv1D of GPT-2-style models stores weights as [in, out]; nn.Linear stores [out, in].
 LINEAR_OUT_AXIS, LINEAR_IN_AXIS = 0, 1
 CONV1D_IN_AXIS, CONV1D_OUT_AXIS = 0, 1
+
+# Keys of a plan's ``structure``, as ``config.normswap.structure`` stores them: the structural
+# changes the RMSNorm class performs. ``normswap.modeling.remote.apply_structure`` reads them (it
+# is copied into every checkpoint and imports nothing from normswap, so it spells them itself; a
+# test keeps the two in step). ``identity``: modules replaced by nn.Identity (added by the plan for
+# a baked norm); ``centre_input``/``centre_output``: modules whose input/output is centred.
+IDENTITY, CENTRE_INPUT, CENTRE_OUTPUT = "identity", "centre_input", "centre_output"
+STRUCTURE_KINDS = (IDENTITY, CENTRE_INPUT, CENTRE_OUTPUT)
+
+_PLACEHOLDER = re.compile(r"\{([^{}]*)\}")
+
+
+@functools.cache
+def pattern(template: str) -> str:
+    """The regular expression that matches the whole names ``template`` stands for."""
+    parts, end = [], 0
+    for match in _PLACEHOLDER.finditer(template):
+        parts.append(re.escape(template[end:match.start()]))
+        name, is_named, choices = match.group(1).rpartition("=")
+        if choices == "layer" and not is_named:
+            parts.append(r"(?P<layer>\d+)")
+        elif is_named:
+            parts.append(f"(?P<{name}>" + "|".join(map(re.escape, choices.split("|"))) + ")")
+        elif "|" in choices:
+            parts.append("(" + "|".join(map(re.escape, choices.split("|"))) + ")")
+        else:
+            raise ValueError(f"unknown placeholder {match.group(0)} in name template {template!r}")
+        end = match.end()
+    parts.append(re.escape(template[end:]))
+    return "".join(parts)
+
+
+def _format_template(template: str) -> str:
+    """``template`` as a ``str.format`` string filled from a norm's named groups."""
+
+    def field(match: re.Match[str]) -> str:
+        name, is_named, choices = match.group(1).rpartition("=")
+        if "|" in choices and not is_named:
+            raise ValueError(f"a reader names one tensor; {template!r} has alternatives")
+        return "{" + (name if is_named else choices) + "}"
+
+    return _PLACEHOLDER.sub(field, template)
 
 
 @dataclass(frozen=True)
@@ -29,16 +81,20 @@ class Writer:
     Centring along that axis (subtracting the mean over it) makes every write orthogonal to 1.
     """
 
-    pattern: str
+    name: str  # template of the tensor names
     hidden_axis: int
+
+    @property
+    def pattern(self) -> str:
+        return pattern(self.name)
 
 
 @dataclass(frozen=True)
 class Reader:
     """A layer that reads a norm's output: y = W·n + b, with n indexed by ``input_axis`` of W.
 
-    ``weight`` and ``bias`` are templates filled with the named groups of the norm's pattern,
-    e.g. ``"h.{layer}.attn.c_attn.weight"``. ``bias`` is None when the layer has no bias slot.
+    ``module`` is the layer's template (``transformer.h.{layer}.attn.c_attn``), filled with the
+    named groups of the norm's pattern. ``has_bias``: the layer has a bias slot.
 
     ``constant_cancels``: a constant added to this layer's output has no effect downstream, so
     the term Wβ may be dropped when the layer has no bias slot. Attention keys are the case:
@@ -46,23 +102,65 @@ class Reader:
     and softmax over j is invariant to that (masked scores stay masked).
     """
 
-    weight: str
+    module: str
     input_axis: int
-    bias: str | None = None
+    has_bias: bool = True
     constant_cancels: bool = False
+
+    @property
+    def weight(self) -> str:
+        """The weight's name as a ``str.format`` template."""
+        return _format_template(self.module) + ".weight"
+
+    @property
+    def bias(self) -> str | None:
+        """The bias's name as a ``str.format`` template; None when the layer has no bias slot."""
+        return _format_template(self.module) + ".bias" if self.has_bias else None
 
 
 @dataclass(frozen=True)
 class Norm:
-    """A LayerNorm, named by a pattern for its module prefix, and the layers that read it.
+    """A LayerNorm, named by a template of its module path, and the layers that read it.
 
     ``output_is_model_output``: the norm's output is itself returned to the user (an encoder's
     ``last_hidden_state``), so its gains must stay in the norm and are never folded.
     """
 
-    pattern: str
+    module: str
     readers: tuple[Reader, ...] = ()
     output_is_model_output: bool = False
+
+    @property
+    def pattern(self) -> str:
+        return pattern(self.module)
+
+
+def linear_writers(module: str, *, conv1d: bool = False) -> tuple[Writer, Writer]:
+    """The weight and bias of a Linear (or GPT-2 Conv1D) layer whose output adds into the stream."""
+    out_axis = CONV1D_OUT_AXIS if conv1d else LINEAR_OUT_AXIS
+    return Writer(f"{module}.weight", out_axis), Writer(f"{module}.bias", 0)
+
+
+def linear_reader(module: str, *, bias: bool = True, constant_cancels: bool = False) -> Reader:
+    """An nn.Linear reading a norm's output (weight [out, in]), with or without a bias slot."""
+    return Reader(module, LINEAR_IN_AXIS, bias, constant_cancels)
+
+
+def conv1d_reader(module: str) -> Reader:
+    """A GPT-2 Conv1D (weight [in, out], with a bias) reading a norm's output."""
+    return Reader(module, CONV1D_IN_AXIS)
+
+
+def attention_readers(attention: str, *, key_bias: bool = True) -> tuple[Reader, Reader, Reader]:
+    """``q_proj``, ``k_proj`` and ``v_proj`` of an ``attention`` module reading a norm's output.
+
+    Keys are marked ``constant_cancels``: the softmax cancels a constant added to every key.
+    """
+    return (
+        linear_reader(f"{attention}.q_proj"),
+        linear_reader(f"{attention}.k_proj", bias=key_bias, constant_cancels=True),
+        linear_reader(f"{attention}.v_proj"),
+    )
 
 
 @dataclass(frozen=True)
@@ -87,18 +185,18 @@ class Architecture:
     refuse: Callable[[dict], str | None] = lambda config: None
     # config keys -> values that say the head is tied (default: tie_word_embeddings, true if absent)
     tie_flag: str = "tie_word_embeddings"
-    # tensors dropped from the output: buffers that the current classes no longer keep
+    # tensors dropped from the output: buffers that the current classes no longer keep (regular
+    # expressions, compiled from templates with ``pattern``)
     ignore: tuple[str, ...] = ()
     bake: tuple[EmbeddingNormBake, ...] = ()
-    # structural changes for the RMSNorm class (see modeling/remote.py), as config -> dict
+    # structural changes for the RMSNorm class, as config -> {kind: module patterns}, a kind being
+    # one of STRUCTURE_KINDS (``centre_input``, ``centre_output``; the plan adds ``identity``)
     structure: Callable[[dict], dict[str, list[str]]] = lambda config: {}
     # how verification builds inputs: "causal_lm", "seq2seq_speech", "vision", "clip"
     probe: str = "causal_lm"
     # attribute path of the ModuleList of residual blocks ("transformer.h"), for layer-by-layer
     # verification; None: the longest list of same-class modules is taken (see verify_layerwise)
     blocks: str | None = None
-    notes: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
     # config -> replacements for the fields above, for families whose wiring depends on the config
     # (OPT's project_in/project_out, Falcon's parallel block); see ``for_config``
     variant: Callable[[dict], dict[str, Any]] = lambda config: {}
@@ -113,9 +211,13 @@ class Architecture:
         return replace(self, **changes) if changes else self
 
 
-def full_match(pattern: str, name: str) -> re.Match[str] | None:
-    """Match ``pattern`` against a whole canonical state-dict name."""
-    return re.fullmatch(pattern, name)
+def refuse_if(**reasons: str) -> Callable[[dict], str | None]:
+    """A ``refuse`` for checkpoints whose config sets any of the given flags: ``flag=reason``."""
+
+    def refuse(config: dict) -> str | None:
+        return next((reason for flag, reason in reasons.items() if config.get(flag)), None)
+
+    return refuse
 
 
 def only_classes(*supported: str) -> Callable[[dict], str | None]:

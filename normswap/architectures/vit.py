@@ -13,44 +13,34 @@ pooler), a model output, so its gains stay; in ``ViTForImageClassification`` onl
 """
 
 from normswap.architectures.spec import (
-    LINEAR_IN_AXIS,
-    LINEAR_OUT_AXIS,
     Architecture,
     Norm,
-    Reader,
     Writer,
+    attention_readers,
+    linear_reader,
+    linear_writers,
     only_classes,
 )
 
-P = r"(?P<p>(vit\.)?)"
-LAYER = P + r"layers\.(?P<layer>\d+)"
+P = "{base=vit.|}"  # ViTForImageClassification nests the encoder under ``vit.``
+L = P + "layers.{layer}"
 SUPPORTED_CLASSES = ("ViTModel", "ViTForImageClassification")
-
-
-def _linear(name: str, constant_cancels: bool = False) -> Reader:
-    prefix = "{p}layers.{layer}." + name
-    return Reader(prefix + ".weight", LINEAR_IN_AXIS, prefix + ".bias", constant_cancels=constant_cancels)
-
-
 
 VIT = Architecture(
     model_types=("vit",),
     auto_class="AutoModel",
     writers=(
-        Writer(P + r"embeddings\.(cls_token|mask_token|position_embeddings)", hidden_axis=2),
-        Writer(P + r"embeddings\.patch_embeddings\.projection\.(weight|bias)", hidden_axis=0),
-        Writer(LAYER + r"\.(attention\.o_proj|mlp\.fc2)\.weight", hidden_axis=LINEAR_OUT_AXIS),
-        Writer(LAYER + r"\.(attention\.o_proj|mlp\.fc2)\.bias", hidden_axis=0),
+        Writer(P + "embeddings.{cls_token|mask_token|position_embeddings}", hidden_axis=2),
+        Writer(P + "embeddings.patch_embeddings.projection.{weight|bias}", hidden_axis=0),
+        *linear_writers(L + ".{attention.o_proj|mlp.fc2}"),
     ),
     norms=(
-        Norm(LAYER + r"\.layernorm_before", (
-            _linear("attention.q_proj"), _linear("attention.k_proj", constant_cancels=True), _linear("attention.v_proj"),
-        )),
-        Norm(LAYER + r"\.layernorm_after", (_linear("mlp.fc1"),)),
+        Norm(L + ".layernorm_before", attention_readers(L + ".attention")),
+        Norm(L + ".layernorm_after", (linear_reader(L + ".mlp.fc1"),)),
         # ViTModel: last_hidden_state itself
-        Norm(r"layernorm", output_is_model_output=True),
+        Norm("layernorm", output_is_model_output=True),
         # ViTForImageClassification: read only by the classifier (on the class token)
-        Norm(r"vit\.layernorm", (Reader("classifier.weight", LINEAR_IN_AXIS, "classifier.bias"),)),
+        Norm("vit.layernorm", (linear_reader("classifier"),)),
     ),
     refuse=only_classes(*SUPPORTED_CLASSES),
     probe="vision",

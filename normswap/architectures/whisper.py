@@ -23,69 +23,50 @@ Attention ``k_proj`` has no bias: a norm's β folded through it would be a const
 key, which softmax cancels (``constant_cancels``), so β folds into ``q_proj``/``v_proj`` only.
 The decoder's final norm feeds ``proj_out``, which has no bias: γ folds, β/γ stays in the norm.
 
+In short: the encoder input is centred explicitly in the RMSNorm class, and the encoder's final
+norm keeps its gains (a model output).
+
 Only ``WhisperForConditionalGeneration`` checkpoints are accepted (the hub's Whisper models); the
 encoder-only and decoder-only classes read these norms differently.
 """
 
 from normswap.architectures.spec import (
-    LINEAR_IN_AXIS,
-    LINEAR_OUT_AXIS,
+    CENTRE_INPUT,
     Architecture,
     Norm,
-    Reader,
     Writer,
+    attention_readers,
+    linear_reader,
+    linear_writers,
     only_classes,
+    pattern,
 )
 
-M = r"(?P<m>(model\.)?)"
-ENC = M + r"encoder\.layers\.(?P<layer>\d+)"
-DEC = M + r"decoder\.layers\.(?P<layer>\d+)"
+M = "{base=model.|}"  # WhisperForConditionalGeneration nests the encoder-decoder under ``model.``
+ENC = M + "encoder.layers.{layer}"
+DEC = M + "decoder.layers.{layer}"
 SUPPORTED_CLASSES = ("WhisperForConditionalGeneration",)
-
-
-def _attention(stack: str, attention: str) -> tuple[Reader, ...]:
-    prefix = "{m}" + stack + ".layers.{layer}." + attention
-    return (
-        Reader(prefix + ".q_proj.weight", LINEAR_IN_AXIS, prefix + ".q_proj.bias"),
-        Reader(prefix + ".k_proj.weight", LINEAR_IN_AXIS, None, constant_cancels=True),
-        Reader(prefix + ".v_proj.weight", LINEAR_IN_AXIS, prefix + ".v_proj.bias"),
-    )
-
-
-def _mlp(stack: str) -> tuple[Reader, ...]:
-    prefix = "{m}" + stack + ".layers.{layer}.fc1"
-    return (Reader(prefix + ".weight", LINEAR_IN_AXIS, prefix + ".bias"),)
-
-
 
 WHISPER = Architecture(
     model_types=("whisper",),
     auto_class="AutoModelForSpeechSeq2Seq",
     writers=(
-        Writer(M + r"decoder\.embed_tokens\.weight", hidden_axis=1),
-        Writer(M + r"decoder\.embed_positions\.weight", hidden_axis=1),
-        Writer(M + r"(en|de)coder\.layers\.\d+\.(self_attn|encoder_attn)\.out_proj\.weight", hidden_axis=LINEAR_OUT_AXIS),
-        Writer(M + r"(en|de)coder\.layers\.\d+\.(self_attn|encoder_attn)\.out_proj\.bias", hidden_axis=0),
-        Writer(M + r"(en|de)coder\.layers\.\d+\.fc2\.weight", hidden_axis=LINEAR_OUT_AXIS),
-        Writer(M + r"(en|de)coder\.layers\.\d+\.fc2\.bias", hidden_axis=0),
+        Writer(M + "decoder.{embed_tokens|embed_positions}.weight", hidden_axis=1),
+        *linear_writers(M + "{encoder|decoder}.layers.{layer}.{self_attn.out_proj|encoder_attn.out_proj|fc2}"),
     ),
     norms=(
-        Norm(ENC + r"\.self_attn_layer_norm", _attention("encoder", "self_attn")),
-        Norm(ENC + r"\.final_layer_norm", _mlp("encoder")),
+        Norm(ENC + ".self_attn_layer_norm", attention_readers(ENC + ".self_attn", key_bias=False)),
+        Norm(ENC + ".final_layer_norm", (linear_reader(ENC + ".fc1"),)),
         # read by k_proj/v_proj of every decoder layer's encoder_attn, and returned to the user
-        Norm(M + r"encoder\.layer_norm", output_is_model_output=True),
-        Norm(DEC + r"\.self_attn_layer_norm", _attention("decoder", "self_attn")),
-        Norm(DEC + r"\.encoder_attn_layer_norm", (
-            Reader("{m}decoder.layers.{layer}.encoder_attn.q_proj.weight", LINEAR_IN_AXIS,
-                   "{m}decoder.layers.{layer}.encoder_attn.q_proj.bias"),
-        )),
-        Norm(DEC + r"\.final_layer_norm", _mlp("decoder")),
-        Norm(M + r"decoder\.layer_norm", (Reader("proj_out.weight", LINEAR_IN_AXIS),)),
+        Norm(M + "encoder.layer_norm", output_is_model_output=True),
+        Norm(DEC + ".self_attn_layer_norm", attention_readers(DEC + ".self_attn", key_bias=False)),
+        Norm(DEC + ".encoder_attn_layer_norm", (linear_reader(DEC + ".encoder_attn.q_proj"),)),
+        Norm(DEC + ".final_layer_norm", (linear_reader(DEC + ".fc1"),)),
+        Norm(M + "decoder.layer_norm", (linear_reader("proj_out", bias=False),)),
     ),
     tied=(("proj_out.weight", "model.decoder.embed_tokens.weight"),),
     refuse=only_classes(*SUPPORTED_CLASSES),
     # the encoder stream starts as gelu(conv(...)) + positions: centre it once, explicitly
-    structure=lambda config: {"centre_input": [r"(model\.)?encoder\.layers\.0"]},
+    structure=lambda config: {CENTRE_INPUT: [pattern("{model.|}encoder.layers.0")]},
     probe="seq2seq_speech",
-    notes="encoder input centred explicitly in the RMSNorm class; encoder final norm kept (model output)",
 )

@@ -1,0 +1,99 @@
+"""The adapters' name dialect (templates compiled to regexes) and the declarative helpers."""
+
+from __future__ import annotations
+
+import re
+import string
+
+import pytest
+import torch
+from torch import nn
+
+from normswap.architectures import ARCHITECTURES, CENTRE_INPUT, CENTRE_OUTPUT, IDENTITY, STRUCTURE_KINDS
+from normswap.architectures.spec import (
+    CONV1D_IN_AXIS,
+    CONV1D_OUT_AXIS,
+    LINEAR_IN_AXIS,
+    LINEAR_OUT_AXIS,
+    Norm,
+    attention_readers,
+    linear_reader,
+    linear_writers,
+    pattern,
+    refuse_if,
+)
+from normswap.modeling import remote
+
+
+def test_pattern_layer_and_alternatives():
+    regex = pattern("transformer.h.{layer}.{attn|mlp}.c_proj.weight")
+    assert regex == r"transformer\.h\.(?P<layer>\d+)\.(attn|mlp)\.c_proj\.weight"
+    assert re.fullmatch(regex, "transformer.h.11.mlp.c_proj.weight").group("layer") == "11"
+    assert not re.fullmatch(regex, "transformer.h.1.attn.c_proj.bias")
+    assert not re.fullmatch(regex, "transformerXh.1.attn.c_proj.weight")  # dots are literal
+
+
+def test_pattern_named_choice_fills_readers():
+    norm = Norm("{base=model.|}decoder.layers.{layer}.final_layer_norm", (linear_reader("{base=model.|}decoder.layers.{layer}.fc1"),))
+    for prefix in ("model.", ""):
+        groups = re.fullmatch(norm.pattern, f"{prefix}decoder.layers.3.final_layer_norm").groupdict()
+        assert groups == {"base": prefix, "layer": "3"}
+        (reader,) = norm.readers
+        assert reader.weight.format(**groups) == f"{prefix}decoder.layers.3.fc1.weight"
+        assert reader.bias.format(**groups) == f"{prefix}decoder.layers.3.fc1.bias"
+    assert not re.fullmatch(norm.pattern, "other.decoder.layers.3.final_layer_norm")
+
+
+def test_bad_templates_are_refused():
+    with pytest.raises(ValueError, match="unknown placeholder"):
+        pattern("transformer.h.{block}.ln_1")
+    with pytest.raises(ValueError, match="alternatives"):
+        _ = linear_reader("transformer.h.{layer}.{attn|mlp}.c_fc").weight
+
+
+def test_linear_helpers():
+    weight, bias = linear_writers("h.{layer}.out")
+    assert (weight.name, weight.hidden_axis, bias.name, bias.hidden_axis) == ("h.{layer}.out.weight", LINEAR_OUT_AXIS,
+                                                                            "h.{layer}.out.bias", 0)
+    assert linear_writers("h.{layer}.c_proj", conv1d=True)[0].hidden_axis == CONV1D_OUT_AXIS
+    reader = linear_reader("lm_head", bias=False)
+    assert (reader.weight, reader.bias, reader.input_axis) == ("lm_head.weight", None, LINEAR_IN_AXIS)
+    q, k, v = attention_readers("l.{layer}.attn", key_bias=False)
+    assert k.bias is None and k.constant_cancels and not q.constant_cancels and q.bias == "l.{layer}.attn.q_proj.bias"
+    assert v.input_axis == LINEAR_IN_AXIS != CONV1D_IN_AXIS
+
+
+def test_refuse_if():
+    refuse = refuse_if(a="a is set", b="b is set")
+    assert refuse({}) is None and refuse({"a": False}) is None
+    assert refuse({"b": True}) == "b is set"
+
+
+@pytest.mark.parametrize("model_type", sorted(ARCHITECTURES))
+def test_every_adapter_template_compiles_and_fills(model_type):
+    """Every pattern compiles, and each reader's template is filled by its norm's named groups."""
+    architecture = ARCHITECTURES[model_type]
+    variants = [architecture] + [architecture.for_config(config) for config in (
+        {"word_embed_proj_dim": 16, "hidden_size": 32}, {"parallel_attn": False})]
+    for adapter in variants:
+        for regex in [w.pattern for w in adapter.writers] + list(adapter.ignore):
+            re.compile(regex)
+        for norm in adapter.norms:
+            groups = {name: "0" for name in re.compile(norm.pattern).groupindex}
+            for reader in norm.readers:
+                for template in (reader.weight, reader.bias):
+                    if template is not None:
+                        fields = {field for _, field, _, _ in string.Formatter().parse(template) if field}
+                        assert fields <= set(groups), (norm.module, template)
+        for kind in adapter.structure({"model_type": model_type}):
+            assert kind in STRUCTURE_KINDS
+
+
+def test_structure_kinds_are_what_the_modeling_file_applies():
+    """modeling/remote.py spells the structure keys itself (it imports nothing from normswap)."""
+    model = nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 4), nn.Linear(4, 4))
+    remote.apply_structure(model, {IDENTITY: ["0"], CENTRE_INPUT: ["1"], CENTRE_OUTPUT: ["2"]})
+    assert isinstance(model[0], nn.Identity)
+    assert model[1]._forward_pre_hooks and model[2]._forward_hooks
+    output = model(torch.randn(3, 4) + 5.0)
+    assert output.mean(-1).abs().max() < 1e-6
