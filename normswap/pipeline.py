@@ -356,6 +356,10 @@ def verify_checkpoint(original: str | Path, converted: str | Path, *, atol: floa
     block = converted_config_.get("normswap")
     if block is None:
         raise NormswapError(f"{converted_dir} is not a normswap checkpoint (its config.json has no normswap block)")
+    if "rotation" in block:  # its stream is C·h·Q, not C·h: compared by normswap.rotation
+        from normswap.rotation import verify_rotated
+
+        return verify_rotated(original_dir, converted_dir, atol=atol, rtol=rtol, layerwise=layerwise, quiet=quiet)
     architecture = architecture_for(original_config)
     method = block.get("options", {}).get("method", "exact")
     checkpoint_dtype = parse_dtype(block.get("options", {}).get("dtype")) or torch.float32
