@@ -101,8 +101,9 @@ def pca_rotation(second_moment: torch.Tensor, calibration: dict) -> Rotation:
 def save_rotation(path: Path, rotation: Rotation) -> None:
     from safetensors.torch import save_file
 
-    save_file({"rotation": rotation.matrix.contiguous()}, str(path),
-              metadata={"method": rotation.method, "sha256": rotation.sha256})
+    # no metadata: safetensors writes a metadata map in no fixed order, and the file must be
+    # byte-identical across rebuilds (config.json records the method and the hash)
+    save_file({"rotation": rotation.matrix.contiguous()}, str(path))
     path.chmod(0o644)  # as the weights: readable like the rest of the checkpoint
 
 

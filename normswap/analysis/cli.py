@@ -38,6 +38,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed for --random-tokens")
     parser.add_argument("--json", type=Path, metavar="PATH", help="write the full report as JSON")
     parser.add_argument("--plot", type=Path, metavar="PNG", help="write per-norm plots as a PNG")
+    parser.add_argument("--outliers", action="store_true",
+                        help="also measure max|x|/RMS(x) and kurtosis at every linear layer's input "
+                             "(what a rotation changes); with --plot, a second PNG ending -outliers.png")
 
 
 def read_text(path: Path, max_chars: int) -> str:
@@ -111,9 +114,14 @@ def run(args: argparse.Namespace) -> int:
     reports = {"original": original}
     if converted is not None:
         reports["converted"] = measure(args.compare, converted, ids, text, args)
+        reports["converted"]["rotated"] = "rotation" in (getattr(converted.config, "normswap", None) or {})
         print(format_comparison(original, reports["converted"]))
     else:
         print(format_report(original))
+
+    if args.outliers:
+        _outliers(args, {"original": model, **({"converted": converted} if converted is not None else {})},
+                  ids, reports)
 
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -127,3 +135,20 @@ def run(args: argparse.Namespace) -> int:
         plot_reports(reports, args.plot)
         print(f"wrote {args.plot}")
     return 0
+
+
+def _outliers(args: argparse.Namespace, models: dict, ids: torch.Tensor, reports: dict) -> None:
+    """Linear-input outlier statistics per model: printed, added to each report, optionally plotted."""
+    from normswap.analysis.collect import context_length
+    from normswap.analysis.outliers import format_outliers, geometry_outliers, plot_outliers
+
+    seq_len = min([args.seq_len or 1024] + [context_length(model) for model in models.values()])
+    results = geometry_outliers(models, ids, seq_len, args.batch_size)
+    print(format_outliers({label: result["summary"] for label, result in results.items()}))
+    for label, result in results.items():
+        reports[label]["outliers"] = result
+    if args.plot:
+        path = args.plot.with_name(args.plot.stem + "-outliers.png")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        plot_outliers({label: result["layers"] for label, result in results.items()}, path)
+        print(f"wrote {path}")
