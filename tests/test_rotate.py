@@ -414,3 +414,37 @@ def test_cli_reports_rotation(tmp_path, capsys, gpt2_src):
     assert code == 0
     assert "rotated by orthogonal (seed 4), d = 16" in printed and "refuses to load, as it must" in printed
     assert (out / ROTATION_FILE).is_file() and (out / "README.md").read_text().count("## Rotation") == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# What a rotation is for: geometry --outliers on a model with a massive residual dimension
+
+STREAM_READERS = ("c_attn", "c_fc", "lm_head")
+
+
+def test_geometry_shows_rotation_spreading_outliers(tmp_path, capsys):
+    """make_hard gives the stream one massive dimension, as trained GPT-2 has: at the layers that
+    read the stream, the normalised input has one huge coordinate (large max|x|/RMS, kurtosis far
+    above 3). A Hadamard rotation spreads it over every coordinate: both fall, kurtosis toward 3."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=32,
+                                     bos_token_id=0, eos_token_id=0)
+    src = save(make_hard(transformers.GPT2LMHeadModel(config)).eval(), tmp_path / "gpt2")
+    rotated = tmp_path / "rotated"
+    rotate_checkpoint(src, rotated, verification="none")
+    report = tmp_path / "geometry.json"
+    code = normswap_cli("geometry", str(src), "--compare", str(rotated), "--outliers", "--random-tokens",
+                        "--max-tokens", "256", "--json", str(report))
+    printed = capsys.readouterr().out
+    assert code == 0 and "is rotated" in printed and "outlier ratio" in printed
+    reports = json.loads(report.read_text())
+
+    def stream(label: str, key: str) -> list[float]:
+        layers = reports[label]["outliers"]["layers"]
+        return [layer[key] for layer in layers if layer["layer"].rsplit(".", 1)[-1] in STREAM_READERS]
+
+    before, after = stream("original", "outlier_ratio"), stream("converted", "outlier_ratio")
+    assert len(before) == len(after) == 5
+    assert max(after) < 0.5 * max(before)
+    kurtosis_before, kurtosis_after = stream("original", "kurtosis"), stream("converted", "kurtosis")
+    assert max(abs(k - 3) for k in kurtosis_after) < max(abs(k - 3) for k in kurtosis_before)
