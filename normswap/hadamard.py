@@ -39,14 +39,14 @@ def _is_prime(n: int) -> bool:
 def _jacobsthal(p: int) -> torch.Tensor:
     """J_ij = χ(j - i) mod p: 1 for a non-zero square, -1 for a non-square, 0 on the diagonal."""
     squares = {(k * k) % p for k in range(1, p)}
-    character = torch.tensor([0] + [1 if k in squares else -1 for k in range(1, p)], dtype=torch.int64)
+    character = torch.tensor([0] + [1 if k in squares else -1 for k in range(1, p)], dtype=torch.int8)
     index = torch.arange(p)
     return character[(index[None, :] - index[:, None]) % p]
 
 
 def _bordered(p: int, first_column: int) -> torch.Tensor:
     """[[0, 1ᵀ], [c·1, J]] of order p + 1."""
-    core = torch.zeros(p + 1, p + 1, dtype=torch.int64)
+    core = torch.zeros(p + 1, p + 1, dtype=torch.int8)
     core[0, 1:] = 1
     core[1:, 0] = first_column
     core[1:, 1:] = _jacobsthal(p)
@@ -55,15 +55,15 @@ def _bordered(p: int, first_column: int) -> torch.Tensor:
 
 def paley_one(p: int) -> torch.Tensor:
     """Paley's first construction, order p + 1 (p prime, p ≡ 3 mod 4)."""
-    return torch.eye(p + 1, dtype=torch.int64) + _bordered(p, -1)
+    return torch.eye(p + 1, dtype=torch.int8) + _bordered(p, -1)
 
 
 def paley_two(p: int) -> torch.Tensor:
     """Paley's second construction, order 2(p + 1) (p prime, p ≡ 1 mod 4)."""
     core = _bordered(p, 1)
-    zero_block = torch.tensor([[1, -1], [-1, -1]], dtype=torch.int64)
-    sign_block = torch.tensor([[1, 1], [1, -1]], dtype=torch.int64)
-    return torch.kron(core, sign_block) + torch.kron((core == 0).long(), zero_block)
+    zero_block = torch.tensor([[1, -1], [-1, -1]], dtype=torch.int8)
+    sign_block = torch.tensor([[1, 1], [1, -1]], dtype=torch.int8)
+    return torch.kron(core, sign_block) + torch.kron((core == 0).to(torch.int8), zero_block)
 
 
 def _base(n: int) -> tuple[str, int] | None:
@@ -118,20 +118,20 @@ def describe(n: int) -> str | None:
 
 
 def hadamard_matrix(n: int) -> torch.Tensor:
-    """A Hadamard matrix of order n (int64 entries ±1), or ValueError when no construction is known."""
+    """A Hadamard matrix of order n (int8 entries ±1), or ValueError when no construction is known."""
     factors = construction(n)
     if factors is None:
         raise ValueError(
             f"no Hadamard construction is known here for order {n} (Sylvester, prime Paley I/II and "
             "their Kronecker products cover it not)"
         )
-    matrix = torch.ones(1, 1, dtype=torch.int64)
+    matrix = torch.ones(1, 1, dtype=torch.int8)
     for kind, parameter in factors:
         if kind == "sylvester":
-            factor = torch.tensor([[1, 1], [1, -1]], dtype=torch.int64) if parameter == 2 else torch.ones(1, 1)
+            factor = torch.tensor([[1, 1], [1, -1]], dtype=torch.int8)
         elif kind == "paley1":
             factor = paley_one(parameter)
         else:
             factor = paley_two(parameter)
-        matrix = torch.kron(matrix, factor.long())
+        matrix = torch.kron(matrix, factor.to(torch.int8))
     return matrix
