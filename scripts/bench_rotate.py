@@ -93,8 +93,10 @@ def synthetic_model(directory: Path, tokenizer_dir: Path, *, d: int = 256, layer
     import transformers
 
     generator = torch.Generator().manual_seed(seed)
+    # weights 5x GPT-2's initial scale, so that the logits vary from token to token as a trained
+    # model's do (at GPT-2's init they are nearly uniform and no weight change can move them)
     config = transformers.GPT2Config(n_embd=d, n_layer=layers, n_head=d // 64, vocab_size=2048, n_positions=256,
-                                     bos_token_id=0, eos_token_id=0)
+                                     bos_token_id=0, eos_token_id=0, initializer_range=0.1)
     torch.manual_seed(seed)
     model = transformers.GPT2LMHeadModel(config).eval()
     massive = 7
