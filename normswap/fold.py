@@ -182,13 +182,17 @@ def random_signs(d: int, seed: int) -> torch.Tensor:
 
 
 def randomised_hadamard(hadamard: torch.Tensor, seed: int) -> torch.Tensor:
-    """Q = H·diag(s)/√d for a Hadamard matrix H (entries ±1, HHᵀ = d·I) and seeded signs s.
+    """Q = diag(s)·H/√d for a Hadamard matrix H (entries ±1, HHᵀ = d·I) and seeded signs s.
 
-    QQᵀ = H·diag(s)²·Hᵀ/d = HHᵀ/d = I. Every entry of Q is ±1/√d, so each stream coordinate
-    becomes an equal-weight mix of all of them, which spreads a few large coordinates evenly.
+    QQᵀ = diag(s)·HHᵀ·diag(s)/d = I. Every entry of Q is ±1/√d, so each coordinate of the rotated
+    stream x·Q is an equal-weight mix of all of x's, which spreads a few large coordinates evenly.
+    This is the issue's H·diag(±1)/√d written for row vectors: the signs act on x before H mixes
+    it (x·diag(s)·H). Signs applied after H (x·H·diag(s)) would only flip coordinates of x·H,
+    which no symmetric quantiser or outlier statistic can see: every seed would give the same
+    model up to signs.
     """
     d = hadamard.shape[0]
-    return hadamard.double() * random_signs(d, seed) / math.sqrt(d)
+    return random_signs(d, seed)[:, None] * hadamard.double() / math.sqrt(d)
 
 
 def random_orthogonal(d: int, seed: int) -> torch.Tensor:

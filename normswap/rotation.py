@@ -12,7 +12,7 @@ centring and folding when the source is an original checkpoint. Which tensors ro
 the adapters alone: every ``Writer`` on its hidden axis, every ``Reader`` of a norm on its input
 axis, every norm bias that is kept.
 
-Q is ``hadamard`` (H·diag(±1)/√d, H from ``normswap.hadamard``), ``orthogonal`` (seeded Haar),
+Q is ``hadamard`` (diag(±1)·H/√d, H from ``normswap.hadamard``), ``orthogonal`` (seeded Haar),
 or ``pca`` (the principal directions of the stream on calibration text). The output has its own
 model type ``normswap_<type>``: the stock LayerNorm class would compute LayerNorm(x·Q), which is
 not LayerNorm(x)·Q. Q itself is saved beside the weights (``normswap_rotation.safetensors``) so
@@ -74,7 +74,7 @@ class Rotation:
 
 
 def hadamard_rotation(d: int, seed: int) -> Rotation:
-    """Q = H·diag(s)/√d with a Hadamard H of order d and seeded signs s."""
+    """Q = diag(s)·H/√d with a Hadamard H of order d and seeded signs s (``fold.randomised_hadamard``)."""
     construction = hadamard.describe(d)
     if construction is None:
         raise NormswapError(
@@ -82,7 +82,7 @@ def hadamard_rotation(d: int, seed: int) -> Rotation:
             "Kronecker products); use --method orthogonal"
         )
     matrix = fold.randomised_hadamard(hadamard.hadamard_matrix(d), seed)
-    return Rotation("hadamard", seed, matrix, f"H·diag(±1)/√d, H = {construction}")
+    return Rotation("hadamard", seed, matrix, f"diag(±1)·H/√d, H = {construction}")
 
 
 def orthogonal_rotation(d: int, seed: int) -> Rotation:

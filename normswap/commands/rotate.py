@@ -12,7 +12,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                                     "or a normswap checkpoint converted with --fold-gains")
     parser.add_argument("--out", required=True, help="output directory (must be empty or absent)")
     parser.add_argument("--method", choices=METHODS, default="hadamard",
-                        help="hadamard: randomised Hadamard H·diag(±1)/√d (default); orthogonal: seeded random "
+                        help="hadamard: randomised Hadamard diag(±1)·H/√d (default); orthogonal: seeded random "
                              "orthogonal; pca: principal directions of the stream on --calibration text")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random signs / random matrix (default 0)")
     parser.add_argument("--calibration", metavar="TEXT_FILE", help="UTF-8 text the pca directions are measured on")
