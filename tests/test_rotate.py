@@ -89,6 +89,14 @@ def test_hadamard_is_orthogonal_for_large_model_orders(d):
     assert torch.equal(h @ h.T, d * torch.eye(d, dtype=torch.float64))
 
 
+def test_hadamard_seeds_differ_beyond_coordinate_signs():
+    """Two seeds must not give the same stream up to signs (which symmetric quantisers cannot see):
+    Q₀ᵀQ₁ must not be a signed permutation."""
+    h = hadamard.hadamard_matrix(64)
+    relative = fold.randomised_hadamard(h, 0).T @ fold.randomised_hadamard(h, 1)
+    assert float(relative.abs().max()) < 0.5  # a signed permutation has an entry ±1 in every row
+
+
 def test_hadamard_constructions_are_named_and_gaps_refused():
     assert hadamard.describe(768) == "sylvester 2^6 ⊗ paley1 p=11"
     assert hadamard.describe(1600) == "sylvester 2^3 ⊗ paley1 p=199"
