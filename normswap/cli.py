@@ -20,6 +20,7 @@ from normswap.errors import NormswapError
 # (subcommand, module implementing it, one-line help)
 SUBCOMMANDS: list[tuple[str, str, str]] = [
     ("convert", "normswap.commands.convert", "convert a LayerNorm checkpoint into an exact RMSNorm checkpoint"),
+    ("rotate", "normswap.commands.rotate", "write an exactly rotated checkpoint (Hadamard, orthogonal or PCA basis)"),
     ("inspect", "normswap.commands.inspect", "print the conversion plan for a checkpoint; writes nothing"),
     ("verify", "normswap.commands.verify", "compare a converted checkpoint against its original"),
     ("eval", "normswap.evaluation.cli", "perplexity and lm-eval scores, optionally side by side with a baseline"),

@@ -77,7 +77,22 @@ class Fill:
     slice_wise = False
 
 
-Step = Bake | Centre | FoldGain | FoldBias | DivideByGain | Fill
+@dataclass(frozen=True, eq=False)
+class Rotate:
+    """Contract the stream axis ``axis`` with the orthogonal Q of ``rotation`` (``fold.rotate_axis``).
+
+    ``side`` says which of the ``fold.rotate_*`` identities this is (writer, reader, norm_bias).
+    Slice-wise: every slice across ``axis`` is rotated on its own. A norm bias is rotated after
+    its β ⊘ γ is formed, so that step is whole-tensor (``slice_wise`` False) and keeps its order.
+    """
+
+    axis: int
+    side: str
+    rotation: object = field(repr=False)  # normswap.rotation.Rotation: the matrix and its label
+    slice_wise: bool = True
+
+
+Step = Bake | Centre | FoldGain | FoldBias | DivideByGain | Fill | Rotate
 
 
 @dataclass

@@ -124,7 +124,11 @@ def converted_model(path: Path, architecture: Architecture, how: str) -> nn.Modu
         config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=True)
         with init_empty_weights():
             model = getattr(transformers, architecture.auto_class).from_config(config, trust_remote_code=True)
-    return _float32_tied(model)
+    # a normswap_<type> config may resolve to normswap's kernel class, whose fused block forwards
+    # read a norm's weight without calling the norm, bypassing accelerate's per-module weight loading
+    from normswap.kernels.patch import unpatch
+
+    return unpatch(_float32_tied(model))
 
 
 def _float32_tied(model: nn.Module) -> nn.Module:
@@ -372,8 +376,12 @@ def trace_original(model: nn.Module, blocks: nn.ModuleList, inputs: dict, step=N
 
 @torch.no_grad()
 def trace_converted(model: nn.Module, blocks: nn.ModuleList, inputs: dict, original: Trace,
-                    step=None) -> tuple[list[dict], torch.Tensor]:
-    """Run the converted model free and teacher-forced (a doubled batch); per-block figures and logits."""
+                    step=None, stream_map=_centred) -> tuple[list[dict], torch.Tensor]:
+    """Run the converted model free and teacher-forced (a doubled batch); per-block figures and logits.
+
+    ``stream_map`` turns the original's stream into the one the converted model carries: C·h
+    (default), or C·h·Q for a checkpoint whose residual basis was rotated by Q.
+    """
     batch = next(iter(inputs.values())).shape[0]
     doubled = {name: torch.cat([value, value]) for name, value in inputs.items()}
     layers: list[dict] = []
@@ -381,7 +389,7 @@ def trace_converted(model: nn.Module, blocks: nn.ModuleList, inputs: dict, origi
     def force(index: int):
         def hook(module, args, kwargs):
             hidden = _stream_in(args, kwargs)
-            forced = _centred(original.inputs[index]).to(hidden.device, hidden.dtype)
+            forced = stream_map(original.inputs[index]).to(hidden.device, hidden.dtype)
             return _with_stream(args, kwargs, torch.cat([hidden[:batch], forced]))
 
         return hook
@@ -389,7 +397,7 @@ def trace_converted(model: nn.Module, blocks: nn.ModuleList, inputs: dict, origi
     def compare(index: int):
         def hook(module, args, output):
             out = _stream_out(output).double().cpu()
-            reference = _centred(original.output(index))
+            reference = stream_map(original.output(index))
             layers.append({
                 "layer": index,
                 "max_abs_diff": float((out[:batch] - reference).abs().max()),
@@ -454,7 +462,7 @@ def _progress(total: int, quiet: bool):
 
 def compare_layerwise(original_dir: Path, converted_dir: Path, architecture: Architecture, *,
                       stock_loadable: bool, quiet: bool = True,
-                      rms_how: str = "rmsnorm") -> tuple[verify.Probe, dict[str, dict]]:
+                      rms_how: str = "rmsnorm", stream_map=_centred) -> tuple[verify.Probe, dict[str, dict]]:
     """The probe and, per loader run, the logit figures plus per-block figures and the worst layer.
 
     The stock class runs only when ``stock_loadable`` (the caller records whether stock
@@ -487,7 +495,7 @@ def compare_layerwise(original_dir: Path, converted_dir: Path, architecture: Arc
                 raise NormswapError("the RMSNorm model still has nn.LayerNorm modules")
             converted_blocks = model.get_submodule(blocks_path)
             with dispatched(model, converted_dir, blocks_path, device):
-                layers, logits = trace_converted(model, converted_blocks, inputs, trace, step)
+                layers, logits = trace_converted(model, converted_blocks, inputs, trace, step, stream_map)
             del model
             release_memory()
             figures = compare_by_sequence(trace.logits, logits, labels)

@@ -39,7 +39,17 @@ import torch
 
 from normswap import fold
 from normswap.errors import NormswapError
-from normswap.plan import Bake, Centre, ConversionPlan, DivideByGain, Fill, FoldBias, FoldGain, TensorPlan
+from normswap.plan import (
+    Bake,
+    Centre,
+    ConversionPlan,
+    DivideByGain,
+    Fill,
+    FoldBias,
+    FoldGain,
+    Rotate,
+    TensorPlan,
+)
 from normswap.source import SAFETENSORS_DTYPE_NAMES, CheckpointReader
 
 Read = Callable[[str], torch.Tensor]
@@ -116,6 +126,7 @@ def _in_place(step, read: Read) -> Callable[[torch.Tensor], torch.Tensor]:
     Centre: w ← w - mean(w along the hidden axis)    (``fold.centre``)
     FoldGain: w ← w · γ along the input axis           (``fold.fold_gain``)
     Bake: w ← LayerNorm(w) row by row                   (``fold.layer_norm_rows``)
+    Rotate: w ← w contracted with Q along the stream axis (``fold.rotate_axis``)
     """
     if isinstance(step, Centre):
         return lambda w: w.sub_(w.mean(dim=step.axis, keepdim=True))
@@ -131,6 +142,8 @@ def _in_place(step, read: Read) -> Callable[[torch.Tensor], torch.Tensor]:
     if isinstance(step, Bake):
         gain, bias = read(step.gain), read(step.bias)
         return lambda w: fold.layer_norm_rows(w, gain, bias, step.eps)
+    if isinstance(step, Rotate):
+        return lambda w: fold.rotate_axis(w, step.rotation.matrix, step.axis)
     raise TypeError(step)
 
 
@@ -141,6 +154,8 @@ def _apply_whole(step, value: torch.Tensor, read: Read) -> torch.Tensor:
         return fold.residual_norm_bias(read(step.gain), value)
     if isinstance(step, FoldBias):
         return fold.chunked_bias_fold(read(step.weight), read(step.norm_bias), value, step.axis)
+    if isinstance(step, Rotate):
+        return fold.rotate_axis(value, step.rotation.matrix, step.axis)
     raise TypeError(step)
 
 

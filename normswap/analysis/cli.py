@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -45,6 +46,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed for --random-tokens")
     parser.add_argument("--json", type=Path, metavar="PATH", help="write the full report as JSON")
     parser.add_argument("--plot", type=Path, metavar="PNG", help="write per-norm plots as a PNG")
+    parser.add_argument("--outliers", action="store_true",
+                        help="also measure max|x|/RMS(x) and kurtosis at every linear layer's input "
+                             "(what a rotation changes); with --plot, a second PNG ending -outliers.png")
 
 
 def read_text(path: Path, max_chars: int) -> str:
@@ -103,7 +107,7 @@ def _json_safe(value):
     return value
 
 
-def _media_reports(args: argparse.Namespace) -> dict:
+def _media_reports(args: argparse.Namespace) -> tuple[dict, None]:
     """Reports on audio or images: the inputs are prepared once, by the first model's own processor."""
     from normswap.evaluation import media
     from normswap.evaluation.media_eval import check_sources
@@ -127,10 +131,11 @@ def _media_reports(args: argparse.Namespace) -> dict:
         reports[label] = build_report(norms, model=source, dtype=DTYPES[args.dtype],
                                       tokens=max(n["tokens"] for n in norms), text=data.describe())
         del model
-    return reports
+    return reports, None
 
 
-def _text_reports(args: argparse.Namespace) -> dict:
+def _text_reports(args: argparse.Namespace) -> tuple[dict, Callable[[], None] | None]:
+    """Reports on text, and the outlier statistics to print after them (``--outliers``)."""
     from normswap.evaluation.media_eval import check_sources
 
     if args.max_tokens < 2:
@@ -148,21 +153,28 @@ def _text_reports(args: argparse.Namespace) -> dict:
     reports = {"original": measure(args.model, model, ids, text, args)}
     if converted is not None:
         reports["converted"] = measure(args.compare, converted, ids, text, args)
-    return reports
+        reports["converted"]["rotated"] = "rotation" in (getattr(converted.config, "normswap", None) or {})
+    if not args.outliers:
+        return reports, None
+    models = {"original": model, **({"converted": converted} if converted is not None else {})}
+    return reports, lambda: _outliers(args, models, ids, reports)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.audio and args.images:
         raise NormswapError("pass --audio or --images, not both: a model reads one kind of input")
-    if (args.audio or args.images) and (args.text is not None or args.random_tokens):
-        raise NormswapError("--text and --random-tokens are for text models; drop them with --audio/--images")
-    reports = _media_reports(args) if args.audio or args.images else _text_reports(args)
+    if (args.audio or args.images) and (args.text is not None or args.random_tokens or args.outliers):
+        raise NormswapError("--text, --random-tokens and --outliers are for text models; drop them with --audio/--images")
+    reports, outliers = _media_reports(args) if args.audio or args.images else _text_reports(args)
     original = reports["original"]
     converted = reports.get("converted")
     if converted is not None:
         print(format_comparison(original, converted))
     else:
         print(format_report(original))
+
+    if outliers is not None:
+        outliers()
 
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -176,3 +188,20 @@ def run(args: argparse.Namespace) -> int:
         plot_reports(reports, args.plot)
         print(f"wrote {args.plot}")
     return 0
+
+
+def _outliers(args: argparse.Namespace, models: dict, ids: torch.Tensor, reports: dict) -> None:
+    """Linear-input outlier statistics per model: printed, added to each report, optionally plotted."""
+    from normswap.analysis.collect import context_length
+    from normswap.analysis.outliers import format_outliers, geometry_outliers, plot_outliers
+
+    seq_len = min([args.seq_len or 1024] + [context_length(model) for model in models.values()])
+    results = geometry_outliers(models, ids, seq_len, args.batch_size)
+    print(format_outliers({label: result["summary"] for label, result in results.items()}))
+    for label, result in results.items():
+        reports[label]["outliers"] = result
+    if args.plot:
+        path = args.plot.with_name(args.plot.stem + "-outliers.png")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        plot_outliers({label: result["layers"] for label, result in results.items()}, path)
+        print(f"wrote {path}")

@@ -1,0 +1,136 @@
+"""Activation outliers at the inputs of linear layers: what a rotation of the residual basis changes.
+
+For every linear layer (nn.Linear and transformers' Conv1D) the input x (all tokens × the layer's
+input features) is summarised by
+
+* the outlier ratio max|x| / RMS(x), RMS over every entry: large when a few coordinates carry
+  values far above the rest (the "massive activations" that make low-bit quantisation fail);
+* the kurtosis E[(x - μ)⁴] / σ⁴ of all entries: 3 for a Gaussian, large for heavy tails.
+
+The statistics are accumulated in float64 over windows of text, so memory stays one window's
+activations. Layers that read a norm (attention's q/k/v, the MLP's first layer, the head) see
+the residual stream and change under a rotation; the others read inside a block and do not.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from normswap.quantise import linear_layers
+
+
+class _Moments:
+    def __init__(self) -> None:
+        self.count = 0
+        self.sums = [0.0, 0.0, 0.0, 0.0]  # Σx, Σx², Σx³, Σx⁴
+        self.max_abs = 0.0
+
+    def update(self, x: torch.Tensor) -> None:
+        x = x.detach().double().reshape(-1)
+        self.count += x.numel()
+        power = torch.ones_like(x)
+        for k in range(4):
+            power = power * x
+            self.sums[k] += float(power.sum())
+        self.max_abs = max(self.max_abs, float(x.abs().max()))
+
+    def summary(self) -> dict:
+        n = self.count
+        mean, m2, m3, m4 = (value / n for value in self.sums)
+        variance = m2 - mean**2
+        central4 = m4 - 4 * mean * m3 + 6 * mean**2 * m2 - 3 * mean**4
+        return {
+            "outlier_ratio": self.max_abs / math.sqrt(m2) if m2 > 0 else float("nan"),
+            "kurtosis": central4 / variance**2 if variance > 0 else float("nan"),
+            "max_abs": self.max_abs,
+            "rms": math.sqrt(m2),
+            "entries": n,
+        }
+
+
+@torch.no_grad()
+def linear_input_outliers(model: nn.Module, token_ids: torch.Tensor, *, seq_len: int, batch_size: int = 4) -> list[dict]:
+    """Outlier statistics of every linear layer's input over ``token_ids`` (1-D), in module order."""
+    from normswap.analysis.collect import _forward, windows
+
+    layers = linear_layers(model)
+    moments = {name: _Moments() for name, _, _ in layers}
+
+    def hook(name: str):
+        def record(module, args):
+            moments[name].update(args[0])
+
+        return record
+
+    handles = [module.register_forward_pre_hook(hook(name)) for name, module, _ in layers]
+    device = next(model.parameters()).device
+    try:
+        for batch in windows(token_ids.reshape(-1).long(), seq_len, batch_size):
+            _forward(model, batch.to(device))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [{"layer": name, **moments[name].summary()} for name, _, _ in layers if moments[name].count]
+
+
+def summarise(rows: list[dict]) -> dict:
+    """Mean and max of the outlier ratio and kurtosis over layers."""
+    ratios = [row["outlier_ratio"] for row in rows]
+    kurtoses = [row["kurtosis"] for row in rows]
+    return {
+        "layers": len(rows),
+        "outlier_ratio_mean": sum(ratios) / len(ratios),
+        "outlier_ratio_max": max(ratios),
+        "kurtosis_mean": sum(kurtoses) / len(kurtoses),
+        "kurtosis_max": max(kurtoses),
+    }
+
+
+def plot_outliers(reports: dict[str, list[dict]], path) -> None:
+    """Two panels (outlier ratio, kurtosis; log scale) of each model's linear layers, side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    first = next(iter(reports.values()))
+    labels = [row["layer"].split(".", 1)[-1] for row in first]
+    fig, axes = plt.subplots(2, 1, figsize=(max(8, 0.3 * len(labels) + 3), 8), sharex=True)
+    for label, rows in reports.items():
+        axes[0].plot(range(len(rows)), [row["outlier_ratio"] for row in rows], marker="o", label=label)
+        axes[1].plot(range(len(rows)), [row["kurtosis"] for row in rows], marker="o", label=label)
+    axes[0].set_ylabel("max|x| / RMS(x)")
+    axes[1].set_ylabel("kurtosis")
+    for axis in axes:
+        axis.set_yscale("log")
+        axis.grid(alpha=0.3)
+    axes[0].legend()
+    axes[1].set_xticks(range(len(labels)))
+    axes[1].set_xticklabels(labels, rotation=90, fontsize=7)
+    axes[0].set_title("inputs of the linear layers")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def format_outliers(summaries: dict[str, dict]) -> str:
+    """A Markdown table: per model, the outlier ratio and kurtosis over all linear inputs and over
+    the layers that read the residual stream."""
+    lines = ["| model | layers | outlier ratio mean / max | kurtosis mean / max |", "|---|---|---|---|"]
+    for label, summary in summaries.items():
+        lines.append(f"| {label} | {summary['layers']} | {summary['outlier_ratio_mean']:.3g} / "
+                     f"{summary['outlier_ratio_max']:.3g} | {summary['kurtosis_mean']:.3g} / "
+                     f"{summary['kurtosis_max']:.3g} |")
+    return "\n".join(lines)
+
+
+def geometry_outliers(models: dict[str, nn.Module], token_ids: torch.Tensor, seq_len: int, batch_size: int) -> dict:
+    """``normswap geometry --outliers``: per model label, the per-layer rows and their summary."""
+    results = {}
+    for label, model in models.items():
+        rows = linear_input_outliers(model, token_ids, seq_len=seq_len, batch_size=batch_size)
+        results[label] = {"summary": summarise(rows), "layers": rows}
+    return results

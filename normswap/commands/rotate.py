@@ -1,0 +1,53 @@
+"""``normswap rotate SRC --out DIR [--method hadamard|orthogonal|pca] [--seed N] [--calibration TEXT]``."""
+
+from __future__ import annotations
+
+import argparse
+
+METHODS = ("hadamard", "orthogonal", "pca")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("src", help="an original LayerNorm checkpoint (hub id, directory, normswap:austen-gpt2) "
+                                    "or a normswap checkpoint converted with --fold-gains")
+    parser.add_argument("--out", required=True, help="output directory (must be empty or absent)")
+    parser.add_argument("--method", choices=METHODS, default="hadamard",
+                        help="hadamard: randomised Hadamard diag(±1)·H/√d (default); orthogonal: seeded random "
+                             "orthogonal; pca: principal directions of the stream on --calibration text")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random signs / random matrix (default 0)")
+    parser.add_argument("--calibration", metavar="TEXT_FILE", help="UTF-8 text the pca directions are measured on")
+    parser.add_argument("--calibration-tokens", type=int, default=32768,
+                        help="use at most this many calibration tokens (default 32768)")
+    parser.add_argument("--dtype", help="output dtype (float32, float16, bfloat16, float64); default: the source's")
+    parser.add_argument("--atol", type=float, help="verification tolerance on max |Δlogit| (default by dtype)")
+    parser.add_argument("--rtol", type=float, help="relative part of the tolerance, times max |logit|")
+    parser.add_argument("--verify", dest="verification", choices=["auto", "layerwise", "full", "none"], default="auto",
+                        help="layerwise: block by block within bounded memory; full: whole models; "
+                             "auto (default): layerwise for models above 1 GiB of float32 weights")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    parser.add_argument("--trust-remote-code", action="store_true", help="allow the source's own code to run")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    from normswap.rotation import rotate_checkpoint
+    from normswap.verify import format_table
+    from normswap.verify_layerwise import describe_mode
+
+    provenance = rotate_checkpoint(
+        args.src, args.out, method=args.method, seed=args.seed, calibration=args.calibration,
+        calibration_tokens=args.calibration_tokens, dtype=args.dtype, overwrite=args.overwrite,
+        trust_remote_code=args.trust_remote_code, atol=args.atol, rtol=args.rtol,
+        verification=args.verification, quiet=args.quiet,
+    )
+    rotation = provenance["rotation"]
+    counts = rotation["rotated"]
+    seed = "" if rotation["seed"] is None else f" (seed {rotation['seed']})"
+    print(f"wrote {args.out}: residual stream rotated by {rotation['method']}{seed}, d = {rotation['dimension']}, "
+          f"sha256 {rotation['matrix_sha256'][:16]}…; {counts['writers']} writers, {counts['readers']} readers, "
+          f"{counts['norm_biases']} norm biases rotated")
+    verification = provenance.get("verification")
+    if verification:
+        print(format_table(verification["loaders"]))
+        print(describe_mode(verification))
+    return 0

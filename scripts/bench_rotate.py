@@ -1,0 +1,242 @@
+"""What rotating the residual basis buys: activation outliers and round-to-nearest weight quantisation.
+
+For one model (default: the bundled Austen GPT-2), side by side in one run:
+
+* the original LayerNorm model, its exact gain-folded RMSNorm conversion (no rotation), and its
+  rotations (``hadamard`` and ``orthogonal`` for several seeds, ``pca`` on calibration text);
+* for each: held-out strided perplexity in float32; the outlier ratio max|x|/RMS(x) and kurtosis
+  at every linear layer's input; and the perplexity after weight-only RTN fake quantisation
+  (symmetric, per output channel) at int8, int4 and int4 with groups of 128, applied to every
+  linear layer of the residual blocks (embeddings and head stay in float32);
+* the fraction of the int4 perplexity gap that each rotation closes:
+  (ppl_int4(original) - ppl_int4(rotated)) / (ppl_int4(original) - ppl(original)).
+
+Writes JSON to benchmarks/results/bench_rotate.json and prints Markdown tables.
+
+    python3 scripts/bench_rotate.py [--model normswap:austen-gpt2] [--seeds 0 1 2] [--eval-tokens N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import normswap  # noqa: E402
+from normswap.analysis.outliers import linear_input_outliers, plot_outliers, summarise  # noqa: E402
+from normswap.architectures import architecture_for  # noqa: E402
+from normswap.evaluation.perplexity import strided_perplexity, tokenize_text  # noqa: E402
+from normswap.quantise import quantise_model  # noqa: E402
+from normswap.rotation import rotate_checkpoint  # noqa: E402
+from normswap.source import read_config, resolve_source  # noqa: E402
+
+BUNDLED_TEXT = ROOT / "normswap" / "data" / "text"
+QUANTISATIONS = {"int8": (8, None), "int4": (4, None), "int4-g128": (4, 128)}
+
+
+STRIDE = {"value": None}
+
+
+def perplexity(model, ids: torch.Tensor, window: int) -> float:
+    with torch.no_grad():
+        return strided_perplexity(model, ids, max_length=window, stride=STRIDE["value"] or window,
+                                  batch_size=4).token_perplexity
+
+
+@torch.no_grad()
+def _logits(model, ids: torch.Tensor, window: int) -> torch.Tensor:
+    full = ids.numel() // window * window
+    return model(input_ids=ids[:full].reshape(-1, window)).logits.double()
+
+
+def measure(name: str, load, ids: torch.Tensor, outlier_ids: torch.Tensor, window: int, blocks: str) -> dict:
+    """Perplexity, outliers, and per quantisation the perplexity and mean KL(unquantised ‖ quantised)
+    over the outlier tokens (KL isolates what quantisation changes, also where perplexity means little)."""
+    model = load()
+    row = {"model": name, "perplexity": perplexity(model, ids, window)}
+    layers = linear_input_outliers(model, outlier_ids, seq_len=window)
+    stream_layers = [layer for layer in layers if _reads_stream(layer["layer"])]
+    row["outliers"] = {"all": summarise(layers), "stream_readers": summarise(stream_layers), "layers": layers}
+    reference = torch.log_softmax(_logits(model, outlier_ids, window), -1)
+    del model
+    for label, (bits, group) in QUANTISATIONS.items():
+        quantised = load()
+        count = quantise_model(quantised, bits, group, within=blocks)
+        row[f"perplexity_{label}"] = perplexity(quantised, ids, window)
+        candidate = torch.log_softmax(_logits(quantised, outlier_ids, window), -1)
+        row[f"kl_{label}"] = float((reference.exp() * (reference - candidate)).sum(-1).mean())
+        row["quantised_layers"] = count
+        del quantised
+    print(f"  {name}: ppl {row['perplexity']:.3f}, int4 {row['perplexity_int4']:.3f}, "
+          f"KL int4 {row['kl_int4']:.4g}", flush=True)
+    return row
+
+
+def synthetic_model(directory: Path, tokenizer_dir: Path, *, d: int = 256, layers: int = 4, seed: int = 0) -> Path:
+    """A random GPT-2 made to look trained where it matters here: norm gains far from 1, biases
+    far from 0, and one massive residual dimension (a few coordinates hundreds of times the RMS,
+    as trained GPT-2, OPT and Pythia have), built by a large constant in the token table and in
+    every MLP output bias on that dimension. Its perplexity is meaningless; the KL between it and
+    its quantised copy is not."""
+    import shutil
+
+    import transformers
+
+    generator = torch.Generator().manual_seed(seed)
+    # weights 5x GPT-2's initial scale, so that the logits vary from token to token as a trained
+    # model's do (at GPT-2's init they are nearly uniform and no weight change can move them)
+    config = transformers.GPT2Config(n_embd=d, n_layer=layers, n_head=d // 64, vocab_size=2048, n_positions=256,
+                                     bos_token_id=0, eos_token_id=0, initializer_range=0.1)
+    torch.manual_seed(seed)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    massive = 7
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.LayerNorm):
+                module.weight.copy_(0.5 + 1.5 * torch.rand(d, generator=generator))
+                module.bias.copy_(0.2 * torch.randn(d, generator=generator))
+        model.transformer.wte.weight[:, massive] += 3.0
+        for block in model.transformer.h:
+            block.mlp.c_proj.bias[massive] += 6.0
+    model.save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(tokenizer_dir / name, directory / name)
+    return directory
+
+
+# layers whose input is a norm's output (the residual stream), per family naming
+_STREAM_READERS = ("c_attn", "c_fc", "q_attn", "q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value",
+                   "dense_h_to_4h", "fc1", "fc_in", "lm_head", "project_out")
+
+
+def _reads_stream(name: str) -> bool:
+    return name.rsplit(".", 1)[-1] in _STREAM_READERS
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="normswap:austen-gpt2")
+    parser.add_argument("--synthetic", action="store_true",
+                        help="measure a random GPT-2 with a massive residual dimension instead (see synthetic_model)")
+    parser.add_argument("--eval-text", type=Path, default=BUNDLED_TEXT / "persuasion-excerpt.txt",
+                        help="held-out text for perplexity (default: the bundled Persuasion excerpt)")
+    parser.add_argument("--calibration", type=Path, default=None,
+                        help="pca calibration text (default: shared/data/austen/emma.txt if present, else the "
+                             "bundled Emma excerpt); must not be the evaluation text")
+    parser.add_argument("--eval-tokens", type=int, default=None, help="score only the first N tokens (default all)")
+    parser.add_argument("--stride", type=int, default=None, help="perplexity stride (default: the window)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--outlier-tokens", type=int, default=4096)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "bench_rotate.json")
+    parser.add_argument("--plot", type=Path, default=ROOT / "benchmarks" / "results" / "bench_rotate-outliers.png")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+
+    calibration = args.calibration
+    if calibration is None:
+        shared = ROOT.parent / "shared" / "data" / "austen" / "emma.txt"
+        calibration = shared if shared.is_file() else BUNDLED_TEXT / "emma-excerpt.txt"
+
+    keep = tempfile.TemporaryDirectory()
+    if args.synthetic:
+        args.model = "synthetic GPT-2 (d=256, 4 layers, massive dimension)"
+        source = synthetic_model(Path(keep.name) / "synthetic", ROOT / "normswap" / "data" / "austen-gpt2")
+    else:
+        source = resolve_source(args.model)
+    config = read_config(source)
+    architecture = architecture_for(config)
+    model, tokenizer = normswap.load_model(source)
+    window = min(getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", 1024),
+                 1024)
+    ids = tokenize_text(tokenizer, args.eval_text.read_text())[: args.eval_tokens]
+    STRIDE["value"] = args.stride
+    outlier_ids = ids[: args.outlier_tokens]
+    del model
+    started = time.perf_counter()
+    rows = []
+    with tempfile.TemporaryDirectory() as scratch:
+        scratch = Path(scratch)
+        print(f"{args.model}: {ids.numel()} evaluation tokens, window {window}", flush=True)
+        rows.append(measure("original", lambda: normswap.load_model(source)[0], ids, outlier_ids, window,
+                            architecture.blocks))
+        folded = scratch / "folded"
+        normswap.convert_checkpoint(source, folded, fold_gains=True, verification="none")
+        rows.append(measure("folded (no rotation)", lambda: normswap.load(folded), ids, outlier_ids, window,
+                            architecture.blocks))
+        runs = [("hadamard", seed) for seed in args.seeds] + [("orthogonal", seed) for seed in args.seeds]
+        runs.append(("pca", None))
+        for method, seed in runs:
+            out = scratch / f"{method}-{seed}"
+            block = rotate_checkpoint(source, out, method=method, seed=seed or 0,
+                                      calibration=calibration if method == "pca" else None, verification="full")
+            assert block["verification"]["passed"]
+            name = method if seed is None else f"{method} seed {seed}"
+            row = measure(name, lambda out=out: normswap.load(out), ids, outlier_ids, window, architecture.blocks)
+            row["rotation"] = {key: block["rotation"][key] for key in ("method", "seed", "matrix_sha256")}
+            row["verification_max_abs_diff"] = block["verification"]["loaders"]["remote_code"]["max_abs_diff"]
+            rows.append(row)
+    elapsed = time.perf_counter() - started
+
+    original = rows[0]
+    gap = original["perplexity_int4"] - original["perplexity"]
+    for row in rows:
+        row["int4_gap_closed"] = (original["perplexity_int4"] - row["perplexity_int4"]) / gap if gap else float("nan")
+        row["int4_g128_gap_closed"] = _closed(original, row, "perplexity_int4-g128")
+
+    print("\n| model | ppl | int8 | int4 | int4 g128 | int4 gap closed | KL int8 | KL int4 | KL int4 g128 "
+          "| outlier ratio (stream readers, mean / max) | kurtosis (mean / max) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        stream = row["outliers"]["stream_readers"]
+        print(f"| {row['model']} | {row['perplexity']:.3f} | {row['perplexity_int8']:.3f} | "
+              f"{row['perplexity_int4']:.3f} | {row['perplexity_int4-g128']:.3f} | {row['int4_gap_closed']:.1%} | "
+              f"{row['kl_int8']:.2e} | {row['kl_int4']:.2e} | {row['kl_int4-g128']:.2e} | "
+              f"{stream['outlier_ratio_mean']:.1f} / {stream['outlier_ratio_max']:.1f} | "
+              f"{stream['kurtosis_mean']:.1f} / {stream['kurtosis_max']:.1f} |")
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "model": args.model, "eval_text": args.eval_text.name, "eval_tokens": int(ids.numel()), "window": window,
+        "stride": args.stride or window,
+        "calibration": calibration.name, "outlier_tokens": int(outlier_ids.numel()),
+        "quantisation": "weight-only RTN, symmetric per output channel (int4-g128: per group of 128 inputs), "
+                        "every linear layer of the residual blocks; embeddings and head in float32",
+        "seconds": elapsed, "torch": torch.__version__, "machine": platform.machine(),
+        "rows": rows,
+    }
+    args.out.write_text(json.dumps(_finite(payload), indent=1) + "\n")
+    plot_outliers({row["model"]: row["outliers"]["layers"] for row in rows
+                   if row["model"] in ("original", "folded (no rotation)", "hadamard seed 0", "orthogonal seed 0", "pca")},
+                  args.plot)
+    print(f"\nwrote {args.out} and {args.plot} ({elapsed:.0f} s)")
+    return 0
+
+
+def _closed(original: dict, row: dict, key: str) -> float:
+    gap = original[key] - original["perplexity"]
+    return (original[key] - row[key]) / gap if gap else float("nan")
+
+
+def _finite(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_finite(item) for item in value]
+    return value
+
+
+if __name__ == "__main__":
+    sys.exit(main())
