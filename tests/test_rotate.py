@@ -412,7 +412,7 @@ def test_pca_needs_a_tokenizer(tmp_path, capsys, gpt2_src):
 
 def test_out_must_not_overlap_source(tmp_path, capsys, gpt2_src):
     code, err = run_cli(capsys, "rotate", str(gpt2_src), "--out", str(gpt2_src / "inside"))
-    assert_one_line_error(code, err, "overlaps the source")
+    assert_one_line_error(code, err, "lies inside the input")
 
 
 def test_cli_reports_rotation(tmp_path, capsys, gpt2_src):
