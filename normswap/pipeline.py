@@ -21,6 +21,7 @@ from normswap import __version__, verify, verify_layerwise
 from normswap.architectures import Architecture, architecture_for
 from normswap.card import MODEL_CARD
 from normswap.errors import NormswapError, VerificationError
+from normswap.loading import register_auto_classes
 from normswap.modeling import build, remote
 from normswap.plan import ConversionPlan, build_plan
 from normswap.source import CheckpointReader, read_config, resolve_source
@@ -330,6 +331,7 @@ def load_converted(path: Path, how: str, *, dtype: torch.dtype = torch.float32) 
     must not load as the family Auto class's ``ViTModel``); the remote path goes through the
     family's Auto class, whose ``auto_map`` entry names the RMSNorm form of that same class.
     """
+    register_auto_classes()  # a normswap_<type> config must resolve, as after ``import normswap``
     config = read_config(path)
     block = config.get("normswap") or {}
     architecture = architecture_for({**config, "model_type": block.get("original_model_type", config.get("model_type"))})

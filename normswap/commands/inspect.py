@@ -6,7 +6,6 @@ import argparse
 import json
 
 from normswap.errors import NormswapError
-from normswap.pipeline import plan_conversion
 from normswap.source import CheckpointReader, read_config, resolve_source
 
 
@@ -20,6 +19,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     path = resolve_source(args.src, trust_remote_code=args.trust_remote_code)
     config = read_config(path)
+    from normswap.pipeline import plan_conversion
+
     print(f"checkpoint: {path}")
     print(f"architecture: {config.get('model_type')} ({', '.join(config.get('architectures') or ['?'])})")
     try:

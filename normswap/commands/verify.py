@@ -5,10 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from normswap.commands import check_source
 from normswap.errors import VerificationError
-from normswap.pipeline import verify_checkpoint
-from normswap.verify import format_table
-from normswap.verify_layerwise import describe_mode
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -26,6 +24,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_source(args.original)
+    check_source(args.converted)
+    from normswap.pipeline import verify_checkpoint
+    from normswap.verify import format_table
+    from normswap.verify_layerwise import describe_mode
+
     result = verify_checkpoint(args.original, args.converted, atol=args.atol, rtol=args.rtol,
                                layerwise=args.layerwise, quiet=args.quiet)
     print(format_table(result["loaders"]))

@@ -105,12 +105,19 @@ def finish(report: dict, out: Path | None, plot: bool) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from normswap.evaluation.api import evaluate
+    from normswap.commands import check_source
+    from normswap.extras import require
 
+    require("eval", "normswap eval")
     if args.plot and args.out is None:
         raise NormswapError("--plot needs --out DIR")
     if args.no_perplexity and not args.tasks:
         raise NormswapError("nothing to evaluate: --no-perplexity and no --tasks")
+    for src in (args.model, args.baseline):
+        if src is not None:
+            check_source(src, trust_remote_code=bool(args.trust_remote_code))
+    from normswap.evaluation.api import evaluate
+
     settings = settings_from_args(args)
     tolerances = tolerances_from_args(args, settings.dtype) if args.baseline else None
     report = evaluate(args.model, baseline=args.baseline, settings=settings, tolerances=tolerances)

@@ -219,6 +219,9 @@ def parse_results(raw: dict[str, Any]) -> TaskResults:
 
 def make_lm(model, tokenizer, *, batch_size: int, max_length: int | None):
     """Wrap a loaded model for lm-eval (``HFLM``), quietly."""
+    from normswap.extras import require
+
+    require("eval", "lm-eval tasks")
     from lm_eval.models.huggingface import HFLM
 
     # HFLM warns that a model object ignores its loading arguments; that is the point here.

@@ -48,10 +48,13 @@ def _merged_settings(recipe, args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from normswap.evaluation.compare import Tolerances, default_tolerances
     from normswap.evaluation.recipe import load_recipe, run_recipe
+    from normswap.extras import require
 
-    recipe = load_recipe(args.recipe)
+    require("eval", "normswap run")
+    recipe = load_recipe(args.recipe)  # a bad recipe is refused before torch is imported
+    from normswap.evaluation.compare import Tolerances, default_tolerances
+
     settings = _merged_settings(recipe, args)
     tolerances = Tolerances(**{**default_tolerances(settings.dtype).as_dict(), **recipe.tolerances})
     out = args.out or Path("runs") / recipe.name
