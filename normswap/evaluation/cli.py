@@ -27,6 +27,8 @@ def add_eval_options(parser: argparse.ArgumentParser) -> None:
                        help="'auto' spreads a big model over all visible GPUs (accelerate)")
     group.add_argument("--limit", type=float, default=default,
                        help="at most this many documents per lm-eval task (quick checks only)")
+    group.add_argument("--threads", type=int, default=default,
+                       help="CPU threads for the forward passes (default: the cores idle at the start)")
     group.add_argument("--trust-remote-code", action="store_true", default=default,
                        help="allow the checkpoints' own modeling code to run")
 
@@ -67,11 +69,14 @@ def settings_from_args(args: argparse.Namespace, **overrides):
     parse_dtype(args.dtype)  # fail early on a typo
     if args.batch_size is not None and args.batch_size < 1:
         raise NormswapError("--batch-size must be at least 1")
+    if getattr(args, "threads", None) is not None and args.threads < 1:
+        raise NormswapError("--threads must be at least 1")
     tasks = [t.strip() for t in (args.tasks or "").split(",") if t.strip()]
     values = dict(
         dtype=args.dtype, batch_size=args.batch_size, max_length=args.max_length, stride=args.stride,
         text=args.text, perplexity=not args.no_perplexity, tasks=tasks, limit=_limit(args.limit),
         device=args.device, device_map=args.device_map, trust_remote_code=bool(args.trust_remote_code),
+        threads=getattr(args, "threads", None),
         progress=not args.no_progress and sys.stderr.isatty(),
     )
     values.update(overrides)

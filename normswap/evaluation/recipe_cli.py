@@ -43,6 +43,7 @@ def _merged_settings(recipe, args: argparse.Namespace):
         device_map=args.device_map or base.device_map,
         trust_remote_code=bool(args.trust_remote_code or recipe.convert.get("trust_remote_code")),
         no_progress=args.no_progress,
+        threads=args.threads or base.threads,
     )
     return settings_from_args(merged)
 
