@@ -25,6 +25,7 @@ from normswap.loading import register_auto_classes
 from normswap.modeling import build, remote
 from normswap.plan import ConversionPlan, build_plan
 from normswap.source import CheckpointReader, read_config, resolve_source
+from normswap.threads import on_idle_cores
 from normswap.write import copy_side_files, write_json, write_weights
 
 MODELING_FILE = "modeling_normswap.py"
@@ -419,6 +420,7 @@ def _verification_mode(original_dir: Path, architecture: Architecture, layerwise
     return "layerwise", None
 
 
+@on_idle_cores
 def _compare_whole(original_dir: Path, converted_dir: Path, original_config: dict, architecture: Architecture,
                    block: dict, atol: float, rtol: float) -> tuple[verify.Probe, dict[str, dict]]:
     """Load each whole model in float32 and compare outputs: the probe and figures per loader."""

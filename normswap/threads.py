@@ -60,3 +60,19 @@ def cpu_threads(count: int | None = None) -> Iterator[int]:
     finally:
         if torch.get_num_threads() != before:
             torch.set_num_threads(before)
+
+
+def on_idle_cores(function):
+    """Decorator: run ``function`` under ``cpu_threads()`` when torch computes on the CPU."""
+    import functools
+
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        import torch
+
+        if torch.cuda.is_available():
+            return function(*args, **kwargs)
+        with cpu_threads():
+            return function(*args, **kwargs)
+
+    return wrapper

@@ -43,6 +43,7 @@ from normswap.errors import NormswapError
 from normswap.modeling import build
 from normswap.plan import canonical_names
 from normswap.source import CheckpointReader, read_config
+from normswap.threads import on_idle_cores
 
 # Above this many bytes of float32 weights, automatic verification goes layer by layer
 # (a whole-model comparison holds one float32 copy of the model).
@@ -444,6 +445,7 @@ def _progress(total: int, quiet: bool):
     return tqdm(total=total, unit="block", desc="verifying layer by layer", delay=1.0, leave=False, disable=quiet)
 
 
+@on_idle_cores
 def compare_layerwise(original_dir: Path, converted_dir: Path, architecture: Architecture, *,
                       stock_loadable: bool, quiet: bool = True) -> tuple[verify.Probe, dict[str, dict]]:
     """The probe and, per loader run, the logit figures plus per-block figures and the worst layer.

@@ -16,6 +16,8 @@ import json
 import logging
 import math
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -236,6 +238,38 @@ def make_task_manager(plan: TaskPlan, include_dir: Path | None):
     return TaskManager(include_defaults=bool(plan.hub), include_path=str(include_dir) if include_dir else None)
 
 
+@contextmanager
+def _versions_only_env_info() -> Iterator[None]:
+    """Make lm-eval's environment record cheap for the duration of a run.
+
+    ``simple_evaluate`` ends with ``add_env_info``, which calls torch's ``collect_env``: eleven
+    subprocesses (pip, conda, nvidia-smi, ...) per run, seconds on a small CPU machine, for a
+    block of text normswap does not report. Versions are recorded instead.
+    """
+    import lm_eval.evaluator as evaluator
+
+    original = getattr(evaluator, "add_env_info", None)
+    if original is None:  # another lm-eval layout: leave it alone
+        yield
+        return
+
+    def add_versions(storage: dict[str, Any]) -> None:
+        from importlib.metadata import version
+
+        storage["pretty_env_info"] = "not collected (normswap records versions only)"
+        for key, distribution in (("lm_eval_version", "lm_eval"), ("transformers_version", "transformers")):
+            try:
+                storage[key] = version(distribution)
+            except Exception:  # a distribution without metadata
+                storage[key] = "unknown"
+
+    evaluator.add_env_info = add_versions
+    try:
+        yield
+    finally:
+        evaluator.add_env_info = original
+
+
 def run_tasks(lm, task_manager, tasks: list[str], *, limit: int | float | None = None) -> TaskResults:
     """Run ``tasks`` on an HFLM with lm-eval's Python API, logging samples for per-document deltas."""
     import lm_eval
@@ -243,14 +277,15 @@ def run_tasks(lm, task_manager, tasks: list[str], *, limit: int | float | None =
     for name in ("lm_eval", "lm_eval.api.task", "lm_eval.evaluator"):
         logging.getLogger(name).setLevel(logging.WARNING)
     try:
-        raw = lm_eval.simple_evaluate(
-            model=lm,
-            tasks=tasks,
-            task_manager=task_manager,
-            limit=limit,
-            log_samples=True,
-            bootstrap_iters=0,  # stderr by bootstrap is slow and not needed for the comparison
-        )
+        with _versions_only_env_info():
+            raw = lm_eval.simple_evaluate(
+                model=lm,
+                tasks=tasks,
+                task_manager=task_manager,
+                limit=limit,
+                log_samples=True,
+                bootstrap_iters=0,  # stderr by bootstrap is slow and not needed for the comparison
+            )
     except (ConnectionError, OSError) as error:
         raise NormswapError(
             f"lm-eval could not load a task's data ({type(error).__name__}: {str(error).splitlines()[0][:160]}); "
