@@ -9,8 +9,8 @@ In one run, each step a fresh process, repeated ``--repeat`` times (min and medi
 * ``normswap eval austen-rms --baseline normswap:austen-gpt2 --tasks local`` (the bundled model
   converted once first);
 * ``normswap run recipes/austen-gpt2.yaml``;
-* install sizes: the distributions pip resolves for the core and for each extra
-  (``pip install --dry-run --report``), sized from their installed files in this environment.
+* install sizes: the dependency closure of the core and of each extra (from the metadata of the
+  distributions installed in this environment), sized from their installed files.
 
 Ratios are printed against ``import torch`` measured in the same run, and everything is written
 to ``benchmarks/results/bench_cli.json``. The machine may be shared: the 1-minute load average
@@ -40,6 +40,7 @@ RESULTS = ROOT / "benchmarks" / "results" / "bench_cli.json"
 STEPS = ("startup", "inspect", "eval", "run", "install")
 EXTRAS = ("", "eval", "plot", "kernels", "all", "test")
 HEAVY = ("torch", "transformers", "lm_eval")
+PROJECT_REQUIREMENTS: list[str] = []  # filled from pyproject.toml, for self-referencing extras
 
 
 def normswap(*args: str) -> list[str]:
@@ -100,10 +101,11 @@ def bench_startup(work: Path, repeat: int) -> dict:
     return out
 
 
-def bench_commands(work: Path, repeat: int, steps: set[str]) -> dict:
+def bench_commands(work: Path, repeat: int, slow_repeat: int, steps: set[str]) -> dict:
     out: dict[str, dict] = {}
     if "inspect" in steps:
         out["inspect"] = repeated(normswap("inspect", "normswap:austen-gpt2"), work, repeat)
+    repeat = slow_repeat
     if "eval" in steps:
         converted = work / "austen-rms"
         if not converted.exists():
@@ -131,22 +133,50 @@ def installed_bytes(distribution: str) -> int | None:
     return total
 
 
+def _closure(requirements: list[str], extras: set[str]) -> set[str]:
+    """Names of the distributions ``requirements`` pull in, recursively, as installed here."""
+    from packaging.markers import default_environment
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    seen: set[str] = set()
+    pending = [(text, frozenset(extras)) for text in requirements]
+    while pending:
+        text, active = pending.pop()
+        requirement = Requirement(text)
+        if requirement.marker is not None and not any(
+            requirement.marker.evaluate({**default_environment(), "extra": extra}) for extra in (active or {""})
+        ):
+            continue
+        name = canonicalize_name(requirement.name)
+        if name == "normswap":  # a self-reference: normswap[eval] inside normswap[all]
+            pending += [(dep, frozenset(requirement.extras)) for dep in PROJECT_REQUIREMENTS]
+            continue
+        key = name + "[" + ",".join(sorted(requirement.extras)) + "]"
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            requires = metadata.distribution(name).requires or []
+        except metadata.PackageNotFoundError:
+            continue
+        pending += [(dep, frozenset(requirement.extras)) for dep in requires]
+    return {key.split("[")[0] for key in seen}
+
+
 def bench_install() -> dict:
-    """Distributions pip would install for each extra into an empty environment, and their size here."""
+    """Distributions each extra pulls in (the dependency closure, from the metadata of what is
+    installed here), and the bytes of their installed files: the size of a fresh environment."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    core = list(project["dependencies"])
+    optional = project.get("optional-dependencies", {})
+    PROJECT_REQUIREMENTS[:] = core + [f"{dep}; extra == '{extra}'" if ";" not in dep else dep
+                                      for extra, deps in optional.items() for dep in deps]
     out = {}
     for extra in EXTRAS:
-        target = f"{ROOT}[{extra}]" if extra else str(ROOT)
-        with tempfile.NamedTemporaryFile(suffix=".json") as report:
-            result = subprocess.run(
-                [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
-                 "--report", report.name, target],
-                capture_output=True, text=True,
-            )
-            if result.returncode != 0:
-                out[extra or "core"] = {"error": result.stderr.strip().splitlines()[-1:]}
-                continue
-            resolved = json.loads(Path(report.name).read_text())["install"]
-        names = sorted(item["metadata"]["name"] for item in resolved if item["metadata"]["name"] != "normswap")
+        names = sorted(_closure(core + (optional.get(extra, []) if extra else []), {extra} if extra else set()))
         sizes = {name: installed_bytes(name) for name in names}
         known = [size for size in sizes.values() if size is not None]
         largest = sorted(((size, name) for name, size in sizes.items() if size), reverse=True)[:5]
@@ -189,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default=",".join(STEPS), help=f"comma-separated, from {', '.join(STEPS)}")
     parser.add_argument("--repeat", type=int, default=3, help="runs per step (min and median reported)")
+    parser.add_argument("--slow-repeat", type=int, default=3, help="runs of eval and run (min and median reported)")
     parser.add_argument("--out", default=str(RESULTS), help="JSON results file")
     args = parser.parse_args(argv)
     steps = set(args.only.split(","))
@@ -199,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         if "startup" in steps:
             report["startup"] = bench_startup(work, args.repeat)
         if steps & {"inspect", "eval", "run"}:
-            report["commands"] = bench_commands(work, args.repeat, steps)
+            report["commands"] = bench_commands(work, args.repeat, args.slow_repeat, steps)
         if "install" in steps:
             report["install"] = bench_install()
     finally:
