@@ -5,7 +5,8 @@ In one run, each step a fresh process, repeated ``--repeat`` times (min and medi
 * ``python -c "import torch"`` (the yardstick), ``normswap --help``, ``normswap --version``,
   ``normswap convert /no/such/dir --out X`` (a bad path) and ``normswap convert`` with a bad flag;
   each start-up step also records whether torch or transformers was imported (``-X importtime``);
-* ``normswap inspect normswap:austen-gpt2``;
+* ``normswap inspect normswap:austen-gpt2``; with ``--before TREE``, each of these steps also run
+  from an older source tree, interleaved, for before/after figures from the same run;
 * ``normswap eval austen-rms --baseline normswap:austen-gpt2 --tasks local`` (the bundled model
   converted once first);
 * ``normswap run recipes/austen-gpt2.yaml``;
@@ -37,7 +38,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "bench_cli.json"
-STEPS = ("startup", "inspect", "eval", "run", "install")
+STEPS = ("startup", "eval", "run", "install")
 EXTRAS = ("", "eval", "plot", "kernels", "all", "test")
 HEAVY = ("torch", "transformers", "lm_eval")
 PROJECT_REQUIREMENTS: list[str] = []  # filled from pyproject.toml, for self-referencing extras
@@ -47,16 +48,16 @@ def normswap(*args: str) -> list[str]:
     return [sys.executable, "-m", "normswap", *args]
 
 
-def environment() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+def environment(tree: Path = ROOT) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(tree) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
-def run_once(command: list[str], cwd: Path, importtime: bool = False) -> dict:
+def run_once(command: list[str], cwd: Path, importtime: bool = False, tree: Path = ROOT) -> dict:
     """Wall seconds and exit status of one fresh process (and its heavy imports, with ``importtime``)."""
     load = os.getloadavg()[0]
     full = [command[0], "-X", "importtime", *command[1:]] if importtime else command
     started = time.perf_counter()
-    result = subprocess.run(full, cwd=cwd, env=environment(), capture_output=True, text=True)
+    result = subprocess.run(full, cwd=cwd, env=environment(tree), capture_output=True, text=True)
     seconds = time.perf_counter() - started
     record = {"seconds": round(seconds, 3), "returncode": result.returncode, "load_before": round(load, 2)}
     if importtime:
@@ -76,21 +77,26 @@ def repeated(command: list[str], cwd: Path, repeat: int, importtime: bool = Fals
             "min": min(seconds), "median": round(statistics.median(seconds), 3), "runs": runs}
 
 
-def bench_startup(work: Path, repeat: int) -> dict:
+def bench_startup(work: Path, repeat: int, before: Path | None) -> dict:
     torch_cmd = [sys.executable, "-c", "import torch"]
-    steps = {
-        "import torch": (torch_cmd, False),
-        "normswap --help": (normswap("--help"), True),
-        "normswap --version": (normswap("--version"), True),
-        "normswap convert (bad path)": (normswap("convert", "/no/such/checkpoint", "--out", str(work / "x")), True),
-        "normswap convert (bad flag)": (normswap("convert", "normswap:austen-gpt2", "--no-such-flag"), True),
-        "normswap eval (bad path)": (normswap("eval", "/no/such/checkpoint"), True),
+    commands = {
+        "normswap --help": normswap("--help"),
+        "normswap --version": normswap("--version"),
+        "normswap convert (bad path)": normswap("convert", "/no/such/checkpoint", "--out", str(work / "x")),
+        "normswap convert (bad flag)": normswap("convert", "normswap:austen-gpt2", "--no-such-flag"),
+        "normswap eval (bad path)": normswap("eval", "/no/such/checkpoint"),
+        "normswap inspect normswap:austen-gpt2": normswap("inspect", "normswap:austen-gpt2"),
     }
+    steps = {"import torch": (torch_cmd, ROOT)}
+    for name, command in commands.items():
+        steps[name] = (command, ROOT)
+        if before is not None:
+            steps[f"{name} [before]"] = (command, before)
     results = {}
     # interleaved, so that a burst of load from elsewhere hits every step alike
     for _ in range(repeat):
-        for name, (command, importtime) in steps.items():
-            results.setdefault(name, []).append(run_once(command, work, importtime))
+        for name, (command, tree) in steps.items():
+            results.setdefault(name, []).append(run_once(command, work, command is not torch_cmd, tree))
     out = {}
     for name, runs in results.items():
         seconds = [run["seconds"] for run in runs]
@@ -101,10 +107,8 @@ def bench_startup(work: Path, repeat: int) -> dict:
     return out
 
 
-def bench_commands(work: Path, repeat: int, slow_repeat: int, steps: set[str]) -> dict:
+def bench_commands(work: Path, slow_repeat: int, steps: set[str]) -> dict:
     out: dict[str, dict] = {}
-    if "inspect" in steps:
-        out["inspect"] = repeated(normswap("inspect", "normswap:austen-gpt2"), work, repeat)
     repeat = slow_repeat
     if "eval" in steps:
         converted = work / "austen-rms"
@@ -221,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3, help="runs per step (min and median reported)")
     parser.add_argument("--slow-repeat", type=int, default=3, help="runs of eval and run (min and median reported)")
     parser.add_argument("--out", default=str(RESULTS), help="JSON results file")
+    parser.add_argument("--before", type=Path, help="an older source tree: its start-up steps are measured "
+                                                     "interleaved with this one's (e.g. from git archive)")
     args = parser.parse_args(argv)
     steps = set(args.only.split(","))
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -228,9 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     report: dict = {}
     try:
         if "startup" in steps:
-            report["startup"] = bench_startup(work, args.repeat)
-        if steps & {"inspect", "eval", "run"}:
-            report["commands"] = bench_commands(work, args.repeat, args.slow_repeat, steps)
+            report["startup"] = bench_startup(work, args.repeat, args.before)
+        if steps & {"eval", "run"}:
+            report["commands"] = bench_commands(work, args.slow_repeat, steps)
         if "install" in steps:
             report["install"] = bench_install()
     finally:
