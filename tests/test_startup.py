@@ -130,3 +130,14 @@ def test_core_dependencies_leave_evaluation_plots_and_kernels_to_extras():
     assert any("lm-eval" in dep for dep in optional["eval"])
     assert any("triton" in dep for dep in optional["kernels"])
     assert any("eval" in dep and "plot" in dep for dep in optional["test"])
+
+
+def test_recipe_with_a_bad_source_fails_before_heavy_imports(tmp_path):
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text("source: /no/such/checkpoint\n")
+    result = _run("run", str(recipe), "--out", str(tmp_path / "out"))
+    assert result.returncode == 2
+    messages = _messages(result.stderr)
+    assert len(messages) == 1 and "/no/such/checkpoint" in messages[0], messages
+    assert not _imported(result.stderr) & set(HEAVY)
+    assert not (tmp_path / "out").exists()

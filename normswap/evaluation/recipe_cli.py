@@ -49,11 +49,13 @@ def _merged_settings(recipe, args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    from normswap.commands import check_source
     from normswap.evaluation.recipe import load_recipe, run_recipe
     from normswap.extras import require
 
     require("eval", "normswap run")
-    recipe = load_recipe(args.recipe)  # a bad recipe is refused before torch is imported
+    recipe = load_recipe(args.recipe)  # a bad recipe or source is refused before torch is imported
+    check_source(recipe.source, trust_remote_code=bool(args.trust_remote_code or recipe.convert.get("trust_remote_code")))
     from normswap.evaluation.compare import Tolerances, default_tolerances
 
     settings = _merged_settings(recipe, args)
