@@ -11,8 +11,9 @@ Public API:
 
 ``import normswap`` is light: torch and transformers are imported when one of these names is
 first used, so the command line starts at once. The ``normswap_<type>`` model types are
-registered with transformers' Auto classes as soon as transformers is imported (see
-``normswap.loading.register_auto_classes``), whichever of the two is imported first.
+registered with transformers' Auto classes (``normswap.loading.register_auto_classes``) as soon
+as both are imported: when transformers is imported after normswap, when normswap is imported
+after transformers, or when one of these names is first used.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
         globals()[name] = value
+        if "transformers" in sys.modules:  # imported just now by that module, whose import it was
+            _register_auto_classes()
         return value
     raise AttributeError(f"module 'normswap' has no attribute {name!r}")
 

@@ -21,7 +21,6 @@ from normswap import __version__, verify, verify_layerwise
 from normswap.architectures import Architecture, architecture_for
 from normswap.card import MODEL_CARD
 from normswap.errors import NormswapError, VerificationError
-from normswap.loading import register_auto_classes
 from normswap.modeling import build, remote
 from normswap.plan import ConversionPlan, build_plan
 from normswap.source import CheckpointReader, read_config, resolve_source
@@ -332,6 +331,8 @@ def load_converted(path: Path, how: str, *, dtype: torch.dtype = torch.float32) 
     must not load as the family Auto class's ``ViTModel``); the remote path goes through the
     family's Auto class, whose ``auto_map`` entry names the RMSNorm form of that same class.
     """
+    from normswap.loading import register_auto_classes
+
     register_auto_classes()  # a normswap_<type> config must resolve, as after ``import normswap``
     config = read_config(path)
     block = config.get("normswap") or {}
@@ -353,6 +354,9 @@ def verify_checkpoint(original: str | Path, converted: str | Path, *, atol: floa
     ``verify_layerwise.LAYERWISE_ABOVE_BYTES`` of float32 weights. Families that cannot be run
     block by block fall back to whole models, with a note in the result.
     """
+    from normswap.loading import register_auto_classes
+
+    register_auto_classes()  # the converted model's normswap_<type> config must resolve
     original_dir = resolve_source(original)
     converted_dir = Path(converted)
     original_config, converted_config_ = read_config(original_dir), read_config(converted_dir)

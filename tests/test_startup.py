@@ -141,3 +141,10 @@ def test_recipe_with_a_bad_source_fails_before_heavy_imports(tmp_path):
     assert len(messages) == 1 and "/no/such/checkpoint" in messages[0], messages
     assert not _imported(result.stderr) & set(HEAVY)
     assert not (tmp_path / "out").exists()
+
+
+def test_public_api_use_registers_the_normswap_model_types():
+    result = _run(code="from normswap import convert_checkpoint; import transformers; "
+                       "print('normswap_bloom' in transformers.CONFIG_MAPPING)")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "True"
