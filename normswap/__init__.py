@@ -8,13 +8,44 @@ Public API:
 - ``load_model(src)``: any checkpoint (original or converted) and its tokenizer, for evaluation.
 - ``convert_model(model)``: convert a model already in memory.
 - ``patch(model)``: substitute normswap's fused kernels into an RMSNorm model.
+
+``import normswap`` is light: torch and transformers are imported when one of these names is
+first used, so the command line starts at once. The ``normswap_<type>`` model types are
+registered with transformers' Auto classes (``normswap.loading.register_auto_classes``) as soon
+as both are imported: when transformers is imported after normswap, when normswap is imported
+after transformers, or when one of these names is first used.
 """
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import sys
+from typing import Any
 
 __version__ = "0.1.0"
 
-from normswap.errors import NormswapError, VerificationError  # noqa: E402
-from normswap.loading import convert_model, load, load_model  # noqa: E402
-from normswap.pipeline import convert_checkpoint, verify_checkpoint  # noqa: E402
+_EXPORTS = {
+    "NormswapError": "normswap.errors",
+    "VerificationError": "normswap.errors",
+    "convert_checkpoint": "normswap.pipeline",
+    "verify_checkpoint": "normswap.pipeline",
+    "convert_model": "normswap.loading",
+    "load": "normswap.loading",
+    "load_model": "normswap.loading",
+}
+
+__all__ = sorted([*_EXPORTS, "__version__", "patch"])
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        if "transformers" in sys.modules:  # imported just now by that module, whose import it was
+            _register_auto_classes()
+        return value
+    raise AttributeError(f"module 'normswap' has no attribute {name!r}")
 
 
 def patch(model):
@@ -24,18 +55,52 @@ def patch(model):
     return _patch(model)
 
 
-__all__ = [
-    "NormswapError",
-    "VerificationError",
-    "__version__",
-    "convert_checkpoint",
-    "convert_model",
-    "load",
-    "load_model",
-    "patch",
-    "verify_checkpoint",
-]
+def _importing_normswap() -> bool:
+    """Whether a normswap module is part-way through its own import."""
+    return any(
+        getattr(getattr(module, "__spec__", None), "_initializing", False)
+        for name, module in list(sys.modules.items())
+        if name == "normswap" or name.startswith("normswap.")
+    )
 
-from normswap.loading import register_auto_classes as _register_auto_classes  # noqa: E402
 
-_register_auto_classes()
+def _register_auto_classes() -> None:
+    # normswap.loading registers when its import completes. When a normswap module is the one
+    # importing transformers, that module's own import chain reaches normswap.loading (every
+    # path that loads a model goes through it), so nothing is done here.
+    if not _importing_normswap():
+        importlib.import_module("normswap.loading")
+
+
+class _AfterTransformersImport(importlib.abc.MetaPathFinder):
+    """Runs ``_register_auto_classes`` right after ``transformers`` is imported, by anyone."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != "transformers":
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        sys.meta_path.remove(self)
+        loader = spec.loader
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        exec_module = loader.exec_module
+
+        def exec_then_register(module):
+            exec_module(module)
+            _register_auto_classes()
+
+        loader.exec_module = exec_then_register
+        return spec
+
+
+if "transformers" in sys.modules:
+    importlib.import_module("normswap.loading")
+elif not any(isinstance(finder, _AfterTransformersImport) for finder in sys.meta_path):
+    sys.meta_path.insert(0, _AfterTransformersImport())

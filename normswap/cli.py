@@ -30,7 +30,11 @@ SUBCOMMANDS: list[tuple[str, str, str]] = [
 
 
 def build_parser(only: str | None = None) -> tuple[argparse.ArgumentParser, dict[str, object]]:
-    """The parser; with ``only``, just that subcommand's module is imported (startup stays fast)."""
+    """The parser with every subcommand's arguments, or with ``only`` that one's.
+
+    Command modules import only the standard library at module level, and ``normswap --help``
+    (``only`` given but not a subcommand) imports none of them.
+    """
     from normswap import __version__
 
     parser = argparse.ArgumentParser(
@@ -53,9 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     logging.getLogger("transformers").setLevel(logging.ERROR)
     argv = sys.argv[1:] if argv is None else argv
-    chosen = next((arg for arg in argv if not arg.startswith("-")), None)
-    known = {name for name, _, _ in SUBCOMMANDS}
-    parser, modules = build_parser(chosen if chosen in known else None)
+    chosen = next((arg for arg in argv if not arg.startswith("-")), "")
+    parser, modules = build_parser(chosen)
     args = parser.parse_args(argv)
     try:
         return int(modules[args.command].run(args) or 0)

@@ -149,3 +149,8 @@ def _registering_config(own_config: type, config_class: type, auto_class: str) -
             auto.register(type(self), _kernel_class(base, own_type=True), exist_ok=True)
 
     return type(own_config.__name__, (own_config,), {"__init__": __init__, "__module__": __name__})
+
+
+# Importing this module registers the normswap model types; ``import normswap`` arranges for that
+# to happen whenever transformers gets imported.
+register_auto_classes()

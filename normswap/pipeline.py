@@ -24,6 +24,7 @@ from normswap.errors import NormswapError, VerificationError
 from normswap.modeling import build, remote
 from normswap.plan import ConversionPlan, build_plan
 from normswap.source import CheckpointReader, first_non_finite, read_config, resolve_source
+from normswap.threads import on_idle_cores
 from normswap.write import copy_side_files, write_json, write_weights
 
 MODELING_FILE = "modeling_normswap.py"
@@ -329,6 +330,9 @@ def load_converted(path: Path, how: str, *, dtype: torch.dtype = torch.float32) 
     must not load as the family Auto class's ``ViTModel``); the remote path goes through the
     family's Auto class, whose ``auto_map`` entry names the RMSNorm form of that same class.
     """
+    from normswap.loading import register_auto_classes
+
+    register_auto_classes()  # a normswap_<type> config must resolve, as after ``import normswap``
     config = read_config(path)
     block = config.get("normswap") or {}
     architecture = architecture_for({**config, "model_type": block.get("original_model_type", config.get("model_type"))})
@@ -357,6 +361,9 @@ def verify_checkpoint(original: str | Path, converted: str | Path, *, atol: floa
     normswap wrote, by its recorded sha256, or verification fails); with ``trust_remote_code``
     the checkpoint's file itself is imported and run instead.
     """
+    from normswap.loading import register_auto_classes
+
+    register_auto_classes()  # the converted model's normswap_<type> config must resolve
     original_dir = resolve_source(original)
     converted_dir = Path(converted).expanduser()
     if not (converted_dir / "config.json").is_file():
@@ -472,6 +479,7 @@ def _verification_mode(original_dir: Path, architecture: Architecture, layerwise
     return "layerwise", None
 
 
+@on_idle_cores
 def _compare_whole(original_dir: Path, converted_dir: Path, original_config: dict, architecture: Architecture,
                    block: dict, atol: float, rtol: float, rms_how: str) -> tuple[verify.Probe, dict[str, dict]]:
     """Load each whole model in float32 and compare outputs: the probe and figures per loader."""

@@ -18,12 +18,15 @@ import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cache
 from importlib import resources
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from normswap.errors import NormswapError
+
+if TYPE_CHECKING:  # torch is imported where tensors are read: resolving a source stays light
+    import torch
 
 EXAMPLE_MODEL = "normswap:austen-gpt2"
 SAFETENSORS_FILE = "model.safetensors"
@@ -157,7 +160,7 @@ class TensorInfo:
         count = 1
         for size in self.shape:
             count *= size
-        return count * torch.empty((), dtype=self.dtype).element_size()
+        return count * _itemsize(self.dtype)
 
 
 class SafetensorsShard:
@@ -209,7 +212,7 @@ class SafetensorsShard:
     def _check_entry(self, name: str, entry: object, data_bytes: int) -> tuple[torch.dtype, tuple[int, ...], int, int]:
         if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= set(entry):
             raise self._corrupt(f"header entry {name} is not a mapping with dtype, shape and data_offsets")
-        dtype = _SAFETENSORS_DTYPES.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
+        dtype = _safetensors_dtypes().get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
         if dtype is None:
             raise self._corrupt(f"{name} has dtype {entry['dtype']!r:.40}, which normswap does not read")
         shape, offsets = entry["shape"], entry["data_offsets"]
@@ -241,6 +244,8 @@ class SafetensorsShard:
 
     def read(self, name: str) -> torch.Tensor:
         """The tensor ``name``, copied from the file into fresh memory."""
+        import torch
+
         dtype, shape, begin, end = self.entries[name]
         buffer = torch.empty(end - begin, dtype=torch.uint8)
         self._pread(name, buffer, begin)
@@ -249,6 +254,8 @@ class SafetensorsShard:
     def read_rows(self, name: str, start: int, count: int, buffer: torch.Tensor | None = None) -> torch.Tensor:
         """Rows ``start``..``start+count`` (along the first axis) of ``name``, read into ``buffer``
         (a uint8 tensor, reused by the caller) when given."""
+        import torch
+
         dtype, shape, begin, end = self.entries[name]
         row = (end - begin) // shape[0]
         raw = torch.empty(row * count, dtype=torch.uint8) if buffer is None else buffer[: row * count]
@@ -365,6 +372,8 @@ class CheckpointReader:
     def read_as(self, name: str, dtype: torch.dtype, slice_bytes: int = 8 << 20) -> torch.Tensor:
         """The tensor ``name`` converted to ``dtype``, read in row slices of about ``slice_bytes``,
         so that the source-dtype copy never exists whole beside the converted one."""
+        import torch
+
         info = self.tensors[name]
         if len(info.shape) == 0 or info.shape[0] == 0 or info.nbytes <= slice_bytes:
             return self.get(name).to(dtype)
@@ -400,6 +409,8 @@ def _load_pickle_shard(file: Path) -> dict[str, torch.Tensor]:
     """A ``.bin`` state dict, memory-mapped, with no code run (``weights_only``)."""
     import pickle
 
+    import torch
+
     try:
         try:
             state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
@@ -425,7 +436,7 @@ def _natural(value: object) -> bool:
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def _first_line(error: BaseException) -> str:
@@ -470,21 +481,30 @@ def _weight_shards(path: Path) -> list[str]:
     )
 
 
-_SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
-SAFETENSORS_DTYPE_NAMES = {dtype: name for name, dtype in _SAFETENSORS_DTYPES.items()}
+@cache
+def _safetensors_dtypes() -> dict[str, torch.dtype]:
+    import torch
+
+    return {
+        "F64": torch.float64,
+        "F32": torch.float32,
+        "F16": torch.float16,
+        "BF16": torch.bfloat16,
+        "I64": torch.int64,
+        "I32": torch.int32,
+        "I16": torch.int16,
+        "I8": torch.int8,
+        "U8": torch.uint8,
+        "BOOL": torch.bool,
+        "F8_E4M3": torch.float8_e4m3fn,
+        "F8_E5M2": torch.float8_e5m2,
+    }
+
+
+def __getattr__(name: str):
+    if name == "SAFETENSORS_DTYPE_NAMES":  # built on first use, with torch
+        return {dtype: key for key, dtype in _safetensors_dtypes().items()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class StateDictReader:

@@ -43,6 +43,7 @@ from normswap.errors import NormswapError
 from normswap.modeling import build
 from normswap.plan import canonical_names
 from normswap.source import CheckpointReader, read_config
+from normswap.threads import on_idle_cores
 
 # Above this many bytes of float32 weights, automatic verification goes layer by layer
 # (a whole-model comparison holds one float32 copy of the model).
@@ -172,6 +173,10 @@ class Float32Weights(Mapping):
         dtype = self.reader.tensors[source].dtype
         return self.reader.read_as(source, torch.float32 if dtype.is_floating_point else dtype)
 
+    def __contains__(self, name: object) -> bool:
+        # Mapping's default reads the tensor to answer; accelerate asks before every read.
+        return name in self.sources
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.sources)
 
@@ -243,10 +248,13 @@ def dispatched(model: nn.Module, checkpoint: Path, blocks_path: str, device: tor
             release_memory()
 
 
-def release_memory() -> None:
+def release_memory(collect: bool = True) -> None:
     """Hand freed heap memory back to the system (glibc keeps it otherwise, and per-block loads
-    fragment it: measured +22 MB of RSS per GPT-2-XL block without this)."""
-    gc.collect()
+    fragment it: measured +22 MB of RSS per GPT-2-XL block without this). ``collect`` also runs
+    the cycle collector first, which takes about a second with transformers loaded: worth it
+    between models, not after every block, whose weights are freed by reference counting."""
+    if collect:
+        gc.collect()
     if _LIBC is not None:
         _LIBC.malloc_trim(0)
 
@@ -460,6 +468,7 @@ def _progress(total: int, quiet: bool):
     return tqdm(total=total, unit="block", desc="verifying layer by layer", delay=1.0, leave=False, disable=quiet)
 
 
+@on_idle_cores
 def compare_layerwise(original_dir: Path, converted_dir: Path, architecture: Architecture, *,
                       stock_loadable: bool, quiet: bool = True,
                       rms_how: str = "rmsnorm", stream_map=_centred) -> tuple[verify.Probe, dict[str, dict]]:
@@ -482,7 +491,7 @@ def compare_layerwise(original_dir: Path, converted_dir: Path, architecture: Arc
 
     def step() -> None:
         bar.update()
-        release_memory()
+        release_memory(collect=False)
     try:
         with dispatched(original, original_dir, blocks_path, device):
             trace = trace_original(original, blocks, inputs, step)

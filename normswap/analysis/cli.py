@@ -7,14 +7,15 @@ import json
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from normswap.analysis.collect import DEFAULT_TEXT, run_geometry, run_geometry_on
-from normswap.analysis.report import build_report, format_comparison, format_report
+from normswap.analysis import DEFAULT_TEXT
 from normswap.errors import NormswapError
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:  # torch is imported once the arguments are checked
+    import torch
+
+DTYPE_NAMES = ("bfloat16", "float16", "float32", "float64")
 # A token is rarely longer than this many characters; reading only that much keeps huge files cheap.
 _CHARS_PER_TOKEN = 16
 
@@ -36,7 +37,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, default=None,
                         help="window length (default: the model's context length, at most 1024)")
     parser.add_argument("--batch-size", type=int, default=4, help="windows per forward pass (default 4)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+    parser.add_argument("--dtype", choices=DTYPE_NAMES, default="float32",
                         help="dtype to run the model in; statistics are always float64 (default float32)")
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
     parser.add_argument("--trust-remote-code", action="store_true",
@@ -67,6 +68,8 @@ def read_text(path: Path, max_chars: int) -> str:
 
 def token_ids(args: argparse.Namespace, tokenizer, vocab_size: int | None) -> tuple[torch.Tensor, str]:
     """The 1-D token ids to measure on, and a description of where they came from."""
+    import torch
+
     if args.random_tokens:
         if not vocab_size:
             raise NormswapError("--random-tokens needs the model's vocab_size, which its config does not give")
@@ -82,18 +85,27 @@ def token_ids(args: argparse.Namespace, tokenizer, vocab_size: int | None) -> tu
     return ids, str(path)
 
 
+def _dtype(name: str) -> torch.dtype:
+    import torch
+
+    return getattr(torch, name)
+
+
 def _load(src: str, args: argparse.Namespace):
     import normswap
 
-    model, tokenizer = normswap.load_model(src, dtype=DTYPES[args.dtype], trust_remote_code=args.trust_remote_code)
+    model, tokenizer = normswap.load_model(src, dtype=_dtype(args.dtype), trust_remote_code=args.trust_remote_code)
     return model.to(args.device), tokenizer
 
 
 def measure(src: str, model, ids: torch.Tensor, text: str, args: argparse.Namespace) -> dict:
     """Run one model over ``ids`` and build its report."""
+    from normswap.analysis.collect import run_geometry
+    from normswap.analysis.report import build_report
+
     seq_len = args.seq_len or 1024
     norms = run_geometry(model, ids, seq_len=seq_len, batch_size=args.batch_size, top_dims=args.top_dims)
-    return build_report(norms, model=src, dtype=DTYPES[args.dtype], tokens=int(ids.numel()), text=text)
+    return build_report(norms, model=src, dtype=_dtype(args.dtype), tokens=int(ids.numel()), text=text)
 
 
 def _json_safe(value):
@@ -109,6 +121,8 @@ def _json_safe(value):
 
 def _media_reports(args: argparse.Namespace) -> tuple[dict, None]:
     """Reports on audio or images: the inputs are prepared once, by the first model's own processor."""
+    from normswap.analysis.collect import run_geometry_on
+    from normswap.analysis.report import build_report
     from normswap.evaluation import media
     from normswap.evaluation.media_eval import check_sources
     from normswap.source import read_config
@@ -128,7 +142,7 @@ def _media_reports(args: argparse.Namespace) -> tuple[dict, None]:
     for label, source in zip(("original", "converted"), sources, strict=False):
         model, _ = _load(source, args)
         norms = run_geometry_on(model, task.geometry_batches(model, data, args.batch_size), top_dims=args.top_dims)
-        reports[label] = build_report(norms, model=source, dtype=DTYPES[args.dtype],
+        reports[label] = build_report(norms, model=source, dtype=_dtype(args.dtype),
                                       tokens=max(n["tokens"] for n in norms), text=data.describe())
         del model
     return reports, None
@@ -161,10 +175,20 @@ def _text_reports(args: argparse.Namespace) -> tuple[dict, Callable[[], None] | 
 
 
 def run(args: argparse.Namespace) -> int:
+    from normswap.commands import check_source
+    from normswap.extras import require
+
     if args.audio and args.images:
         raise NormswapError("pass --audio or --images, not both: a model reads one kind of input")
     if (args.audio or args.images) and (args.text is not None or args.random_tokens or args.outliers):
         raise NormswapError("--text, --random-tokens and --outliers are for text models; drop them with --audio/--images")
+    if args.plot:
+        require("plot", "normswap geometry --plot")
+    check_source(args.model, trust_remote_code=args.trust_remote_code)  # before any heavy import
+    if args.compare:
+        check_source(args.compare, trust_remote_code=args.trust_remote_code)
+    from normswap.analysis.report import format_comparison, format_report
+
     reports, outliers = _media_reports(args) if args.audio or args.images else _text_reports(args)
     original = reports["original"]
     converted = reports.get("converted")

@@ -11,15 +11,12 @@ import math
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from normswap.analysis import stats
+from normswap.analysis import DEFAULT_TEXT, stats  # noqa: F401  (DEFAULT_TEXT: re-exported)
 from normswap.errors import NormswapError
-
-DEFAULT_TEXT = Path(__file__).resolve().parent.parent / "data" / "text" / "persuasion-excerpt.txt"
 
 # Norm attribute names by role; the first match wins, cross-attention before self-attention.
 _KIND_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (

@@ -29,6 +29,9 @@ def plot_reports(reports: dict[str, dict], path: str | Path) -> Path:
     2. RMS(x)/std(x), mean with p5–p95 band;
     3. naive-swap output error ‖LN(x) − RMSNorm(x)‖/‖LN(x)‖, mean with p5–p95 band; log scale.
     """
+    from normswap.extras import require
+
+    require("plot", "a geometry plot")
     import matplotlib
 
     matplotlib.use("Agg")

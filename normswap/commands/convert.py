@@ -5,9 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from normswap.pipeline import convert_checkpoint
-from normswap.verify import format_table
-from normswap.verify_layerwise import describe_mode
+from normswap.commands import check_source
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -35,6 +33,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_source(args.src, trust_remote_code=args.trust_remote_code)
+    from normswap.pipeline import convert_checkpoint
+    from normswap.verify import format_table
+    from normswap.verify_layerwise import describe_mode
+
     provenance = convert_checkpoint(
         args.src, args.out,
         fold_gains=args.fold_gains, method=args.method, dtype=args.dtype, overwrite=args.overwrite,

@@ -6,10 +6,8 @@ import argparse
 import json
 import os
 
+from normswap.commands import check_source
 from normswap.errors import NormswapError, VerificationError
-from normswap.pipeline import verify_checkpoint
-from normswap.verify import format_table
-from normswap.verify_layerwise import describe_mode
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -30,6 +28,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_source(args.original)
+    check_source(args.converted)
+    from normswap.pipeline import verify_checkpoint
+    from normswap.verify import format_table
+    from normswap.verify_layerwise import describe_mode
+
     result = verify_checkpoint(args.original, args.converted, atol=args.atol, rtol=args.rtol,
                                layerwise=args.layerwise, quiet=args.quiet, trust_remote_code=args.trust_remote_code)
     print(format_table(result["loaders"]))

@@ -27,6 +27,8 @@ def add_eval_options(parser: argparse.ArgumentParser) -> None:
                        help="'auto' spreads a big model over all visible GPUs (accelerate)")
     group.add_argument("--limit", type=float, default=default,
                        help="at most this many documents per lm-eval task (quick checks only)")
+    group.add_argument("--threads", type=int, default=default,
+                       help="CPU threads for the forward passes (default: the cores idle at the start)")
     group.add_argument("--trust-remote-code", action="store_true", default=default,
                        help="load a model whose type transformers lacks with its own code (auto_map); "
                             "converted checkpoints always load with normswap's classes, never their code")
@@ -74,11 +76,14 @@ def settings_from_args(args: argparse.Namespace, **overrides):
     parse_dtype(args.dtype)  # fail early on a typo
     if args.batch_size is not None and args.batch_size < 1:
         raise NormswapError("--batch-size must be at least 1")
+    if getattr(args, "threads", None) is not None and args.threads < 1:
+        raise NormswapError("--threads must be at least 1")
     tasks = [t.strip() for t in (args.tasks or "").split(",") if t.strip()]
     values = dict(
         dtype=args.dtype, batch_size=args.batch_size, max_length=args.max_length, stride=args.stride,
         text=args.text, perplexity=not args.no_perplexity, tasks=tasks, limit=_limit(args.limit),
         device=args.device, device_map=args.device_map, trust_remote_code=bool(args.trust_remote_code),
+        threads=getattr(args, "threads", None),
         progress=not args.no_progress and sys.stderr.isatty(),
         audio=getattr(args, "audio", None), images=getattr(args, "images", None),
     )
@@ -113,12 +118,19 @@ def finish(report: dict, out: Path | None, plot: bool) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from normswap.evaluation.api import evaluate
+    from normswap.commands import check_source
+    from normswap.extras import require
 
+    require("eval", "normswap eval")
     if args.plot and args.out is None:
         raise NormswapError("--plot needs --out DIR")
     if args.no_perplexity and not args.tasks and not (args.audio or args.images):
         raise NormswapError("nothing to evaluate: --no-perplexity and no --tasks")
+    for src in (args.model, args.baseline):
+        if src is not None:
+            check_source(src, trust_remote_code=bool(args.trust_remote_code))
+    from normswap.evaluation.api import evaluate
+
     settings = settings_from_args(args)
     tolerances = tolerances_from_args(args, settings.dtype) if args.baseline else None
     report = evaluate(args.model, baseline=args.baseline, settings=settings, tolerances=tolerances)

@@ -221,6 +221,9 @@ def parse_results(raw: dict[str, Any]) -> TaskResults:
 
 def make_lm(model, tokenizer, *, batch_size: int, max_length: int | None):
     """Wrap a loaded model for lm-eval (``HFLM``), quietly."""
+    from normswap.extras import require
+
+    require("eval", "lm-eval tasks")
     from lm_eval.models.huggingface import HFLM
 
     # HFLM warns that a model object ignores its loading arguments; that is the point here.
@@ -253,6 +256,38 @@ def _no_git_probe() -> Iterator[None]:
         evaluator.get_git_commit_hash = original
 
 
+@contextmanager
+def _versions_only_env_info() -> Iterator[None]:
+    """Make lm-eval's environment record cheap for the duration of a run.
+
+    ``simple_evaluate`` ends with ``add_env_info``, which calls torch's ``collect_env``: eleven
+    subprocesses (pip, conda, nvidia-smi, ...) per run, seconds on a small CPU machine, for a
+    block of text normswap does not report. Versions are recorded instead.
+    """
+    import lm_eval.evaluator as evaluator
+
+    original = getattr(evaluator, "add_env_info", None)
+    if original is None:  # another lm-eval layout: leave it alone
+        yield
+        return
+
+    def add_versions(storage: dict[str, Any]) -> None:
+        from importlib.metadata import version
+
+        storage["pretty_env_info"] = "not collected (normswap records versions only)"
+        for key, distribution in (("lm_eval_version", "lm_eval"), ("transformers_version", "transformers")):
+            try:
+                storage[key] = version(distribution)
+            except Exception:  # a distribution without metadata
+                storage[key] = "unknown"
+
+    evaluator.add_env_info = add_versions
+    try:
+        yield
+    finally:
+        evaluator.add_env_info = original
+
+
 def run_tasks(lm, task_manager, tasks: list[str], *, limit: int | float | None = None) -> TaskResults:
     """Run ``tasks`` on an HFLM with lm-eval's Python API, logging samples for per-document deltas."""
     import lm_eval
@@ -260,7 +295,7 @@ def run_tasks(lm, task_manager, tasks: list[str], *, limit: int | float | None =
     for name in ("lm_eval", "lm_eval.api.task", "lm_eval.evaluator"):
         logging.getLogger(name).setLevel(logging.WARNING)
     try:
-        with _no_git_probe():
+        with _no_git_probe(), _versions_only_env_info():
             raw = lm_eval.simple_evaluate(
                 model=lm,
                 tasks=tasks,

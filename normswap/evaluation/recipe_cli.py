@@ -45,15 +45,21 @@ def _merged_settings(recipe, args: argparse.Namespace):
         no_progress=args.no_progress,
         audio=args.audio or base.audio,
         images=args.images or base.images,
+        threads=args.threads or base.threads,
     )
     return settings_from_args(merged)
 
 
 def run(args: argparse.Namespace) -> int:
-    from normswap.evaluation.compare import Tolerances, default_tolerances
+    from normswap.commands import check_source
     from normswap.evaluation.recipe import load_recipe, run_recipe
+    from normswap.extras import require
 
-    recipe = load_recipe(args.recipe)
+    require("eval", "normswap run")
+    recipe = load_recipe(args.recipe)  # a bad recipe or source is refused before torch is imported
+    check_source(recipe.source, trust_remote_code=bool(args.trust_remote_code or recipe.convert.get("trust_remote_code")))
+    from normswap.evaluation.compare import Tolerances, default_tolerances
+
     settings = _merged_settings(recipe, args)
     tolerances = Tolerances(**{**default_tolerances(settings.dtype).as_dict(), **recipe.tolerances})
     out = args.out or Path("runs") / recipe.name

@@ -175,6 +175,9 @@ def write_report(report: dict[str, Any], out_dir: Path, *, plot: bool = False) -
 
 def plot_report(report: dict[str, Any], path: Path) -> Path:
     """Bar chart, one panel per metric (their scales differ), one bar per model (and reference)."""
+    from normswap.extras import require
+
+    require("plot", "report.png")
     import matplotlib
 
     matplotlib.use("Agg")  # headless: no display on servers and CI

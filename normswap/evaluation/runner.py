@@ -11,6 +11,7 @@ import gc
 import os
 import tempfile
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from normswap.evaluation import lmeval
 from normswap.evaluation.hub import require_hub
 from normswap.evaluation.perplexity import model_max_length, strided_perplexity, tokenize_text
 from normswap.evaluation.text import TextSource, load_text
+from normswap.threads import cpu_threads
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -58,6 +60,7 @@ class EvalSettings:
     progress: bool = True
     audio: str | None = None  # speech models: folder or manifest of transcribed audio (evaluation/media.py)
     images: str | None = None  # vision models: folder of images, class subfolders as labels
+    threads: int | None = None  # CPU intra-op threads; None: the idle cores (normswap.threads)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -101,6 +104,10 @@ def load_for_eval(source: str, settings: EvalSettings):
     if not settings.device_map:
         model = model.to(settings.device or _default_device())
     model.eval()
+    # Scoring never decodes step by step: a key/value cache would only be built and thrown away
+    # (generation reads its own setting from the generation config).
+    if getattr(model.config, "use_cache", None):
+        model.config.use_cache = False
     return model, tokenizer
 
 
@@ -162,14 +169,10 @@ class Evaluator:
         if data_parallel_world() > 1:
             return self._evaluate_data_parallel(result, started)
         model, tokenizer = load_for_eval(source, self.settings)
+        on_cpu = next(model.parameters()).device.type == "cpu"
         try:
-            max_length = self._fix_max_length(model)
-            if self.text is not None:
-                self._strided(result, model, tokenizer, max_length)
-            if self.plan.all:
-                lm = lmeval.make_lm(model, tokenizer, batch_size=self.settings.batch_size, max_length=max_length)
-                self._record_tasks(result, lmeval.run_tasks(lm, self._tasks(), self.plan.all, limit=self.settings.limit))
-                del lm
+            with cpu_threads(self.settings.threads) if on_cpu else nullcontext():
+                self._score(result, model, tokenizer)
         finally:
             del model
             gc.collect()
@@ -177,6 +180,14 @@ class Evaluator:
                 torch.cuda.empty_cache()
         result.details["seconds"] = round(time.perf_counter() - started, 2)
         return result
+
+    def _score(self, result: ModelEval, model, tokenizer) -> None:
+        max_length = self._fix_max_length(model)
+        if self.text is not None:
+            self._strided(result, model, tokenizer, max_length)
+        if self.plan.all:
+            lm = lmeval.make_lm(model, tokenizer, batch_size=self.settings.batch_size, max_length=max_length)
+            self._record_tasks(result, lmeval.run_tasks(lm, self._tasks(), self.plan.all, limit=self.settings.limit))
 
     def _strided(self, result: ModelEval, model, tokenizer, max_length: int) -> None:
         assert self.text is not None

@@ -18,8 +18,10 @@ Rounding points (identical to ``normswap.modeling.remote.RMSNorm`` preceded by a
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
+import warnings
 
 import torch
 
@@ -45,7 +47,18 @@ def use_kernels(x: torch.Tensor) -> bool:
     """Whether ``rms_norm`` sends ``x`` to the Triton kernels rather than the torch fallback."""
     if not (x.is_cuda or (x.is_cpu and interpret_mode())):  # the common CPU exit first
         return False
-    return HAS_TRITON and x.dtype in KERNEL_DTYPES and x.dim() >= 1 and x.shape[-1] >= 1
+    if not HAS_TRITON:
+        _warn_no_triton()
+        return False
+    return x.dtype in KERNEL_DTYPES and x.dim() >= 1 and x.shape[-1] >= 1
+
+
+@functools.cache
+def _warn_no_triton() -> None:
+    from normswap.extras import install_hint
+
+    warnings.warn(f"normswap: Triton is not installed, so RMSNorm runs on the torch fallback; "
+                  f"the fused kernels come with the 'kernels' extra: {install_hint('kernels')}", stacklevel=3)
 
 
 # --------------------------------------------------------------------------- custom ops
