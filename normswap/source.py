@@ -398,6 +398,8 @@ class CheckpointReader:
 
 def first_non_finite(path: Path) -> str | None:
     """The first floating tensor of the checkpoint at ``path`` holding NaN or inf, read one at a time."""
+    import torch
+
     with CheckpointReader(path) as reader:
         for name, info in reader.tensors.items():
             if info.dtype.is_floating_point and not bool(torch.isfinite(reader.get(name)).all()):

@@ -938,6 +938,9 @@ def test_verify_arguments_swapped(source, converted, capsys):
 
 def test_verify_missing_and_non_checkpoint(source, tmp_path, capsys):
     code, _, err = run_cli(capsys, "verify", source, tmp_path / "nothing", "--quiet")
+    assert_refused(code, err, "does not exist")
+    (tmp_path / "empty").mkdir()
+    code, _, err = run_cli(capsys, "verify", source, tmp_path / "empty", "--quiet")
     assert_refused(code, err, "no config.json")
     code, _, err = run_cli(capsys, "verify", source, source, "--quiet")
     assert_refused(code, err, "not a normswap checkpoint")

@@ -152,10 +152,6 @@ def _text_reports(args: argparse.Namespace) -> tuple[dict, Callable[[], None] | 
     """Reports on text, and the outlier statistics to print after them (``--outliers``)."""
     from normswap.evaluation.media_eval import check_sources
 
-    if args.max_tokens < 2:
-        raise NormswapError("--max-tokens must be at least 2")
-    if args.text is not None and not args.random_tokens and not args.text.is_file():
-        raise NormswapError(f"text file not found: {args.text}")  # before spending time on loading
     # Speech and vision models read audio or images: say so before loading anything.
     check_sources([args.model] + ([args.compare] if args.compare else []), None, args.trust_remote_code)
 
@@ -182,6 +178,10 @@ def run(args: argparse.Namespace) -> int:
         raise NormswapError("pass --audio or --images, not both: a model reads one kind of input")
     if (args.audio or args.images) and (args.text is not None or args.random_tokens or args.outliers):
         raise NormswapError("--text, --random-tokens and --outliers are for text models; drop them with --audio/--images")
+    if args.max_tokens < 2:
+        raise NormswapError("--max-tokens must be at least 2")
+    if args.text is not None and not args.random_tokens and not args.text.is_file():
+        raise NormswapError(f"text file not found: {args.text}")
     if args.plot:
         require("plot", "normswap geometry --plot")
     check_source(args.model, trust_remote_code=args.trust_remote_code)  # before any heavy import
