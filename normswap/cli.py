@@ -14,6 +14,7 @@ import importlib
 import logging
 import os
 import sys
+from typing import NoReturn
 
 from normswap.errors import NormswapError
 
@@ -29,6 +30,14 @@ SUBCOMMANDS: list[tuple[str, str, str]] = [
 ]
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with normswap's error form: one line on stderr, exit 2 (no usage block; --help has it)."""
+
+    def error(self, message: str) -> NoReturn:
+        sys.stderr.write(f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
+        sys.exit(2)
+
+
 def build_parser(only: str | None = None) -> tuple[argparse.ArgumentParser, dict[str, object]]:
     """The parser with every subcommand's arguments, or with ``only`` that one's.
 
@@ -37,7 +46,7 @@ def build_parser(only: str | None = None) -> tuple[argparse.ArgumentParser, dict
     """
     from normswap import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="normswap", description="Exact LayerNorm -> RMSNorm conversion of transformer checkpoints."
     )
     parser.add_argument("--version", action="version", version=f"normswap {__version__}")

@@ -380,15 +380,16 @@ def verify_checkpoint(original: str | Path, converted: str | Path, *, atol: floa
     check_modeling_file(block, converted_dir)
     for path, config in ((original_dir, original_config), (converted_dir, converted_config_)):
         validation.check_structure(path, config)
+    architecture = architecture_for(original_config)
+    if block.get("original_model_type", original_config.get("model_type")) != original_config.get("model_type"):
+        raise NormswapError(f"{converted_dir} was converted from a {block['original_model_type']} model, "
+                            f"but {original_dir} is a {original_config.get('model_type')} model")
+    validation.check_same_shape(original_dir, original_config, converted_dir, converted_config_)
     if "rotation" in block:  # its stream is C·h·Q, not C·h: compared by normswap.rotation
         from normswap.rotation import verify_rotated
 
         return verify_rotated(original_dir, converted_dir, atol=atol, rtol=rtol, layerwise=layerwise, quiet=quiet,
                               trust_remote_code=trust_remote_code)
-    architecture = architecture_for(original_config)
-    if block.get("original_model_type", original_config.get("model_type")) != original_config.get("model_type"):
-        raise NormswapError(f"{converted_dir} was converted from a {block['original_model_type']} model, "
-                            f"but {original_dir} is a {original_config.get('model_type')} model")
     method = block.get("options", {}).get("method", "exact")
     checkpoint_dtype = parse_dtype(block.get("options", {}).get("dtype")) or torch.float32
     default_atol, default_rtol = verify.default_tolerance(checkpoint_dtype)

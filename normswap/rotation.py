@@ -106,19 +106,35 @@ def save_rotation(path: Path, rotation: Rotation) -> None:
     path.chmod(0o644)  # as the weights: readable like the rest of the checkpoint
 
 
-def load_rotation(checkpoint: Path) -> torch.Tensor:
-    """Q of a rotated checkpoint, checked against the hash its provenance records."""
+def load_rotation(checkpoint: Path, dimension: int | None = None) -> torch.Tensor:
+    """Q of a rotated checkpoint, checked before use: a float64 ``dimension``-square matrix,
+    orthogonal (|QᵀQ - I| < 1e-9), whose hash is the one its provenance records."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     block = read_config(checkpoint).get("normswap", {}).get("rotation")
     if block is None:
         raise NormswapError(f"{checkpoint} is not a rotated normswap checkpoint")
+    if not isinstance(block, dict) or not isinstance(block.get("matrix_sha256"), str):
+        raise NormswapError(f"{checkpoint}/config.json: normswap.rotation must be a mapping with a matrix_sha256")
     file = checkpoint / ROTATION_FILE
     if not file.is_file():
         raise NormswapError(f"{checkpoint} lacks {ROTATION_FILE}, the rotation it was made with")
-    matrix = load_file(str(file))["rotation"].double()
+    try:
+        tensors = load_file(str(file))
+    except (SafetensorError, OSError, ValueError) as error:
+        raise NormswapError(f"{file} is not a readable safetensors file ({error})") from None
+    matrix = tensors.get("rotation")
+    if matrix is None or matrix.dim() != 2 or matrix.shape[0] != matrix.shape[1] or not matrix.is_floating_point():
+        raise NormswapError(f"{file} must hold one square floating tensor named 'rotation'")
+    matrix = matrix.double()
+    if dimension is not None and matrix.shape[0] != dimension:
+        raise NormswapError(f"{file} is {matrix.shape[0]}x{matrix.shape[0]}, but the model's stream has {dimension} dimensions")
     if hashlib.sha256(matrix.contiguous().numpy().tobytes()).hexdigest() != block["matrix_sha256"]:
         raise NormswapError(f"{file} does not match the rotation hash recorded in config.json")
+    error = float((matrix.T @ matrix - torch.eye(matrix.shape[0], dtype=torch.float64)).abs().max())
+    if not error < 1e-9:
+        raise NormswapError(f"{file} is not orthogonal (max |QᵀQ - I| = {error:.3g}); it is not a rotation")
     return matrix
 
 
@@ -434,8 +450,8 @@ def rotate_checkpoint(
 
     if method not in METHODS:
         raise NormswapError(f"unknown rotation method '{method}'; use one of {', '.join(METHODS)}")
-    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-        raise NormswapError(f"--seed must be a non-negative integer, not {seed!r}")
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
+        raise NormswapError(f"--seed must be an integer from 0 to 2**63 - 1, not {seed!r:.30}")
     if method == "pca" and calibration is None:
         raise NormswapError("--method pca needs --calibration TEXT_FILE: the stream's principal directions are measured on it")
     if method != "pca" and calibration is not None:
@@ -544,7 +560,9 @@ def verify_rotated(reference: str | Path, rotated: str | Path, *, atol: float | 
     rotated_dir = Path(rotated)
     reference_config = read_config(reference_dir)
     block = read_config(rotated_dir).get("normswap") or {}
-    matrix = load_rotation(rotated_dir)
+    rotated_config = read_config(rotated_dir)
+    width = next((rotated_config[key] for key in ("n_embd", "hidden_size", "d_model") if key in rotated_config), None)
+    matrix = load_rotation(rotated_dir, width if isinstance(width, int) else None)
     architecture, _, _ = _family(reference_dir, reference_config)
     checkpoint_dtype = parse_dtype(block.get("options", {}).get("dtype")) or torch.float32
     default_atol, default_rtol = verify.default_tolerance(checkpoint_dtype)

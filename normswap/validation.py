@@ -186,3 +186,17 @@ def _known_activation(value: object) -> bool:
 def _show(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+# config keys that conversion and rotation never change: they must agree between the two models
+_SHAPE_KEYS = ("vocab_size", "n_embd", "hidden_size", "d_model", "n_layer", "num_hidden_layers", "n_head",
+               "num_attention_heads", "n_inner", "intermediate_size", "encoder_layers", "decoder_layers")
+
+
+def check_same_shape(original_dir: Path, original: dict, converted_dir: Path, converted: dict) -> None:
+    """Refuse, before any model is built, two checkpoints of different shapes: the converted one
+    cannot have been made from the original."""
+    for key in _SHAPE_KEYS:
+        if key in original and key in converted and original[key] != converted[key]:
+            raise NormswapError(f"{converted_dir} was not converted from {original_dir}: {key} is "
+                                f"{converted[key]!r:.20} there and {original[key]!r:.20} here")

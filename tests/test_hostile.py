@@ -1086,3 +1086,51 @@ def test_offline_hub_message_is_whole(tmp_path, capsys, monkeypatch):
     line = assert_refused(code, err, "could not fetch", "offline", "local checkpoint directory")
     assert line.endswith("instead")
     assert list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------------------- found in review
+
+
+def test_eval_out_never_replaces_a_users_folder(source, tmp_path, capsys):
+    users = tmp_path / "mine"
+    users.mkdir()
+    (users / "report.md").write_text("precious")
+    code, _, err = run_cli(capsys, "eval", source, "--no-perplexity", "--tasks", "x", "--out", users)
+    assert_refused(code, err, "not empty")
+    assert (users / "report.md").read_text() == "precious"
+    code, _, err = run_cli(capsys, "eval", source, "--no-perplexity", "--tasks", "x", "--out", users, "--overwrite")
+    assert_refused(code, err, "normswap")
+    assert (users / "report.md").read_text() == "precious"
+
+
+def test_eval_out_may_not_lie_in_the_model(source, capsys):
+    before = tree_hashes(source)
+    code, _, err = run_cli(capsys, "eval", source, "--no-perplexity", "--tasks", "x", "--out", source / "reports")
+    assert_refused(code, err, "input")
+    assert tree_hashes(source) == before
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["eval", "{src}", "--device", "tpu9"], "not a torch device"),
+    (["geometry", "{src}", "--device", "tpu9"], "not a torch device"),
+    (["eval", "{src}", "--threads", "1000000"], "--threads must be between 1 and"),
+    (["geometry", "{src}", "--random-tokens", "--plot", "{tmp}/g.txt"], ".png"),
+])  # fmt: skip
+def test_options_checked_before_work(source, tmp_path, capsys, args, needle):
+    code, _, err = run_cli(capsys, *[a.format(src=source, tmp=tmp_path) for a in args])
+    assert_refused(code, err, needle)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("args", [["eval", "x", "--threads", "abc"], ["rotate", "x", "--out", "y", "--method", "bogus"], []])
+def test_argument_errors_are_one_line(capsys, args):
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert len(err.strip().splitlines()) == 1 and "error:" in err and "usage" not in err
+
+
+def test_geometry_compare_of_another_shape_is_refused(source, tmp_path, capsys):
+    code, _, err = run_cli(capsys, "geometry", "normswap:austen-gpt2", "--compare", source, "--random-tokens")
+    assert_refused(code, err, "was not converted from")

@@ -308,6 +308,48 @@ def test_rotation_file_is_checked_against_its_hash(tmp_path):
         load_rotation(out)
 
 
+def _tampered(out: Path, tensors: dict | None = None, raw: bytes | None = None, rotation_block=None) -> None:
+    """Replace a rotated checkpoint's matrix (recording its hash, as a forger would) or its block."""
+    import hashlib
+
+    from safetensors.torch import save_file
+
+    if raw is not None:
+        (out / ROTATION_FILE).write_bytes(raw)
+    if tensors is not None:
+        save_file(tensors, str(out / ROTATION_FILE))
+    config = json.loads((out / "config.json").read_text())
+    if tensors is not None and "rotation" in tensors:
+        config["normswap"]["rotation"]["matrix_sha256"] = hashlib.sha256(
+            tensors["rotation"].contiguous().numpy().tobytes()).hexdigest()
+    if rotation_block is not None:
+        config["normswap"]["rotation"] = rotation_block
+    (out / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("tamper, needle", [
+    ({"tensors": {"rotation": 2 * torch.eye(128, dtype=torch.float64)}}, "not orthogonal"),
+    ({"tensors": {"rotation": torch.eye(3, dtype=torch.float64)}}, "128 dimensions"),
+    ({"tensors": {"other": torch.eye(128, dtype=torch.float64)}}, "named 'rotation'"),
+    ({"raw": b"garbage"}, "not a readable safetensors file"),
+    ({"rotation_block": "x"}, "must be a mapping"),
+    ({"rotation_block": {"method": "hadamard"}}, "must be a mapping"),
+])  # fmt: skip
+def test_verify_refuses_a_tampered_rotation(tmp_path, capsys, tamper, needle):
+    out = tmp_path / "rotated"
+    rotate_checkpoint("normswap:austen-gpt2", out, verification="none")
+    _tampered(out, **tamper)
+    code, err = run_cli(capsys, "verify", "normswap:austen-gpt2", str(out), "--quiet")
+    assert_one_line_error(code, err, needle)
+
+
+def test_verify_refuses_models_of_another_shape(tmp_path, capsys, gpt2_src):
+    out = tmp_path / "rotated"
+    rotate_checkpoint("normswap:austen-gpt2", out, verification="none")
+    code, err = run_cli(capsys, "verify", str(gpt2_src), str(out), "--quiet")
+    assert_one_line_error(code, err, "was not converted from", "vocab_size")
+
+
 # ---------------------------------------------------------------------------------------------
 # Refusals and bad input: one line on stderr, non-zero exit, nothing written
 
@@ -408,6 +450,10 @@ def test_empty_calibration_text(tmp_path, capsys, gpt2_src):
 def test_pca_needs_a_tokenizer(tmp_path, capsys, gpt2_src):
     _refused(tmp_path, capsys, str(gpt2_src), "--method", "pca", "--calibration", str(CALIBRATION),
              needles=("no tokenizer",))
+
+
+def test_seed_beyond_64_bits_is_refused(tmp_path, capsys, gpt2_src):
+    _refused(tmp_path, capsys, str(gpt2_src), "--seed", str(2**64), needles=("--seed must be an integer",))
 
 
 def test_out_must_not_overlap_source(tmp_path, capsys, gpt2_src):

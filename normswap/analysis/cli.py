@@ -15,6 +15,8 @@ from normswap.errors import NormswapError
 if TYPE_CHECKING:  # torch is imported once the arguments are checked
     import torch
 
+# file types matplotlib writes, for --plot
+_PLOT_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg")
 DTYPE_NAMES = ("bfloat16", "float16", "float32", "float64")
 # A token is rarely longer than this many characters; reading only that much keeps huge files cheap.
 _CHARS_PER_TOKEN = 16
@@ -184,11 +186,22 @@ def run(args: argparse.Namespace) -> int:
         raise NormswapError(f"text file not found: {args.text}")
     if args.plot:
         require("plot", "normswap geometry --plot")
+    if args.plot and args.plot.suffix.lower().lstrip(".") not in _PLOT_FORMATS:
+        raise NormswapError(f"--plot {args.plot}: the file name must end in one of "
+                            f"{', '.join('.' + f for f in _PLOT_FORMATS)}")
     check_source(args.model, trust_remote_code=args.trust_remote_code)  # before any heavy import
     if args.compare:
         check_source(args.compare, trust_remote_code=args.trust_remote_code)
     from normswap.analysis.report import format_comparison, format_report
+    from normswap.commands import check_device
 
+    check_device(args.device)
+    if args.compare:
+        from normswap import validation
+        from normswap.source import read_config, resolve_source
+
+        paths = [resolve_source(src, trust_remote_code=args.trust_remote_code) for src in (args.model, args.compare)]
+        validation.check_same_shape(paths[0], read_config(paths[0]), paths[1], read_config(paths[1]))
     reports, outliers = _media_reports(args) if args.audio or args.images else _text_reports(args)
     original = reports["original"]
     converted = reports.get("converted")

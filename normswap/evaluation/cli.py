@@ -49,7 +49,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tasks", default="",
                         help="comma-separated lm-eval tasks: local ones from evals/ ('local' = all of them) "
                              "or standard ones (lambada_openai, hellaswag, ...; need the hub)")
-    parser.add_argument("--out", type=Path, help="folder for report.json, report.md (and report.png)")
+    parser.add_argument("--out", type=Path, help="folder for report.json, report.md (and report.png): absent or "
+                                                 "empty, or with --overwrite one that normswap wrote")
+    parser.add_argument("--overwrite", action="store_true", help="replace an --out folder that normswap wrote")
     parser.add_argument("--plot", action="store_true", help="also write report.png, a bar chart (needs --out)")
     parser.add_argument("--ppl-rtol", type=float, help="relative tolerance for perplexities (default by dtype)")
     parser.add_argument("--acc-atol", type=float, help="absolute tolerance for accuracies (default by dtype)")
@@ -76,8 +78,10 @@ def settings_from_args(args: argparse.Namespace, **overrides):
     parse_dtype(args.dtype)  # fail early on a typo
     if args.batch_size is not None and args.batch_size < 1:
         raise NormswapError("--batch-size must be at least 1")
-    if getattr(args, "threads", None) is not None and args.threads < 1:
-        raise NormswapError("--threads must be at least 1")
+    check_threads(getattr(args, "threads", None))
+    from normswap.commands import check_device
+
+    check_device(args.device)
     tasks = [t.strip() for t in (args.tasks or "").split(",") if t.strip()]
     values = dict(
         dtype=args.dtype, batch_size=args.batch_size, max_length=args.max_length, stride=args.stride,
@@ -103,14 +107,34 @@ def tolerances_from_args(args: argparse.Namespace, dtype: str, base=None):
     return tol
 
 
-def finish(report: dict, out: Path | None, plot: bool) -> int:
-    """Print the Markdown, write the files, and turn the verdict into the exit status."""
+def _report_inputs(*sources: str | None) -> list[Path]:
+    """The local folders among the evaluated sources: --out may not overlap them."""
+    return [Path(src).expanduser() for src in sources if src is not None and Path(src).expanduser().exists()]
+
+
+def check_threads(threads: int | None) -> None:
+    """--threads: at least 1, and no more than 4 times the CPUs (torch's pools fail beyond)."""
+    if threads is None:
+        return
+    limit = 4 * (os.cpu_count() or 1)
+    if not 1 <= threads <= limit:
+        raise NormswapError(f"--threads must be between 1 and {limit} (4 times this machine's CPUs), not {threads}")
+
+
+def finish(report: dict, out: Path | None, plot: bool, *, inputs: list[Path] = (), overwrite: bool = False) -> int:
+    """Print the Markdown, write the files, and turn the verdict into the exit status.
+
+    The files go to ``out`` as every normswap output does: written into a temporary folder and
+    installed into an ``out`` that is absent, empty, or (``overwrite``) a folder normswap wrote."""
+    from normswap import output
     from normswap.evaluation.report import to_markdown, write_report
 
     print(to_markdown(report))
     if out is not None:
-        paths = write_report(report, out, plot=plot)
-        print("wrote " + ", ".join(str(p) for p in paths.values()), file=sys.stderr)
+        with output.claimed_output(out, inputs=inputs, overwrite=overwrite, kind="report") as claim:
+            names = [path.name for path in write_report(report, claim.tmp, plot=plot).values()]
+            claim.install()
+        print("wrote " + ", ".join(str(out / name) for name in names), file=sys.stderr)
     if report.get("verdict") == "fail":
         print("normswap: FAIL: the converted model differs from the original beyond tolerance", file=sys.stderr)
         return VerificationError.exit_code
@@ -124,6 +148,11 @@ def run(args: argparse.Namespace) -> int:
     require("eval", "normswap eval")
     if args.plot and args.out is None:
         raise NormswapError("--plot needs --out DIR")
+    if args.out is not None:
+        from normswap import output
+
+        args.out = output.absolute(args.out)
+        output.check_out(args.out, _report_inputs(args.model, args.baseline), args.overwrite)  # before any work
     if args.no_perplexity and not args.tasks and not (args.audio or args.images):
         raise NormswapError("nothing to evaluate: --no-perplexity and no --tasks")
     for src in (args.model, args.baseline):
@@ -136,4 +165,5 @@ def run(args: argparse.Namespace) -> int:
     report = evaluate(args.model, baseline=args.baseline, settings=settings, tolerances=tolerances)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0  # under accelerate launch only the main process reports
-    return finish(report, args.out, args.plot)
+    return finish(report, args.out, args.plot, inputs=_report_inputs(args.model, args.baseline),
+                  overwrite=args.overwrite)

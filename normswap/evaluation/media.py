@@ -244,7 +244,8 @@ def read_images(spec: str) -> ImageSet:
         try:
             with Image.open(file) as handle:
                 image = handle.convert("RGB")
-        except (OSError, UnidentifiedImageError, ValueError) as error:
+        except (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError) as error:
+            # a decompression bomb (Pillow's pixel limit) is refused like any unreadable file
             raise NormswapError(f"cannot read image file {file}: {str(error).splitlines()[0]}") from None
         result.images.append(LabelledImage(file.stem, image, label))
     return result

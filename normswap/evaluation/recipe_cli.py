@@ -45,7 +45,7 @@ def _merged_settings(recipe, args: argparse.Namespace):
         no_progress=args.no_progress,
         audio=args.audio or base.audio,
         images=args.images or base.images,
-        threads=args.threads or base.threads,
+        threads=args.threads if args.threads is not None else base.threads,
     )
     return settings_from_args(merged)
 
