@@ -431,7 +431,7 @@ def test_refuses_hidden_size_without_hadamard(tmp_path, capsys):
         (("--method", "pca"), ("needs --calibration",)),
         (("--calibration", "x.txt"), ("only used by --method pca",)),
         (("--method", "pca", "--calibration", "/nonexistent.txt"), ("calibration text not found",)),
-        (("--seed", "-1"), ("non-negative",)),
+        (("--seed", "-1"), ("--seed must be an integer from 0",)),
         (("--verify", "full", "--dtype", "float8"), ("unknown dtype",)),
     ],
     ids=["pca-without-text", "text-without-pca", "missing-text", "negative-seed", "bad-dtype"],
