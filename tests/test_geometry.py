@@ -294,3 +294,22 @@ def test_model_without_tokenizer_needs_random_tokens(tmp_path, capsys):
     assert "no tokenizer" in message and "--random-tokens" in message
     assert geometry([str(tmp_path / "src"), "--random-tokens", "--max-tokens", "64"]) == 0
     assert "random ids" in capsys.readouterr().out
+
+
+def test_json_and_plot_are_written_whole(tmp_path, monkeypatch):
+    """A failure while writing leaves neither a half-written file nor the temporary one."""
+    from normswap.analysis import cli as geometry_cli
+
+    target = tmp_path / "report.json"
+    target.write_text("previous")
+
+    def fail(tmp):
+        tmp.write_text("half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError):
+        geometry_cli._write_whole(target, fail)
+    assert target.read_text() == "previous"
+    assert [p.name for p in tmp_path.iterdir()] == ["report.json"]
+    geometry_cli._write_whole(target, lambda tmp: tmp.write_text("new"))
+    assert target.read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["report.json"]

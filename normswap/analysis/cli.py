@@ -214,17 +214,29 @@ def run(args: argparse.Namespace) -> int:
         outliers()
 
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
         payload = reports if converted is not None else original
-        args.json.write_text(json.dumps(_json_safe(payload), indent=1) + "\n")
+        _write_whole(args.json, lambda tmp: tmp.write_text(json.dumps(_json_safe(payload), indent=1) + "\n"))
         print(f"wrote {args.json}")
     if args.plot:
         from normswap.analysis.plot import plot_reports
 
-        args.plot.parent.mkdir(parents=True, exist_ok=True)
-        plot_reports(reports, args.plot)
+        _write_whole(args.plot, lambda tmp: plot_reports(reports, tmp))
         print(f"wrote {args.plot}")
     return 0
+
+
+def _write_whole(path: Path, write: Callable[[Path], object]) -> None:
+    """Write ``path`` through a temporary file beside it and rename it into place, so a failure
+    leaves no half-written file (and an existing one untouched)."""
+    import os
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.normswap-tmp-{os.getpid()}{path.suffix}")  # suffix: the plot's format
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _outliers(args: argparse.Namespace, models: dict, ids: torch.Tensor, reports: dict) -> None:
@@ -239,6 +251,5 @@ def _outliers(args: argparse.Namespace, models: dict, ids: torch.Tensor, reports
         reports[label]["outliers"] = result
     if args.plot:
         path = args.plot.with_name(args.plot.stem + "-outliers.png")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        plot_outliers({label: result["layers"] for label, result in results.items()}, path)
+        _write_whole(path, lambda tmp: plot_outliers({label: result["layers"] for label, result in results.items()}, tmp))
         print(f"wrote {path}")
