@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from pathlib import Path
 
 from normswap.commands import check_source
 from normswap.errors import NormswapError, VerificationError
@@ -48,15 +49,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def write_json_file(path: str, data: dict) -> None:
-    """Write ``data`` to ``path``; a failure is one line (nothing half-written is left)."""
+    """Write ``data`` to ``path`` whole or not at all (a temporary file beside it, then a rename);
+    a failure is one line."""
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.normswap-tmp-{os.getpid()}")
     try:
-        with open(path, "w") as file:
+        with open(tmp, "w") as file:
             json.dump(data, file, indent=2)
+        os.replace(tmp, target)
     except OSError as error:
         from normswap.output import describe_os_error
 
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
         raise NormswapError(describe_os_error(error, f"while writing --json {path}")) from None
+    finally:
+        tmp.unlink(missing_ok=True)
