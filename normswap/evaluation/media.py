@@ -249,3 +249,17 @@ def read_images(spec: str) -> ImageSet:
             raise NormswapError(f"cannot read image file {file}: {str(error).splitlines()[0]}") from None
         result.images.append(LabelledImage(file.stem, image, label))
     return result
+
+
+def checkpoint_processor(path: Path, auto_class: str, input_kind: str, what: str):
+    """The checkpoint's own processor (``preprocessor_config.json``) through transformers'
+    ``auto_class``; a missing or malformed file is one line naming ``what`` it would have built."""
+    import transformers
+
+    if not (path / "preprocessor_config.json").is_file():
+        raise NormswapError(f"{path} has no preprocessor_config.json: {input_kind} input needs the checkpoint's own "
+                            f"{what}")
+    try:
+        return getattr(transformers, auto_class).from_pretrained(str(path))
+    except Exception as error:  # a malformed processor file raises whatever its class raises
+        raise NormswapError(f"cannot build the {what} of {path}: {str(error).splitlines()[0]}") from None

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from normswap.errors import NormswapError
-from normswap.evaluation.media import AudioSet, read_audio
+from normswap.evaluation.media import AudioSet, checkpoint_processor, read_audio
 from normswap.evaluation.runner import ModelEval
 
 TASK = "speech"
@@ -30,15 +30,7 @@ TASK = "speech"
 
 def feature_extractor(path: Path):
     """The checkpoint's own feature extractor (``preprocessor_config.json``)."""
-    from transformers import AutoFeatureExtractor
-
-    if not (path / "preprocessor_config.json").is_file():
-        raise NormswapError(f"{path} has no preprocessor_config.json: speech input needs the checkpoint's own "
-                            "feature extractor")
-    try:
-        return AutoFeatureExtractor.from_pretrained(str(path))
-    except Exception as error:  # a malformed processor file raises whatever its class raises
-        raise NormswapError(f"cannot build the feature extractor of {path}: {str(error).splitlines()[0]}") from None
+    return checkpoint_processor(path, "AutoFeatureExtractor", "speech", "feature extractor")
 
 
 def wer_transform():

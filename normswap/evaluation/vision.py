@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from normswap.errors import NormswapError
-from normswap.evaluation.media import ImageSet, read_images
+from normswap.evaluation.media import ImageSet, checkpoint_processor, read_images
 from normswap.evaluation.runner import ModelEval
 
 PROMPT = "a photo of a {label}."
@@ -32,15 +32,7 @@ PROMPT = "a photo of a {label}."
 
 def image_processor(path: Path):
     """The checkpoint's own image processor."""
-    from transformers import AutoImageProcessor
-
-    if not (path / "preprocessor_config.json").is_file():
-        raise NormswapError(f"{path} has no preprocessor_config.json: image input needs the checkpoint's own "
-                            "image processor")
-    try:
-        return AutoImageProcessor.from_pretrained(str(path))
-    except Exception as error:  # a malformed processor file raises whatever its class raises
-        raise NormswapError(f"cannot build the image processor of {path}: {str(error).splitlines()[0]}") from None
+    return checkpoint_processor(path, "AutoImageProcessor", "image", "image processor")
 
 
 def _names(label: str) -> set[str]:
