@@ -28,8 +28,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "NormswapError": "normswap.errors",
     "VerificationError": "normswap.errors",
-    "convert_checkpoint": "normswap.pipeline",
-    "verify_checkpoint": "normswap.pipeline",
+    "convert_checkpoint": "normswap.convert.pipeline",
+    "verify_checkpoint": "normswap.verify.checkpoint",
     "convert_model": "normswap.loading",
     "load": "normswap.loading",
     "load_model": "normswap.loading",

@@ -12,9 +12,9 @@ from torch import nn
 
 from normswap import validation
 from normswap.architectures import ARCHITECTURES, architecture_for
+from normswap.convert.source import StateDictReader, read_config, resolve_source
 from normswap.errors import NormswapError
 from normswap.modeling import build, remote
-from normswap.source import StateDictReader, read_config, resolve_source
 
 
 def _original_type(config: dict) -> str:
@@ -55,7 +55,7 @@ def load(path: str | Path, **from_pretrained_kwargs) -> nn.Module:
 def load_model(src: str | Path, *, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
                **from_pretrained_kwargs):
     """Any checkpoint and its tokenizer (or None): converted ones in RMSNorm form via ``load``."""
-    from normswap.verify import load_tokenizer
+    from normswap.verify.compare import load_tokenizer
 
     path = resolve_source(src, trust_remote_code=trust_remote_code)
     config = read_config(path)
@@ -81,8 +81,8 @@ def convert_model(model: nn.Module, *, fold_gains: bool = False, method: str = "
     The same plan and tensor math as ``convert_checkpoint``, without files. Call
     ``normswap.patch`` on the result to use the fused kernels.
     """
-    from normswap.pipeline import plan_conversion, stock_can_hold
-    from normswap.write import compute_tensor
+    from normswap.convert.pipeline import plan_conversion, stock_can_hold
+    from normswap.convert.write import compute_tensor
 
     config = model.config.to_dict()
     reader = StateDictReader({name: tensor.detach() for name, tensor in model.state_dict().items()})

@@ -4,7 +4,7 @@ A LayerNorm model becomes rotatable once every norm is weightless: ``convert --f
 centres every write (LayerNorm = RMSNorm) and folds every γ (and β where a reader can take it)
 into the readers. Then RMSNorm(x·Q) = RMSNorm(x)·Q, and rotating every writer's output side,
 every reader's input side and every kept norm bias by Q leaves the function unchanged
-(``normswap.fold`` has the identities). The stream the model carries is x·Q.
+(``normswap.convert.fold`` has the identities). The stream the model carries is x·Q.
 
 The rotation is one more step per tensor in the conversion plan (``plan.Rotate``), so a rotated
 checkpoint is written by the same streaming writer as ``convert``, in the same pass as the
@@ -31,12 +31,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from normswap import __version__, fold, hadamard, output, verify, verify_layerwise
+from normswap import __version__, hadamard, output
 from normswap.architectures import Architecture, architecture_for
+from normswap.convert import fold
+from normswap.convert.plan import ConversionPlan, Rotate, build_plan
+from normswap.convert.source import CheckpointReader, read_config, resolve_source
 from normswap.errors import NormswapError, VerificationError
 from normswap.modeling import build, remote
-from normswap.plan import ConversionPlan, Rotate, build_plan
-from normswap.source import CheckpointReader, read_config, resolve_source
+from normswap.verify import compare as verify
 
 METHODS = ("hadamard", "orthogonal", "pca")
 ROTATION_FILE = "normswap_rotation.safetensors"
@@ -265,7 +267,7 @@ def plan_rotation(source_dir: Path, config: dict, reader: CheckpointReader, *,
                   dtype: torch.dtype | None) -> RotationPlan:
     """The conversion plan (fold everything) of an original source, or the identity plan of a
     folded one, checked weightless; rotation steps are added later by ``add_rotation``."""
-    from normswap.pipeline import plan_conversion
+    from normswap.convert.pipeline import plan_conversion
 
     architecture, family_config, block = check_source(source_dir, config)
     if block is None:
@@ -358,6 +360,8 @@ def calibrate(source_dir: Path, rotation_plan: RotationPlan, text_path: str | Pa
     ids = tokenize_text(tokenizer, text)[:max_tokens]
     if ids.numel() < 2:
         raise NormswapError(f"calibration text {text_path} gives fewer than 2 tokens")
+    from normswap.verify.rotated import reference_model
+
     model = reference_model(source_dir, rotation_plan.architecture)
     norms = [norm.name for norm in rotation_plan.plan.norms if norm.baked_into is None]
     window = min(CALIBRATION_WINDOW, context_length(model))
@@ -387,7 +391,7 @@ class _threads:
 
 def rotated_config(rotation_plan: RotationPlan, provenance: dict) -> dict:
     """config.json of the output: as ``convert`` writes it, under the model type normswap_<type>."""
-    from normswap.pipeline import converted_config
+    from normswap.convert.pipeline import converted_config
 
     new = converted_config(rotation_plan.config, rotation_plan.plan, rotation_plan.meta,
                            rotation_plan.architecture, provenance)
@@ -404,7 +408,7 @@ def rotated_config(rotation_plan: RotationPlan, provenance: dict) -> dict:
 
 def rotation_provenance(src: str, rotation_plan: RotationPlan, rotation: Rotation, counts: dict,
                         checkpoint_dtype: torch.dtype) -> dict:
-    from normswap.pipeline import provenance_block
+    from normswap.convert.pipeline import provenance_block
 
     plan = rotation_plan.plan
     dtype_name = str(checkpoint_dtype).removeprefix("torch.")
@@ -444,9 +448,9 @@ def rotate_checkpoint(
     Returns the provenance block written into ``out/config.json``; raises ``NormswapError`` for bad
     input and ``VerificationError`` when the output does not match, leaving nothing at ``out``.
     """
-    from normswap import pipeline
-    from normswap.pipeline import source_inputs
-    from normswap.write import copy_side_files, write_json, write_weights
+    from normswap.convert import pipeline
+    from normswap.convert.pipeline import source_inputs
+    from normswap.convert.write import copy_side_files, write_json, write_weights
 
     if method not in METHODS:
         raise NormswapError(f"unknown rotation method '{method}'; use one of {', '.join(METHODS)}")
@@ -495,6 +499,8 @@ def rotate_checkpoint(
             write_json(tmp / "config.json", rotated_config(rotation_plan, provenance))
             if verification != "none":
                 default_atol, default_rtol = verify.default_tolerance(checkpoint_dtype)
+                from normswap.verify.rotated import verify_rotated
+
                 result = verify_rotated(
                     source_dir, tmp,
                     atol=default_atol if atol is None else atol,
@@ -513,7 +519,7 @@ def rotate_checkpoint(
 
 def model_card(provenance: dict) -> str:
     """The converted checkpoint's card, with a section on the rotation."""
-    from normswap.pipeline import model_card as conversion_card
+    from normswap.convert.pipeline import model_card as conversion_card
 
     rotation = provenance["rotation"]
     seed = "" if rotation["seed"] is None else f", seed {rotation['seed']}"
@@ -527,108 +533,6 @@ def model_card(provenance: dict) -> str:
         "because LayerNorm(x·Q) ≠ LayerNorm(x)·Q.\n"
     )
     return conversion_card(provenance) + section
-
-
-# ---------------------------------------------------------------------------------------------
-# Verification
-
-
-def reference_model(path: Path, architecture: Architecture, dtype: torch.dtype = torch.float32,
-                    rms_how: str = "rmsnorm") -> nn.Module:
-    """The source of a rotation as a model: the stock class for an original, else its RMSNorm form
-    (normswap's own classes, or with ``rms_how="remote"`` the checkpoint's own code)."""
-    from normswap.pipeline import load_converted
-
-    config = read_config(path)
-    if "normswap" in config:
-        return load_converted(path, rms_how, dtype=dtype)
-    return build.load_pretrained(build.model_class(config, architecture.auto_class), path, dtype=dtype)
-
-
-def verify_rotated(reference: str | Path, rotated: str | Path, *, atol: float | None = None,
-                   rtol: float | None = None, layerwise: bool | None = None, quiet: bool = True,
-                   trust_remote_code: bool = False) -> dict:
-    """Compare a rotated checkpoint with the checkpoint it was rotated from (an original or a
-    folded conversion): logits, and per block the stream, which must be C·h·Q.
-
-    The rotated model is built from normswap's own RMSNorm classes; with ``trust_remote_code``
-    the checkpoint's ``modeling_normswap.py`` runs instead."""
-    rms_how = "remote" if trust_remote_code else "rmsnorm"
-    from normswap.pipeline import _stock_refuses, _verification_mode, load_converted, parse_dtype
-
-    reference_dir = resolve_source(reference)
-    rotated_dir = Path(rotated)
-    reference_config = read_config(reference_dir)
-    block = read_config(rotated_dir).get("normswap") or {}
-    rotated_config = read_config(rotated_dir)
-    width = next((rotated_config[key] for key in ("n_embd", "hidden_size", "d_model") if key in rotated_config), None)
-    matrix = load_rotation(rotated_dir, width if isinstance(width, int) else None)
-    architecture, _, _ = _family(reference_dir, reference_config)
-    checkpoint_dtype = parse_dtype(block.get("options", {}).get("dtype")) or torch.float32
-    default_atol, default_rtol = verify.default_tolerance(checkpoint_dtype)
-    atol = default_atol if atol is None else atol
-    rtol = default_rtol if rtol is None else rtol
-
-    stock_reference = (reference_config.get("normswap") or {}).get("stock_loadable", True)
-    if stock_reference:
-        mode, note = _verification_mode(reference_dir, architecture, layerwise)
-    else:
-        mode, note = "full", "layer by layer needs a reference the stock class loads; compared whole models"
-    loaders: dict[str, dict] = {"stock": {"refused": _stock_refuses(rotated_dir, architecture)}}
-    probe = None
-    if mode == "layerwise":
-        rotation = matrix.clone()
-
-        def stream_map(hidden: torch.Tensor) -> torch.Tensor:
-            hidden = hidden.double()
-            return (hidden - hidden.mean(-1, keepdim=True)) @ rotation
-
-        try:
-            probe, compared = verify_layerwise.compare_layerwise(
-                reference_dir, rotated_dir, architecture, stock_loadable=False, quiet=quiet, stream_map=stream_map,
-                rms_how=rms_how,
-            )
-        except verify_layerwise.Unsupported as error:
-            mode, note = "full", f"layer by layer unavailable ({error}); compared whole models"
-        else:
-            for figures in compared.values():
-                figures["passed"] = verify.within_tolerance(figures, atol, rtol)
-            loaders.update(compared)
-    if probe is None:
-        model = reference_model(reference_dir, architecture, rms_how=rms_how)
-        probe = verify.PROBES[architecture.probe](model.config, verify.load_tokenizer(reference_dir))
-        expected = verify.model_output(model, probe, architecture.probe)
-        del model
-        gc.collect()
-        model = load_converted(rotated_dir, rms_how)
-        if any(isinstance(module, nn.LayerNorm) for module in model.modules()):
-            raise NormswapError("the RMSNorm model still has nn.LayerNorm modules")
-        candidate = verify.model_output(model, probe, architecture.probe)
-        del model
-        gc.collect()
-        figures = verify.compare_outputs(expected, candidate, distribution=True, labels=probe.inputs.get("input_ids"))
-        figures["passed"] = verify.within_tolerance(figures, atol, rtol)
-        loaders["remote_code"] = figures
-    compared = [figures for figures in loaders.values() if "max_abs_diff" in figures]
-    limit = atol + rtol * max(figures["max_abs_reference"] for figures in compared)
-    passed = all(figures["passed"] for figures in compared) and all(
-        figures.get("refused", True) for figures in loaders.values()
-    )
-    result = {
-        "probe": probe.kind,
-        "probe_shape": list(next(iter(probe.inputs.values())).shape),
-        "compute_dtype": "float32",
-        "method": "exact",
-        "reference": "source",
-        "tolerance": {"atol": atol, "rtol": rtol, "limit": limit},
-        "loaders": loaders,
-        "passed": passed,
-        "mode": mode,
-        **({"note": note} if note else {}),
-    }
-    if mode == "layerwise":
-        result["worst_layer"] = {"loader": "remote_code", **loaders["remote_code"]["worst_layer"]}
-    return result
 
 
 def _family(source_dir: Path, config: dict) -> tuple[Architecture, dict, dict | None]:

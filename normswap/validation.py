@@ -132,7 +132,7 @@ def check_structure(path: Path, config: dict) -> None:
     """The config's own checks and its layer count against the weight headers (no tensor is read)."""
     where = f"{path / 'config.json'}"
     check_config(config, where)
-    from normswap.source import CheckpointReader
+    from normswap.convert.source import CheckpointReader
 
     with CheckpointReader(path) as reader:
         check_layer_count(config, reader.tensors, where)
@@ -150,7 +150,7 @@ def check_provenance(block: object, path: Path) -> None:
     if options.get("method", "exact") not in ("exact", "naive"):
         raise NormswapError(f"{where}: options.method must be exact or naive (got {options.get('method')!r:.60})")
     dtype = options.get("dtype")
-    from normswap.pipeline import DTYPES
+    from normswap.convert.pipeline import DTYPES
 
     if dtype is not None and dtype not in DTYPES:
         raise NormswapError(f"{where}: options.dtype {dtype!r:.60} is not a dtype normswap writes")

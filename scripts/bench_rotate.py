@@ -35,10 +35,10 @@ sys.path.insert(0, str(ROOT))
 import normswap  # noqa: E402
 from normswap.analysis.outliers import linear_input_outliers, plot_outliers, summarise  # noqa: E402
 from normswap.architectures import architecture_for  # noqa: E402
+from normswap.convert.source import read_config, resolve_source  # noqa: E402
 from normswap.evaluation.perplexity import strided_perplexity, tokenize_text  # noqa: E402
 from normswap.quantise import quantise_model  # noqa: E402
 from normswap.rotation import rotate_checkpoint  # noqa: E402
-from normswap.source import read_config, resolve_source  # noqa: E402
 
 BUNDLED_TEXT = ROOT / "normswap" / "data" / "text"
 QUANTISATIONS = {"int8": (8, None), "int4": (4, None), "int4-g128": (4, 128)}

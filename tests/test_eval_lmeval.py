@@ -11,9 +11,9 @@ import transformers
 import yaml
 
 from normswap.cli import main
+from normswap.convert.source import EXAMPLE_MODEL, example_model_path
 from normswap.evaluation import hub, lmeval
 from normswap.evaluation.text import BUNDLED_TEXT, TextSource
-from normswap.source import EXAMPLE_MODEL, example_model_path
 
 SHARED_TOKENIZER = Path(__file__).resolve().parents[2] / "shared" / "data" / "gpt2-tokenizer"
 LOCAL = ["persuasion_cloze", "persuasion_lastword", "persuasion_rolling"]

@@ -725,7 +725,7 @@ def test_second_claimant_is_refused(source, tmp_path, capsys):
 
 @pytest.mark.parametrize("how", ["file-added", "folder-replaced", "folder-removed"])
 def test_something_appears_at_out_during_conversion(source, tmp_path, capsys, monkeypatch, how):
-    from normswap import pipeline
+    from normswap.convert import pipeline
 
     out = tmp_path / "out"
     real_write = pipeline.write_weights
@@ -794,7 +794,7 @@ def test_killed_conversion_is_cleaned_by_the_next(source, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     script = (
         "import sys, signal, os\n"
-        "from normswap import pipeline\n"
+        "from normswap.convert import pipeline\n"
         "real = pipeline.write_weights\n"
         "def write(*a, **k):\n"
         "    real(*a, **k)\n"
@@ -816,7 +816,7 @@ def test_sigterm_leaves_nothing(source, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     script = (
         "import os, signal\n"
-        "from normswap import pipeline\n"
+        "from normswap.convert import pipeline\n"
         "real = pipeline.write_weights\n"
         "def write(*a, **k):\n"
         "    real(*a, **k)\n"

@@ -24,8 +24,8 @@ from hubserver import FakeHub, folder_files
 from safetensors.torch import save
 from transformers import GPT2Config, GPT2Model
 
+from normswap.convert.source import example_model_path
 from normswap.evaluation.recipe import RECIPES_DIR, load_recipe
-from normswap.source import example_model_path
 
 ROOT = Path(__file__).resolve().parents[1]
 NOT_NEEDED = ("tf_model.h5", "flax_model.msgpack", "rust_model.ot", "onnx/decoder_model.onnx", "onnx/config.json",

@@ -11,10 +11,10 @@ import transformers
 import yaml
 
 from normswap.cli import main
+from normswap.convert.source import example_model_path
 from normswap.evaluation import hub
 from normswap.evaluation.recipe import RECIPES_DIR, load_recipe
 from normswap.evaluation.text import BUNDLED_TEXT
-from normswap.source import example_model_path
 
 SHARED_TOKENIZER = Path(__file__).resolve().parents[2] / "shared" / "data" / "gpt2-tokenizer"
 

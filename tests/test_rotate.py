@@ -22,7 +22,8 @@ from test_architectures_encoders import CLIP_TEXT, CLIP_VISION, WHISPER
 from test_bad_input import assert_one_line_error, leftovers, run_cli
 
 import normswap
-from normswap import fold, hadamard
+from normswap import hadamard
+from normswap.convert import fold
 from normswap.errors import NormswapError
 from normswap.rotation import ROTATION_FILE, load_rotation, rotate_checkpoint
 

@@ -20,11 +20,12 @@ from safetensors.torch import load_file, save_file
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import normswap
-from normswap import fold, verify_layerwise, write
 from normswap.cli import main
+from normswap.convert import fold, write
+from normswap.convert.plan import Centre, FoldGain
+from normswap.convert.source import CheckpointReader
 from normswap.errors import NormswapError
-from normswap.plan import Centre, FoldGain
-from normswap.source import CheckpointReader
+from normswap.verify import layerwise as verify_layerwise
 
 VOCAB = 97
 ROOT = Path(__file__).resolve().parents[1]
@@ -172,7 +173,7 @@ def test_shard_shrinking_while_streamed_is_detected(tmp_path):
 
 _INTERRUPTED = textwrap.dedent("""
     import sys, time
-    import normswap.write as write
+    import normswap.convert.write as write
     from normswap.cli import main
 
     real = write._write_tensor

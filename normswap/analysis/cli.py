@@ -125,10 +125,10 @@ def _media_reports(args: argparse.Namespace) -> tuple[dict, None]:
     """Reports on audio or images: the inputs are prepared once, by the first model's own processor."""
     from normswap.analysis.collect import run_geometry_on
     from normswap.analysis.report import build_report
+    from normswap.convert.source import read_config
     from normswap.evaluation import media
     from normswap.evaluation.media_eval import check_sources
-    from normswap.source import read_config
-    from normswap.verify import load_tokenizer
+    from normswap.verify.compare import load_tokenizer
 
     kind = "audio" if args.audio else "images"
     spec = args.audio or args.images
@@ -198,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
     check_device(args.device)
     if args.compare:
         from normswap import validation
-        from normswap.source import read_config, resolve_source
+        from normswap.convert.source import read_config, resolve_source
 
         paths = [resolve_source(src, trust_remote_code=args.trust_remote_code) for src in (args.model, args.compare)]
         validation.check_same_shape(paths[0], read_config(paths[0]), paths[1], read_config(paths[1]))

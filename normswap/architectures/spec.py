@@ -2,7 +2,7 @@
 
 An adapter says which tensors *write* the residual stream (and along which axis the hidden
 dimension runs), which norms exist and which tensors *read* each norm's output, and how the head
-is tied. It holds no tensor math: that is in ``normswap.fold``, shared by every family.
+is tied. It holds no tensor math: that is in ``normswap.convert.fold``, shared by every family.
 
 Names are written in one dialect, templates of whole *canonical* names: the names in the state
 dict of the family's model class (``transformer.h.{layer}.ln_1``). Checkpoints saved from the

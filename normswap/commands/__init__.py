@@ -16,7 +16,7 @@ def check_source(src: str, *, trust_remote_code: bool = False) -> None:
 
     A hub id is not fetched here: the command fetches it once, when it needs it.
     """
-    from normswap.source import _HUB_ID, EXAMPLE_MODEL, resolve_source
+    from normswap.convert.source import _HUB_ID, EXAMPLE_MODEL, resolve_source
 
     if src == EXAMPLE_MODEL or Path(src).expanduser().exists() or not _HUB_ID.match(src):
         resolve_source(src, trust_remote_code=trust_remote_code)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from normswap.source import CheckpointReader, read_config, resolve_source
+from normswap.convert.source import CheckpointReader, read_config, resolve_source
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -19,7 +19,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     path = resolve_source(args.src, trust_remote_code=args.trust_remote_code)
     config = read_config(path)
-    from normswap.pipeline import check_convertible, plan_conversion
+    from normswap.convert.pipeline import check_convertible, plan_conversion
 
     # a refusal is one line on stderr and exit 2, as for every command
     check_convertible(path, config)  # before opening any weight file

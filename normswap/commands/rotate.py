@@ -31,8 +31,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from normswap.rotation import rotate_checkpoint
-    from normswap.verify import format_table
-    from normswap.verify_layerwise import describe_mode
+    from normswap.verify.compare import format_table
+    from normswap.verify.layerwise import describe_mode
 
     provenance = rotate_checkpoint(
         args.src, args.out, method=args.method, seed=args.seed, calibration=args.calibration,

@@ -31,9 +31,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     check_source(args.original)
     check_source(args.converted)
-    from normswap.pipeline import verify_checkpoint
-    from normswap.verify import format_table
-    from normswap.verify_layerwise import describe_mode
+    from normswap.verify.checkpoint import verify_checkpoint
+    from normswap.verify.compare import format_table
+    from normswap.verify.layerwise import describe_mode
 
     result = verify_checkpoint(args.original, args.converted, atol=args.atol, rtol=args.rtol,
                                layerwise=args.layerwise, quiet=args.quiet, trust_remote_code=args.trust_remote_code)

@@ -34,7 +34,7 @@ def media_kind(settings: EvalSettings) -> str | None:
 
 def check_sources(sources: list[str], kind: str | None, trust_remote_code: bool) -> list[Path]:
     """Resolve every checkpoint and check that it reads ``kind``; one line otherwise."""
-    from normswap.source import read_config, resolve_source
+    from normswap.convert.source import read_config, resolve_source
 
     paths = []
     for source in sources:
@@ -76,8 +76,8 @@ def evaluate_media(
     reference_source: str | None = None,
 ) -> dict[str, Any]:
     """Evaluate ``model`` (and ``baseline``) on ``settings.audio`` or ``settings.images``; the report."""
-    from normswap.source import read_config
-    from normswap.verify import load_tokenizer
+    from normswap.convert.source import read_config
+    from normswap.verify.compare import load_tokenizer
 
     kind = media_kind(settings)
     assert kind is not None

@@ -173,9 +173,9 @@ def load_recipe(spec: str | Path) -> Recipe:
 
 def hub_needs(recipe: Recipe, settings) -> list[str]:
     """What in this recipe needs the Hugging Face hub (empty when it runs offline)."""
+    from normswap.convert.source import EXAMPLE_MODEL
     from normswap.evaluation.lmeval import LOCAL_ALIAS, TEXT_TASK, local_tasks
     from normswap.evaluation.text import DATASETS
-    from normswap.source import EXAMPLE_MODEL
 
     needs = []
     looks_local = recipe.source.startswith(("/", ".", "~")) or Path(recipe.source).expanduser().exists()
@@ -229,7 +229,7 @@ def run_recipe(recipe: Recipe, out: Path, *, settings, tolerances, overwrite: bo
     out = output.absolute(out)
     inputs = [recipe.path]
     if Path(recipe.source).expanduser().exists():
-        from normswap.pipeline import source_inputs
+        from normswap.convert.pipeline import source_inputs
 
         inputs += source_inputs(Path(recipe.source).expanduser())
     with output.claimed_output(out, inputs=inputs, overwrite=overwrite, kind="run") as claim:

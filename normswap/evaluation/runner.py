@@ -216,7 +216,7 @@ class Evaluator:
         """
         from lm_eval.models.huggingface import HFLM
 
-        from normswap.source import resolve_source
+        from normswap.convert.source import resolve_source
 
         path = resolve_source(result.source, trust_remote_code=self.settings.trust_remote_code)
         lm = HFLM(

@@ -37,13 +37,13 @@ import torch
 import transformers
 from torch import nn
 
-from normswap import verify
 from normswap.architectures import Architecture
+from normswap.convert.plan import canonical_names
+from normswap.convert.source import CheckpointReader, read_config
 from normswap.errors import NormswapError
 from normswap.modeling import build
-from normswap.plan import canonical_names
-from normswap.source import CheckpointReader, read_config
 from normswap.threads import on_idle_cores
+from normswap.verify import compare as verify
 
 # Above this many bytes of float32 weights, automatic verification goes layer by layer
 # (a whole-model comparison holds one float32 copy of the model).
@@ -113,7 +113,7 @@ def converted_model(path: Path, architecture: Architecture, how: str) -> nn.Modu
         return empty_model(build.model_class(read_config(path), architecture.auto_class),
                            transformers.AutoConfig.from_pretrained(path))
     if how == "rmsnorm":
-        from normswap.pipeline import rmsnorm_class
+        from normswap.verify.checkpoint import rmsnorm_class
 
         cls = rmsnorm_class(path, architecture)
         with _quiet():

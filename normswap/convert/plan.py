@@ -2,7 +2,7 @@
 
 The plan is data, computed before any weight is read: for each output tensor, the source tensor
 it starts from and the ordered steps applied to it (bake, centre, fold a gain, fold a bias, ...).
-``normswap inspect`` prints it; ``normswap.write`` executes it one tensor at a time.
+``normswap inspect`` prints it; ``normswap.convert.write`` executes it one tensor at a time.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 from normswap.architectures.spec import IDENTITY, Architecture
+from normswap.convert.source import TensorInfo
 from normswap.errors import NormswapError
-from normswap.source import TensorInfo
 
 # ---------------------------------------------------------------------------------------------
 # Steps. "Slice-wise" steps act independently on every slice taken across ``axis`` (the axis that

@@ -37,9 +37,8 @@ from pathlib import Path
 
 import torch
 
-from normswap import fold
-from normswap.errors import NormswapError
-from normswap.plan import (
+from normswap.convert import fold
+from normswap.convert.plan import (
     Bake,
     Centre,
     ConversionPlan,
@@ -50,7 +49,8 @@ from normswap.plan import (
     Rotate,
     TensorPlan,
 )
-from normswap.source import SAFETENSORS_DTYPE_NAMES, CheckpointReader
+from normswap.convert.source import SAFETENSORS_DTYPE_NAMES, CheckpointReader
+from normswap.errors import NormswapError
 
 Read = Callable[[str], torch.Tensor]
 
