@@ -24,8 +24,8 @@ from normswap.cli import main
 from normswap.convert import fold, write
 from normswap.convert.plan import Centre, FoldGain
 from normswap.convert.source import CheckpointReader
-from normswap.errors import NormswapError
-from normswap.verify import layerwise as verify_layerwise
+from normswap.errors import NormswapError, VerificationError
+from normswap.verify import offload as verify_offload
 
 VOCAB = 97
 ROOT = Path(__file__).resolve().parents[1]
@@ -273,7 +273,7 @@ def test_layerwise_agrees_with_whole_model(tmp_path, monkeypatch, capsys):
     assert 0 <= layerwise["worst_layer"]["layer"] <= 2
 
     # automatic choice by size, and the CLI flags
-    monkeypatch.setattr(verify_layerwise, "LAYERWISE_ABOVE_BYTES", 0)
+    monkeypatch.setattr(verify_offload, "LAYERWISE_ABOVE_BYTES", 0)
     assert main(["verify", str(src), str(out), "--json", str(tmp_path / "v.json")]) == 0
     assert json.loads((tmp_path / "v.json").read_text())["mode"] == "layerwise"
     assert "worst block" in capsys.readouterr().out
@@ -291,7 +291,9 @@ def test_layerwise_pinpoints_a_corrupted_block(tmp_path):
     state = load_file(out / "model.safetensors")
     state["transformer.h.2.mlp.c_fc.weight"] *= 1.05
     save_file(state, out / "model.safetensors", metadata={"format": "pt"})
-    result = normswap.verify_checkpoint(src, out, layerwise=True)
+    with pytest.raises(VerificationError, match=r"pre-check: transformer\.h\.2\.mlp\.c_fc\.weight should be"):
+        normswap.verify_checkpoint(src, out)  # the weights alone show it, before any model runs
+    result = normswap.verify_checkpoint(src, out, layerwise=True, precheck=False)
     assert not result["passed"]
     assert result["worst_layer"]["layer"] == 2
     layers = result["loaders"]["remote_code"]["layers"]

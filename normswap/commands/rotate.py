@@ -30,9 +30,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from normswap.commands.verify import describe_mode
     from normswap.rotation import rotate_checkpoint
     from normswap.verify.compare import format_table
-    from normswap.verify.layerwise import describe_mode
 
     provenance = rotate_checkpoint(
         args.src, args.out, method=args.method, seed=args.seed, calibration=args.calibration,

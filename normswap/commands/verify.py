@@ -33,7 +33,6 @@ def run(args: argparse.Namespace) -> int:
     check_source(args.converted)
     from normswap.verify.checkpoint import verify_checkpoint
     from normswap.verify.compare import format_table
-    from normswap.verify.layerwise import describe_mode
 
     result = verify_checkpoint(args.original, args.converted, atol=args.atol, rtol=args.rtol,
                                layerwise=args.layerwise, quiet=args.quiet, trust_remote_code=args.trust_remote_code)
@@ -46,6 +45,15 @@ def run(args: argparse.Namespace) -> int:
         raise VerificationError("the converted model does not match the original within tolerance")
     print("verified: outputs match")
     return 0
+
+
+def describe_mode(result: dict) -> str:
+    """One line on how a verification result was obtained, naming the worst layer when per-block."""
+    if result.get("mode") != "layerwise":
+        return "compared whole models" + (f"; {result['note']}" if result.get("note") else "")
+    worst = result["worst_layer"]
+    return (f"compared layer by layer; worst block: {worst['layer']} ({worst['loader']} loader, own max |Δ| = "
+            f"{worst['block_max_abs_diff']:.3g}, {worst['relative']:.3g} of the stream's max |h|)")
 
 
 def write_json_file(path: str, data: dict) -> None:

@@ -1,20 +1,19 @@
 """Verification of a converted checkpoint against its original.
 
-``verify_checkpoint`` loads the original and the conversion the ways a user would (stock
-transformers, normswap's own RMSNorm classes, and with consent the checkpoint's own code), runs
-both on one probe, and compares the figures from ``compare``; above a size it goes block by block
-(``layerwise``).
+``verify_checkpoint`` checks that the two checkpoints belong together, runs the algebraic
+pre-check (``precheck``), then runs the original and each load of the conversion
+(``loaders``) on one probe and compares the figures (``compare``): whole models
+(``whole``), or block by block above a size (``layerwise``).
 """
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import transformers
 from torch import nn
 
 from normswap import validation
@@ -22,74 +21,64 @@ from normswap.architectures import Architecture, architecture_for
 from normswap.convert.pipeline import MODELING_FILE, modeling_sha256, parse_dtype
 from normswap.convert.source import first_non_finite, read_config, resolve_source
 from normswap.errors import NormswapError, VerificationError
-from normswap.modeling import build, remote
-from normswap.threads import on_idle_cores
-from normswap.verify import compare as verify
-from normswap.verify import layerwise as verify_layerwise
-
-
-def rmsnorm_class(path: Path, architecture: Architecture) -> type:
-    """The RMSNorm class for a converted checkpoint, from the modeling code installed with normswap.
-
-    This is the class the checkpoint's ``modeling_normswap.py`` defines (the file is a copy of
-    ``normswap.modeling.remote``), taken from normswap itself so that nothing in the checkpoint runs.
-    """
-    config = read_config(path)
-    base = build.model_class(config, architecture.auto_class)
-    if base.__name__.startswith("Auto"):
-        raise NormswapError(f"{path / 'config.json'}: 'architectures' names no model class this transformers has")
-    own_type = str(config.get("model_type", "")).startswith(remote.MODEL_TYPE_PREFIX)
-    return remote._lookup((remote.OWN_TYPE_PREFIX if own_type else remote.CLASS_PREFIX) + base.__name__)
-
-
-def load_converted(path: Path, how: str, *, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """Load a converted checkpoint with stock transformers (``stock``), normswap's RMSNorm classes
-    (``rmsnorm``), or the checkpoint's own ``modeling_normswap.py`` (``remote``, runs its code).
-
-    The stock path uses the class named in ``architectures`` (a ``ViTForImageClassification``
-    must not load as the family Auto class's ``ViTModel``); the remote path goes through the
-    family's Auto class, whose ``auto_map`` entry names the RMSNorm form of that same class.
-    """
-    from normswap.loading import register_auto_classes
-
-    register_auto_classes()  # a normswap_<type> config must resolve, as after ``import normswap``
-    config = read_config(path)
-    block = config.get("normswap") or {}
-    architecture = architecture_for({**config, "model_type": block.get("original_model_type", config.get("model_type"))})
-    if how == "stock":
-        return build.load_pretrained(build.model_class(config, architecture.auto_class), path, dtype=dtype)
-    if how == "rmsnorm":
-        return build.load_pretrained(rmsnorm_class(path, architecture), path, dtype=dtype)
-    if how == "remote":
-        auto = getattr(transformers, architecture.auto_class)
-        return build.load_pretrained(auto, path, dtype=dtype, trust_remote_code=True)
-    raise ValueError(how)
+from normswap.modeling import build
+from normswap.verify import layerwise as by_layer
+from normswap.verify.compare import default_tolerance, within_tolerance
+from normswap.verify.loaders import refusals
+from normswap.verify.offload import Unsupported, unsupported_reason, wants_layerwise
+from normswap.verify.precheck import precheck as algebraic_precheck
+from normswap.verify.probes import Probe
+from normswap.verify.whole import compare_whole
 
 
 def verify_checkpoint(original: str | Path, converted: str | Path, *, atol: float | None = None,
                       rtol: float | None = None, layerwise: bool | None = None, quiet: bool = True,
-                      trust_remote_code: bool = False) -> dict:
-    """Run ``original`` and ``converted`` on the same probe; figures per loader and a verdict.
+                      trust_remote_code: bool = False, precheck: bool = True) -> dict:
+    """Compare a converted checkpoint with its original on one probe, in float32.
 
-    ``layerwise``: True compares block by block within bounded memory (``verify_layerwise``),
-    False loads whole models, None (default) goes layer by layer above
-    ``verify_layerwise.LAYERWISE_ABOVE_BYTES`` of float32 weights. Families that cannot be run
-    block by block fall back to whole models, with a note in the result.
+    Returns the probe, the tolerance, figures per loader (``stock``: stock transformers' class,
+    or whether it refuses the checkpoint as it must; ``remote_code``: the RMSNorm model), the
+    mode (``full`` or ``layerwise``; ``layerwise=None`` picks by size) and ``passed``.
 
     The ``remote_code`` figures are those of the RMSNorm class that ``modeling_normswap.py``
     defines. Its code is normswap's own (the checkpoint's file must be byte for byte the one
     normswap wrote, by its recorded sha256, or verification fails); with ``trust_remote_code``
     the checkpoint's file itself is imported and run instead.
+
+    First, unless ``precheck`` is False, the weights alone are checked (``precheck``): a failure
+    there raises ``VerificationError`` naming the tensor, before any model runs.
     """
     from normswap.loading import register_auto_classes
 
     register_auto_classes()  # the converted model's normswap_<type> config must resolve
-    original_dir = resolve_source(original)
-    converted_dir = Path(converted).expanduser()
+    original_dir, converted_dir = resolve_source(original), Path(converted).expanduser()
+    block, architecture = _check_pair(original_dir, converted_dir, converted)
+    if "rotation" in block:  # its stream is C·h·Q, not C·h
+        from normswap.verify.rotated import verify_rotated
+
+        return verify_rotated(original_dir, converted_dir, atol=atol, rtol=rtol, layerwise=layerwise, quiet=quiet,
+                              trust_remote_code=trust_remote_code)
+    atol, rtol = tolerance(block, atol, rtol)
+    checked = algebraic_precheck(original_dir, converted_dir) if precheck else None
+    original_config = read_config(original_dir)
+    probe, loaders, mode, note = run_comparison(
+        original_dir, converted_dir, architecture,
+        reference=lambda: build.load_pretrained(build.model_class(original_config, architecture.auto_class),
+                                                original_dir, dtype=torch.float32),
+        stock_loadable=block.get("stock_loadable", True), trust_remote_code=trust_remote_code,
+        layerwise=verification_mode(original_dir, architecture, layerwise), quiet=quiet,
+    )
+    return summarise(probe, loaders, atol=atol, rtol=rtol, mode=mode, note=note,
+                     method=block.get("options", {}).get("method", "exact"), paths=(original_dir, converted_dir),
+                     **({"precheck": checked} if checked is not None else {}))
+
+
+def _check_pair(original_dir: Path, converted_dir: Path, converted: str | Path) -> tuple[dict, Architecture]:
+    """The conversion's provenance block and the family, once the pair is known to belong together."""
     if not (converted_dir / "config.json").is_file():
         raise NormswapError(f"{converted} is not a checkpoint folder (it has no config.json)")
-    original_config, converted_config_ = read_config(original_dir), read_config(converted_dir)
-    block = converted_config_.get("normswap")
+    original_config, converted_config = read_config(original_dir), read_config(converted_dir)
+    block = converted_config.get("normswap")
     if "normswap" in original_config:
         swapped = " (the arguments look swapped)" if block is None else ""
         raise NormswapError(f"{original_dir} is a converted checkpoint; verify takes the original first: "
@@ -98,63 +87,21 @@ def verify_checkpoint(original: str | Path, converted: str | Path, *, atol: floa
         raise NormswapError(f"{converted_dir} is not a normswap checkpoint (its config.json has no normswap block)")
     validation.check_provenance(block, converted_dir)
     check_modeling_file(block, converted_dir)
-    for path, config in ((original_dir, original_config), (converted_dir, converted_config_)):
+    for path, config in ((original_dir, original_config), (converted_dir, converted_config)):
         validation.check_structure(path, config)
     architecture = architecture_for(original_config)
     if block.get("original_model_type", original_config.get("model_type")) != original_config.get("model_type"):
         raise NormswapError(f"{converted_dir} was converted from a {block['original_model_type']} model, "
                             f"but {original_dir} is a {original_config.get('model_type')} model")
-    validation.check_same_shape(original_dir, original_config, converted_dir, converted_config_)
-    if "rotation" in block:  # its stream is C·h·Q, not C·h: compared by normswap.rotation
-        from normswap.verify.rotated import verify_rotated
+    validation.check_same_shape(original_dir, original_config, converted_dir, converted_config)
+    return block, architecture
 
-        return verify_rotated(original_dir, converted_dir, atol=atol, rtol=rtol, layerwise=layerwise, quiet=quiet,
-                              trust_remote_code=trust_remote_code)
-    method = block.get("options", {}).get("method", "exact")
+
+def tolerance(block: dict, atol: float | None, rtol: float | None) -> tuple[float, float]:
+    """(atol, rtol): those given, else the defaults for the dtype the conversion was stored in."""
     checkpoint_dtype = parse_dtype(block.get("options", {}).get("dtype")) or torch.float32
-    default_atol, default_rtol = verify.default_tolerance(checkpoint_dtype)
-    atol = default_atol if atol is None else atol
-    rtol = default_rtol if rtol is None else rtol
-    rms_how = "remote" if trust_remote_code else "rmsnorm"
-
-    mode, note = _verification_mode(original_dir, architecture, layerwise)
-    probe = None
-    if mode == "layerwise":
-        try:
-            probe, loaders = verify_layerwise.compare_layerwise(
-                original_dir, converted_dir, architecture, stock_loadable=block.get("stock_loadable", True),
-                quiet=quiet, rms_how=rms_how,
-            )
-        except verify_layerwise.Unsupported as error:
-            mode, note = "full", f"layer by layer unavailable ({error}); compared whole models"
-        else:
-            for figures in loaders.values():
-                figures["passed"] = verify.within_tolerance(figures, atol, rtol)
-            if not block.get("stock_loadable", True):
-                loaders = {"stock": {"refused": _stock_refuses(converted_dir, architecture)}, **loaders}
-    if probe is None:
-        probe, loaders = _compare_whole(original_dir, converted_dir, original_config, architecture, block, atol, rtol,
-                                        rms_how)
-    compared = [figures for figures in loaders.values() if "max_abs_diff" in figures]
-    if not all(math.isfinite(figures["max_abs_diff"]) and math.isfinite(figures["max_abs_reference"])
-               for figures in compared):
-        _refuse_non_finite(original_dir, converted_dir)
-    limit = atol + rtol * max(figures["max_abs_reference"] for figures in compared)
-    passed = all(figures["passed"] for figures in compared) and all(
-        figures.get("refused", True) for figures in loaders.values()
-    )
-    return {
-        "probe": probe.kind,
-        "probe_shape": list(next(iter(probe.inputs.values())).shape),
-        "compute_dtype": "float32",
-        "method": method,
-        "tolerance": {"atol": atol, "rtol": rtol, "limit": limit},
-        "loaders": loaders,
-        "passed": passed,
-        "mode": mode,
-        **({"note": note} if note else {}),
-        **({"worst_layer": _worst_layer(loaders)} if mode == "layerwise" else {}),
-    }
+    default_atol, default_rtol = default_tolerance(checkpoint_dtype)
+    return default_atol if atol is None else atol, default_rtol if rtol is None else rtol
 
 
 def check_modeling_file(block: dict, path: Path) -> None:
@@ -169,6 +116,71 @@ def check_modeling_file(block: dict, path: Path) -> None:
             f"{file} is not the file normswap wrote (sha256 {actual[:16]}..., expected {expected[:16]}...); "
             "it was changed after conversion"
         )
+
+
+def verification_mode(reference_dir: Path, architecture: Architecture,
+                      layerwise: bool | None) -> tuple[str, str | None]:
+    """(mode, note): ``layerwise`` when asked for, or (``layerwise=None``) when the model is too big
+    to hold twice, and the model can be run that way; else ``full``."""
+    if layerwise is False:
+        return "full", None
+    if layerwise is None and not wants_layerwise(reference_dir):
+        return "full", None
+    reason = unsupported_reason(architecture, reference_dir)
+    if reason is not None:
+        return "full", f"layer by layer unavailable ({reason}); compared whole models"
+    return "layerwise", None
+
+
+def run_comparison(reference_dir: Path, converted_dir: Path, architecture: Architecture, *,
+                   reference: Callable[[], nn.Module], stock_loadable: bool, trust_remote_code: bool,
+                   layerwise: tuple[str, str | None], quiet: bool,
+                   stream_map: Callable[[torch.Tensor], torch.Tensor] = by_layer.centred64,
+                   ) -> tuple[Probe, dict[str, dict], str, str | None]:
+    """(probe, figures per loader, mode, note): block by block when ``layerwise`` (a
+    ``verification_mode`` answer) says so and the model allows it, else whole models."""
+    rms_how = "remote" if trust_remote_code else "rmsnorm"
+    mode, note = layerwise
+    refused = refusals(converted_dir, stock_loadable)
+    if mode == "layerwise":
+        try:
+            probe, compared = by_layer.compare_layerwise(reference_dir, converted_dir, architecture,
+                                                         stock_loadable=stock_loadable, quiet=quiet,
+                                                         rms_how=rms_how, stream_map=stream_map)
+            return probe, {**refused, **compared}, mode, note
+        except Unsupported as error:
+            mode, note = "full", f"layer by layer unavailable ({error}); compared whole models"
+    probe, compared = compare_whole(reference, reference_dir, converted_dir, architecture,
+                                    stock_loadable=stock_loadable, rms_how=rms_how)
+    return probe, {**refused, **compared}, mode, note
+
+
+def summarise(probe: Probe, loaders: dict[str, dict], *, atol: float, rtol: float, mode: str, note: str | None,
+              method: str, paths: tuple[Path, Path], **extra: object) -> dict:
+    """The verification result: each compared loader judged against the tolerance, and the verdict."""
+    compared = [figures for figures in loaders.values() if "max_abs_diff" in figures]
+    if not all(math.isfinite(figures["max_abs_diff"]) and math.isfinite(figures["max_abs_reference"])
+               for figures in compared):
+        _refuse_non_finite(*paths)
+    for figures in compared:
+        figures["passed"] = within_tolerance(figures, atol, rtol)
+    limit = atol + rtol * max(figures["max_abs_reference"] for figures in compared)
+    passed = all(figures["passed"] for figures in compared) and all(
+        figures.get("refused", True) for figures in loaders.values()
+    )
+    return {
+        "probe": probe.kind,
+        "probe_shape": list(next(iter(probe.inputs.values())).shape),
+        "compute_dtype": "float32",
+        "method": method,
+        **extra,
+        "tolerance": {"atol": atol, "rtol": rtol, "limit": limit},
+        "loaders": loaders,
+        "passed": passed,
+        "mode": mode,
+        **({"note": note} if note else {}),
+        **({"worst_layer": _worst_layer(loaders)} if mode == "layerwise" else {}),
+    }
 
 
 def _refuse_non_finite(original_dir: Path, converted_dir: Path) -> None:
@@ -186,58 +198,3 @@ def _worst_layer(loaders: dict[str, dict]) -> dict:
     ranked = [(figures["worst_layer"]["relative"], name) for name, figures in loaders.items() if "worst_layer" in figures]
     _, name = max(ranked)
     return {"loader": name, **loaders[name]["worst_layer"]}
-
-
-def _verification_mode(original_dir: Path, architecture: Architecture, layerwise: bool | None) -> tuple[str, str | None]:
-    """``layerwise`` when asked for, or (``layerwise=None``) when the model is too big to hold twice."""
-    if layerwise is False:
-        return "full", None
-    if layerwise is None and not verify_layerwise.wants_layerwise(original_dir):
-        return "full", None
-    reason = verify_layerwise.unsupported_reason(architecture, original_dir)
-    if reason is not None:
-        return "full", f"layer by layer unavailable ({reason}); compared whole models"
-    return "layerwise", None
-
-
-@on_idle_cores
-def _compare_whole(original_dir: Path, converted_dir: Path, original_config: dict, architecture: Architecture,
-                   block: dict, atol: float, rtol: float, rms_how: str) -> tuple[verify.Probe, dict[str, dict]]:
-    """Load each whole model in float32 and compare outputs: the probe and figures per loader."""
-    original_model = build.load_pretrained(
-        build.model_class(original_config, architecture.auto_class), original_dir, dtype=torch.float32
-    )
-    probe = verify.PROBES[architecture.probe](original_model.config, verify.load_tokenizer(original_dir))
-    reference = verify.model_output(original_model, probe, architecture.probe)
-    del original_model
-    gc.collect()
-
-    labels = probe.inputs.get("input_ids") if architecture.probe == "causal_lm" else None
-    loaders = {}
-    for how in ("stock", "remote"):
-        if how == "stock" and not block.get("stock_loadable", True):
-            loaders["stock"] = {"refused": _stock_refuses(converted_dir, architecture)}
-            continue
-        model = load_converted(converted_dir, how if how == "stock" else rms_how)
-        if how == "remote" and any(isinstance(m, nn.LayerNorm) for m in model.modules()):
-            raise NormswapError("the RMSNorm model still has nn.LayerNorm modules")
-        candidate = verify.model_output(model, probe, architecture.probe)
-        del model
-        gc.collect()
-        figures = verify.compare_outputs(reference, candidate, distribution=architecture.probe in verify.LOGIT_PROBES,
-                                         labels=labels)
-        figures["passed"] = verify.within_tolerance(figures, atol, rtol)
-        loaders["stock" if how == "stock" else "remote_code"] = figures
-    return probe, loaders
-
-
-def _stock_refuses(path: Path, architecture: Architecture) -> bool:
-    """True when stock transformers refuses to load ``path`` without trust_remote_code.
-
-    Trying a load in this process proves nothing: ``import normswap`` registers the
-    ``normswap_<type>`` model types with the Auto classes, so the load would succeed. Stock
-    transformers on its own knows only its built-in model types, and refuses any other one.
-    """
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-
-    return read_config(path).get("model_type") not in CONFIG_MAPPING_NAMES

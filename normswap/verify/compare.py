@@ -1,7 +1,7 @@
-"""Verify: run the original and the converted model on the same probe and compare outputs.
+"""Figures and tolerances: what a comparison of two models' outputs on one probe reports.
 
-Both are loaded in float32 whatever the checkpoint dtype, so the figures measure the conversion
-(the centred and folded weights, rounded to the checkpoint dtype), not runtime rounding.
+Both models are run in float32 whatever the checkpoint dtype, so the figures measure the
+conversion (the centred and folded weights, rounded to the checkpoint dtype), not runtime rounding.
 
 For language models the figures are max |Δlogit|, the mean KL(original ‖ converted) of the
 next-token distributions, top-1 agreement, and the probe perplexity of both. For encoders the
@@ -11,13 +11,12 @@ compared output is the family's pooled or last hidden state and only max |Δ| ap
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from importlib import resources
-from pathlib import Path
 
 import torch
 
 from normswap.errors import NormswapError
+from normswap.verify.probes import LOGIT_PROBES, Probe
+from normswap.verify.probes import load_tokenizer as load_tokenizer  # the checkpoint's tokenizer, for callers
 
 # (atol, rtol) on max |Δoutput| by checkpoint dtype: tolerance = atol + rtol * max |output|.
 # fp32: rounding of centred weights is ~1e-7 relative, amplified by depth; 1e-4 absolute is tight
@@ -30,111 +29,14 @@ DEFAULT_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     torch.bfloat16: (1e-1, 1e-2),
 }
 
-PROBE_TOKENS = 64
-PROBE_BATCH = 2
-
 
 def default_tolerance(dtype: torch.dtype) -> tuple[float, float]:
+    """(atol, rtol) for a checkpoint stored in ``dtype``."""
     return DEFAULT_TOLERANCES.get(dtype, DEFAULT_TOLERANCES[torch.float32])
 
 
-def probe_text() -> str:
-    """A paragraph of real English text (public domain) for probing through the tokenizer."""
-    excerpt = resources.files("normswap") / "data" / "text" / "persuasion-excerpt.txt"
-    if excerpt.is_file():
-        return excerpt.read_text(encoding="utf-8")[:20000]
-    return (
-        "It is a truth universally acknowledged, that a single man in possession of a good fortune, "
-        "must be in want of a wife. However little known the feelings or views of such a man may be "
-        "on his first entering a neighbourhood, this truth is so well fixed in the minds of the "
-        "surrounding families, that he is considered the rightful property of some one or other of "
-        "their daughters."
-    )
-
-
-@dataclass
-class Probe:
-    """Model inputs and how they were made."""
-
-    inputs: dict[str, torch.Tensor]
-    kind: str  # "text" or "random"
-
-
-def causal_lm_probe(config, tokenizer, seed: int = 0) -> Probe:
-    """Token ids [PROBE_BATCH, n]: real text through the tokenizer when there is one, else random ids."""
-    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 2048
-    length = min(PROBE_TOKENS, int(limit))
-    if tokenizer is not None:
-        ids = tokenizer(probe_text(), return_tensors="pt")["input_ids"][0]
-        if ids.numel() >= PROBE_BATCH * length:
-            ids = ids[: PROBE_BATCH * length].reshape(PROBE_BATCH, length)
-            return Probe({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, "text")
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, config.vocab_size, (PROBE_BATCH, length), generator=generator)
-    return Probe({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, "random")
-
-
-def seq2seq_speech_probe(config, tokenizer, seed: int = 0) -> Probe:
-    """Whisper: random log-mel features and decoder ids (text through the tokenizer, else random).
-
-    The encoder insists on exactly 2·max_source_positions frames (its second conv has stride 2);
-    features are N(0, 1), the scale of Whisper's normalised log-mel input.
-    """
-    generator = torch.Generator().manual_seed(seed)
-    frames = 2 * int(config.max_source_positions)
-    features = torch.randn(PROBE_BATCH, int(config.num_mel_bins), frames, generator=generator)
-    length = min(PROBE_TOKENS, int(config.max_target_positions))
-    kind = "random"
-    ids = None
-    if tokenizer is not None:
-        text_ids = tokenizer(probe_text(), return_tensors="pt")["input_ids"][0]
-        if text_ids.numel() >= PROBE_BATCH * length:
-            ids, kind = text_ids[: PROBE_BATCH * length].reshape(PROBE_BATCH, length), "text"
-    if ids is None:
-        ids = torch.randint(0, config.vocab_size, (PROBE_BATCH, length), generator=generator)
-    return Probe({"input_features": features, "decoder_input_ids": ids}, kind)
-
-
-def _pixels(vision_config, generator: torch.Generator) -> torch.Tensor:
-    size = vision_config.image_size
-    height, width = (size, size) if isinstance(size, int) else tuple(size)
-    channels = int(getattr(vision_config, "num_channels", 3))
-    return torch.randn(PROBE_BATCH, channels, int(height), int(width), generator=generator)
-
-
-def vision_probe(config, tokenizer, seed: int = 0) -> Probe:
-    """Random N(0, 1) pixel values [PROBE_BATCH, channels, size, size] (normalised-image scale)."""
-    return Probe({"pixel_values": _pixels(config, torch.Generator().manual_seed(seed))}, "random")
-
-
-def clip_probe(config, tokenizer, seed: int = 0) -> Probe:
-    """Token ids ending in the end-of-text token (the CLIP text tower pools there) and/or pixels.
-
-    ``clip`` configs get both, ``clip_text_model`` ids only, ``clip_vision_model`` pixels only.
-    """
-    generator = torch.Generator().manual_seed(seed)
-    inputs = {}
-    model_type = getattr(config, "model_type", "clip")
-    if model_type != "clip_vision_model":
-        text = getattr(config, "text_config", None) or config
-        length = min(PROBE_TOKENS, int(text.max_position_embeddings))
-        ids = torch.randint(0, text.vocab_size, (PROBE_BATCH, length), generator=generator)
-        eos = getattr(text, "eos_token_id", None)
-        if isinstance(eos, int) and 0 <= eos < text.vocab_size:
-            ids[:, -1] = eos
-        inputs["input_ids"] = ids
-    if model_type != "clip_text_model":
-        inputs["pixel_values"] = _pixels(getattr(config, "vision_config", None) or config, generator)
-    return Probe(inputs, "random")
-
-
-PROBES = {"causal_lm": causal_lm_probe, "seq2seq_speech": seq2seq_speech_probe, "vision": vision_probe,
-          "clip": clip_probe}
-# probe kinds whose compared output is a tensor of logits (distribution figures apply)
-LOGIT_PROBES = ("causal_lm", "seq2seq_speech")
-
-
-def _centred(x: torch.Tensor) -> torch.Tensor:
+def centred(x: torch.Tensor) -> torch.Tensor:
+    """C·x: ``x`` minus its mean over the hidden (last) dimension, in ``x``'s dtype."""
     return x - x.mean(-1, keepdim=True)
 
 
@@ -147,12 +49,12 @@ def _encoder_outputs(outputs, stream_last_hidden_state: bool) -> list[torch.Tens
         value = outputs.get(key) if hasattr(outputs, "get") else None
         if value is None:
             continue
-        parts.append(_centred(value) if key == "last_hidden_state" and stream_last_hidden_state else value)
+        parts.append(centred(value) if key == "last_hidden_state" and stream_last_hidden_state else value)
     return parts
 
 
 @torch.no_grad()
-def model_output(model, probe: Probe, kind: str) -> torch.Tensor:
+def model_output(model: torch.nn.Module, probe: Probe, kind: str) -> torch.Tensor:
     """The compared output of ``model`` on ``probe``, as float64.
 
     ``causal_lm`` and ``seq2seq_speech``: the logits. ``vision``: the logits of a classifier, or
@@ -180,7 +82,8 @@ def model_output(model, probe: Probe, kind: str) -> torch.Tensor:
     return torch.cat([part.double().flatten() for part in parts])
 
 
-def compare_outputs(reference: torch.Tensor, candidate: torch.Tensor, *, distribution: bool, labels=None) -> dict:
+def compare_outputs(reference: torch.Tensor, candidate: torch.Tensor, *, distribution: bool,
+                    labels: torch.Tensor | None = None) -> dict:
     """Figures comparing ``candidate`` with ``reference`` (float64 tensors of equal shape)."""
     figures = {"max_abs_diff": float((reference - candidate).abs().max()), "max_abs_reference": float(reference.abs().max())}
     if distribution:
@@ -194,6 +97,32 @@ def compare_outputs(reference: torch.Tensor, candidate: torch.Tensor, *, distrib
     return figures
 
 
+def compare_by_sequence(reference: torch.Tensor, candidate: torch.Tensor, labels: torch.Tensor | None) -> dict:
+    """``compare_outputs`` over the logits of one probe sequence at a time, merged.
+
+    A vocabulary-wide float64 comparison of the whole batch holds several [batch, n, vocab]
+    arrays at once; per sequence it holds one sequence's. Sequences have equal length, so the
+    merge is exact: maxima are maxima, means (KL, top-1 agreement) are means of the per-sequence
+    means, and perplexities (exp of a mean NLL) are geometric means.
+    """
+    rows = []
+    for index in range(reference.shape[0]):
+        rows.append(compare_outputs(
+            reference[index: index + 1].double(), candidate[index: index + 1].double(), distribution=True,
+            labels=None if labels is None else labels[index: index + 1],
+        ))
+    merged = {}
+    for key in rows[0]:
+        values = [row[key] for row in rows]
+        if key.startswith("max_"):
+            merged[key] = max(values)
+        elif key.startswith("perplexity_"):
+            merged[key] = math.exp(sum(math.log(value) for value in values) / len(values))
+        else:
+            merged[key] = sum(values) / len(values)
+    return merged
+
+
 def _perplexity(log_probs: torch.Tensor, ids: torch.Tensor) -> float:
     """exp of the mean next-token negative log-likelihood."""
     picked = log_probs[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
@@ -201,19 +130,8 @@ def _perplexity(log_probs: torch.Tensor, ids: torch.Tensor) -> float:
 
 
 def within_tolerance(figures: dict, atol: float, rtol: float) -> bool:
+    """Whether max |Δ| is within ``atol + rtol * max |reference|``."""
     return figures["max_abs_diff"] <= atol + rtol * figures["max_abs_reference"]
-
-
-def load_tokenizer(path: Path):
-    """The checkpoint's tokenizer, or None when it has none or it cannot be built offline."""
-    if not any((path / name).is_file() for name in ("tokenizer.json", "vocab.json", "tokenizer.model")):
-        return None
-    try:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(str(path))
-    except Exception:  # a broken tokenizer must not stop verification: random ids still work
-        return None
 
 
 def format_table(rows: dict[str, dict]) -> str:

@@ -1,0 +1,93 @@
+"""The ways a converted checkpoint is loaded for verification, and the loop over them.
+
+A converted checkpoint is run the ways a user would load it: with stock transformers' class (the
+LayerNorm model on centred weights; only when stock transformers accepts its config) and as the
+RMSNorm model, built from normswap's own classes (``rmsnorm``) or, with consent, from the
+checkpoint's own ``modeling_normswap.py`` (``remote``, which runs that file).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+import transformers
+from torch import nn
+
+from normswap.architectures import Architecture, architecture_for
+from normswap.convert.source import read_config
+from normswap.errors import NormswapError
+from normswap.memory import release_memory
+from normswap.modeling import build, remote
+
+
+def rmsnorm_class(path: Path, architecture: Architecture) -> type:
+    """The RMSNorm class for a converted checkpoint, from the modeling code installed with normswap.
+
+    This is the class the checkpoint's ``modeling_normswap.py`` defines (the file is a copy of
+    ``normswap.modeling.remote``), taken from normswap itself so that nothing in the checkpoint runs.
+    """
+    config = read_config(path)
+    base = build.model_class(config, architecture.auto_class)
+    if base.__name__.startswith("Auto"):
+        raise NormswapError(f"{path / 'config.json'}: 'architectures' names no model class this transformers has")
+    own_type = str(config.get("model_type", "")).startswith(remote.MODEL_TYPE_PREFIX)
+    return remote._lookup((remote.OWN_TYPE_PREFIX if own_type else remote.CLASS_PREFIX) + base.__name__)
+
+
+def load_converted(path: Path, how: str, *, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Load a converted checkpoint with stock transformers (``stock``), normswap's RMSNorm classes
+    (``rmsnorm``), or the checkpoint's own ``modeling_normswap.py`` (``remote``, runs its code).
+
+    The stock path uses the class named in ``architectures`` (a ``ViTForImageClassification``
+    must not load as the family Auto class's ``ViTModel``); the remote path goes through the
+    family's Auto class, whose ``auto_map`` entry names the RMSNorm form of that same class.
+    """
+    from normswap.loading import register_auto_classes
+
+    register_auto_classes()  # a normswap_<type> config must resolve, as after ``import normswap``
+    config = read_config(path)
+    block = config.get("normswap") or {}
+    architecture = architecture_for({**config, "model_type": block.get("original_model_type", config.get("model_type"))})
+    if how == "stock":
+        return build.load_pretrained(build.model_class(config, architecture.auto_class), path, dtype=dtype)
+    if how == "rmsnorm":
+        return build.load_pretrained(rmsnorm_class(path, architecture), path, dtype=dtype)
+    if how == "remote":
+        auto = getattr(transformers, architecture.auto_class)
+        return build.load_pretrained(auto, path, dtype=dtype, trust_remote_code=True)
+    raise ValueError(how)
+
+
+def stock_refuses(path: Path) -> bool:
+    """True when stock transformers refuses to load ``path`` without trust_remote_code.
+
+    Trying a load in this process proves nothing: ``import normswap`` registers the
+    ``normswap_<type>`` model types with the Auto classes, so the load would succeed. Stock
+    transformers on its own knows only its built-in model types, and refuses any other one.
+    """
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return read_config(path).get("model_type") not in CONFIG_MAPPING_NAMES
+
+
+def refusals(path: Path, stock_loadable: bool) -> dict[str, dict]:
+    """The loaders that must refuse ``path``, and whether they do: stock transformers, when the
+    conversion is not meant to load with it."""
+    return {} if stock_loadable else {"stock": {"refused": stock_refuses(path)}}
+
+
+def each_loader(stock_loadable: bool, rms_how: str, load: Callable[[str], nn.Module]) -> Iterator[tuple[str, nn.Module]]:
+    """(label, model) for each load of the converted checkpoint, one at a time: ``load(how)`` with
+    ``stock`` (when ``stock_loadable``), then ``rms_how``. The RMSNorm model must have no LayerNorm
+    left. Each model is dropped, and its memory handed back, before the next is loaded: the
+    caller keeps no reference to it past its turn."""
+    runs = ([("stock", "stock")] if stock_loadable else []) + [("remote_code", rms_how)]
+    for label, how in runs:
+        model = load(how)
+        if how != "stock" and any(isinstance(module, nn.LayerNorm) for module in model.modules()):
+            raise NormswapError("the RMSNorm model still has nn.LayerNorm modules")
+        yield label, model
+        del model
+        release_memory()

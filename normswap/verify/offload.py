@@ -1,0 +1,243 @@
+"""Models on the meta device, run with their weights read from the checkpoint one unit at a time.
+
+The original and the converted model are each built on the meta device (accelerate's
+``init_empty_weights``) and dispatched with accelerate's ``dispatch_model``: every residual block,
+and every module outside the block list, is one unit of the ``device_map``, offloaded, with the
+checkpoint itself as the offload store (``Float32Weights``: tensors read from the shards on
+demand; nothing is copied to an offload folder). accelerate's hooks then load a unit's weights
+just before it runs and drop them right after, so memory holds one block (or the embedding, or
+the head) at a time. With a GPU present the execution device is the GPU, else the CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import transformers
+from torch import nn
+
+from normswap.architectures import Architecture
+from normswap.convert.plan import canonical_names
+from normswap.convert.source import CheckpointReader, read_config
+from normswap.errors import NormswapError
+from normswap.memory import map_large_allocations, release_memory
+from normswap.modeling import build
+
+# Above this many bytes of float32 weights, automatic verification goes layer by layer
+# (a whole-model comparison holds one float32 copy of the model).
+LAYERWISE_ABOVE_BYTES = 1 << 30
+
+
+def float32_bytes(path: Path) -> int:
+    """Bytes the floating-point weights of the checkpoint at ``path`` take in float32."""
+    with CheckpointReader(path) as reader:
+        return 4 * sum(math.prod(info.shape) for info in reader.tensors.values() if info.dtype.is_floating_point)
+
+
+def wants_layerwise(path: Path) -> bool:
+    """Whether automatic verification of the checkpoint at ``path`` should go layer by layer."""
+    return float32_bytes(path) > LAYERWISE_ABOVE_BYTES
+
+
+def execution_device() -> torch.device:
+    """Where blocks run: the first GPU when there is one, else the CPU."""
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """Silence transformers' and accelerate's load-time chatter."""
+    loggers = [logging.getLogger(name) for name in ("transformers", "accelerate")]
+    levels = [logger.level for logger in loggers]
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
+def empty_model(cls: type, config) -> nn.Module:
+    """``cls`` built with its parameters on meta (buffers stay real), in float32, eval mode."""
+    from accelerate import init_empty_weights
+
+    with _quiet(), init_empty_weights():
+        model = cls.from_config(config) if cls.__name__.startswith("Auto") else cls(config)
+    return _float32_tied(model)
+
+
+def original_model(path: Path, architecture: Architecture) -> nn.Module:
+    """The original checkpoint's model class, empty."""
+    config = read_config(path)
+    return empty_model(build.model_class(config, architecture.auto_class), build.config_object(config))
+
+
+def converted_model(path: Path, architecture: Architecture, how: str) -> nn.Module:
+    """The converted checkpoint's model, empty: the stock class (``stock``), normswap's RMSNorm
+    class (``rmsnorm``), or the checkpoint's own code (``remote``, runs it)."""
+    if how == "stock":
+        return empty_model(build.model_class(read_config(path), architecture.auto_class),
+                           transformers.AutoConfig.from_pretrained(path))
+    if how == "rmsnorm":
+        from normswap.verify.loaders import rmsnorm_class
+
+        cls = rmsnorm_class(path, architecture)
+        with _quiet():
+            config = cls.config_class.from_pretrained(path)
+        return empty_model(cls, config)
+    from accelerate import init_empty_weights
+
+    with _quiet():
+        config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=True)
+        with init_empty_weights():
+            model = getattr(transformers, architecture.auto_class).from_config(config, trust_remote_code=True)
+    # a normswap_<type> config may resolve to normswap's kernel class, whose fused block forwards
+    # read a norm's weight without calling the norm, bypassing accelerate's per-module weight loading
+    from normswap.kernels.patch import unpatch
+
+    return unpatch(_float32_tied(model))
+
+
+def _float32_tied(model: nn.Module) -> nn.Module:
+    """``model`` in float32 and eval mode, its tied weights tied (transformers ties them on loading;
+    a meta model must say so too, and a dtype change on meta unties them)."""
+    model = model.to(torch.float32).eval()
+    with _quiet():
+        model.tie_weights()
+    return model
+
+
+class Float32Weights(Mapping):
+    """The parameters of ``model``, read from ``checkpoint`` on demand and converted to float32.
+
+    This is the ``state_dict`` accelerate's offload hooks load each module from (any mapping
+    will do). A tensor is read in row slices and converted into its float32 copy
+    (``CheckpointReader.read_as``), so a float16 embedding never exists twice in memory.
+    Checkpoint names are mapped to the class's names as the conversion plan maps them; a tied
+    parameter missing from the checkpoint (GPT-2's head) reads the tensor it is tied to.
+    """
+
+    def __init__(self, model: nn.Module, reader: CheckpointReader) -> None:
+        from accelerate.utils import find_tied_parameters
+
+        self.reader = reader
+        model_keys = set(model.state_dict().keys())
+        names = canonical_names(list(reader.tensors), model_keys, model.base_model_prefix,
+                                build.checkpoint_renamer(model))
+        self.sources = {names[source]: source for source in reader.tensors}
+        for group in find_tied_parameters(model):
+            present = next((name for name in group if name in self.sources), None)
+            for name in group:
+                if present is not None and name not in self.sources:
+                    self.sources[name] = self.sources[present]
+        missing = [name for name, _ in model.named_parameters(remove_duplicate=False) if name not in self.sources]
+        if missing:
+            raise NormswapError(f"{reader.path} has no weight for {missing[0]}")
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        source = self.sources[name]
+        dtype = self.reader.tensors[source].dtype
+        return self.reader.read_as(source, torch.float32 if dtype.is_floating_point else dtype)
+
+    def __contains__(self, name: object) -> bool:
+        # Mapping's default reads the tensor to answer; accelerate asks before every read.
+        return name in self.sources
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.sources)
+
+    def __len__(self) -> int:
+        return len(self.sources)
+
+
+def find_blocks(model: nn.Module, path: str | None) -> tuple[str, nn.ModuleList] | None:
+    """The residual blocks: the ModuleList at ``path``, or else the longest list of same-class modules."""
+    if path is not None:
+        try:
+            blocks = model.get_submodule(path)
+        except AttributeError:
+            return None
+        return (path, blocks) if isinstance(blocks, nn.ModuleList) and len(blocks) else None
+    candidates = [
+        (name, module) for name, module in model.named_modules()
+        if isinstance(module, nn.ModuleList) and len(module) and len({type(child) for child in module}) == 1
+    ]
+    return max(candidates, key=lambda item: len(item[1]), default=None)
+
+
+def device_map_for(model: nn.Module, blocks_path: str, device: str = "disk") -> dict[str, str]:
+    """One ``device_map`` unit per block and per module outside the block list, all on ``device``.
+
+    Raises ``Unsupported`` when a module above the block list holds parameters of its own: such
+    a parameter cannot be a unit of its own.
+    """
+    units: dict[str, str] = {}
+
+    def visit(module: nn.Module, prefix: str) -> None:
+        if any(True for _ in module.parameters(recurse=False)):
+            raise Unsupported(f"'{prefix or 'the model'}' holds parameters beside the block list")
+        for name, child in module.named_children():
+            full = f"{prefix}.{name}" if prefix else name
+            if full == blocks_path:
+                units.update({f"{full}.{index}": device for index in range(len(child))})
+            elif blocks_path.startswith(full + "."):
+                visit(child, full)
+            else:
+                units[full] = device
+
+    visit(model, "")
+    return units
+
+
+class Unsupported(Exception):
+    """This model cannot be verified layer by layer (the caller falls back to the whole model)."""
+
+
+@contextmanager
+def dispatched(model: nn.Module, checkpoint: Path, blocks_path: str, device: torch.device) -> Iterator[nn.Module]:
+    """``model`` with accelerate hooks that load each unit's weights from ``checkpoint`` when it
+    runs (onto ``device``) and drop them when it is done."""
+    from accelerate import dispatch_model
+    from accelerate.hooks import remove_hook_from_module
+
+    map_large_allocations()
+    release_memory()
+    with CheckpointReader(checkpoint) as reader:
+        weights = Float32Weights(model, reader)
+        with _quiet():
+            dispatch_model(model, device_map=device_map_for(model, blocks_path), main_device=str(device),
+                           state_dict=weights, offload_index={}, offload_buffers=False)
+        try:
+            yield model
+        finally:
+            remove_hook_from_module(model, recurse=True)
+            release_memory()
+
+
+def unsupported_reason(architecture: Architecture, original_dir: Path) -> str | None:
+    """Why the original cannot be verified layer by layer, or None when it can."""
+    if architecture.probe != "causal_lm":
+        return f"layer-by-layer verification covers causal LMs; this is a {architecture.probe} model"
+    model = original_model(original_dir, architecture)
+    found = find_blocks(model, architecture.blocks)
+    if found is None:
+        return "no list of residual blocks found in the model"
+    try:
+        device_map_for(model, found[0])
+    except Unsupported as error:
+        return str(error)
+    return None
