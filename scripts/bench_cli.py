@@ -10,6 +10,9 @@ In one run, each step a fresh process, repeated ``--repeat`` times (min and medi
 * ``normswap eval austen-rms --baseline normswap:austen-gpt2 --tasks local`` (the bundled model
   converted once first);
 * ``normswap run recipes/austen-gpt2.yaml``;
+* ``convert``: for a synthetic fp16 GPT-2 checkpoint (``--convert-sizes``; default the 1.5B one,
+  3.1 GB in 4 shards), ``cp`` of its files, ``convert --verify none``, ``verify`` alone and the
+  default ``convert`` (layer-by-layer verification included), with peak RSS (``bench_convert.py``);
 * install sizes: the dependency closure of the core and of each extra (from the metadata of the
   distributions installed in this environment), sized from their installed files.
 
@@ -38,7 +41,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "bench_cli.json"
-STEPS = ("startup", "eval", "run", "install")
+STEPS = ("startup", "eval", "run", "convert", "install")
 EXTRAS = ("", "eval", "plot", "kernels", "all", "test")
 HEAVY = ("torch", "transformers", "lm_eval")
 PROJECT_REQUIREMENTS: list[str] = []  # filled from pyproject.toml, for self-referencing extras
@@ -122,6 +125,16 @@ def bench_commands(work: Path, slow_repeat: int, steps: set[str]) -> dict:
         out["run"] = repeated(normswap("run", recipe, "--out", str(work / "run"), "--overwrite", "--no-progress"),
                               work, repeat)
     return out
+
+
+def bench_convert_rows(work: Path, sizes: str, repeat: int) -> dict:
+    """cp, conversion without verification, verification alone and the default command, side by
+    side per size (``scripts/bench_convert.py``'s rounds, in this run)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_convert
+
+    records = [bench_convert.bench_size(bench_convert.SIZES[name], work, repeat) for name in sizes.split(",")]
+    return {"results": records, "targets": bench_convert.targets(records), "table": bench_convert.table(records)}
 
 
 def installed_bytes(distribution: str) -> int | None:
@@ -225,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3, help="runs per step (min and median reported)")
     parser.add_argument("--slow-repeat", type=int, default=3, help="runs of eval and run (min and median reported)")
     parser.add_argument("--out", default=str(RESULTS), help="JSON results file")
+    parser.add_argument("--convert-sizes", default="gpt2-xl", help="checkpoint sizes of the convert step "
+                                                                    "(bench_convert.py's names, comma-separated)")
+    parser.add_argument("--convert-repeat", type=int, default=3, help="rounds of the convert step")
     parser.add_argument("--before", type=Path, help="an older source tree: its start-up steps are measured "
                                                      "interleaved with this one's (e.g. from git archive)")
     args = parser.parse_args(argv)
@@ -237,11 +253,16 @@ def main(argv: list[str] | None = None) -> int:
             report["startup"] = bench_startup(work, args.repeat, args.before)
         if steps & {"eval", "run"}:
             report["commands"] = bench_commands(work, args.slow_repeat, steps)
+        if "convert" in steps:
+            report["convert"] = bench_convert_rows(work, args.convert_sizes, args.convert_repeat)
         if "install" in steps:
             report["install"] = bench_install()
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(table(report))
+    if "convert" in report:
+        print(report["convert"]["table"])
+        print(json.dumps(report["convert"]["targets"], indent=2))
     report = {
         "command": "python scripts/bench_cli.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "started": started,

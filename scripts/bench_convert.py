@@ -1,24 +1,25 @@
 """Benchmark streaming conversion against `cp`: wall time, peak RSS and verification time by size.
 
 Builds synthetic sharded GPT-2 checkpoints with random weights in real shapes (GPT-2-small,
-GPT-2-medium ≈ 0.4B, GPT-2-XL ≈ 1.5B; fp16), then for each size, in the same run:
+GPT-2-medium ≈ 0.4B, GPT-2-XL ≈ 1.5B; fp16), then for each size, ``--repeat`` rounds (min and
+median reported) of these steps, side by side in the same run:
 
-* ``cp`` of the same weight files (read plus write of the same bytes: the floor), twice;
+* ``cp`` of the same weight files (read plus write of the same bytes: the floor);
 * ``normswap inspect`` (start-up: importing torch and transformers, building the model class on
   meta, planning; no weights read or written), so the fixed cost can be told from the streaming;
 * ``normswap convert --verify none`` (conversion alone): wall time and peak RSS;
 * ``normswap verify`` in its automatic mode (whole models when small, layer by layer above
   1 GiB of float32 weights): wall time and peak RSS;
-* ``normswap convert --verify auto`` (conversion plus verification in one process): wall time and
-  peak RSS, and whether its weights hash the same as the first conversion's (determinism).
+* ``normswap convert`` with default options (conversion plus verification in one process): wall
+  time and peak RSS, and whether its weights hash the same as the first conversion's (determinism).
 
 Every step runs in a fresh process under ``/usr/bin/time`` (peak RSS = its max resident set
 size), after a ``sync`` so no step pays for the previous one's write-back. Results are printed as
 a table with the ratios and the scaling with size, and written to
 ``benchmarks/results/bench_convert.json``. The synthetic checkpoints are deleted afterwards.
 
-    python scripts/bench_convert.py                      # all sizes
-    python scripts/bench_convert.py --sizes gpt2-small   # quick check
+    python scripts/bench_convert.py                                  # all sizes, 3 rounds
+    python scripts/bench_convert.py --sizes gpt2-small --repeat 1    # quick check
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -152,6 +154,11 @@ def timed(command: list[str]) -> dict:
             "stdout": result.stdout.strip().splitlines()[-3:]}
 
 
+def uptime() -> str:
+    """The machine's uptime line (load averages), for the record of a shared machine."""
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
 def weight_files(path: Path) -> list[Path]:
     return sorted(path.glob("*.safetensors"))
 
@@ -181,46 +188,69 @@ def normswap(*args: str) -> list[str]:
     return [sys.executable, "-m", "normswap", *args]
 
 
-def bench_size(size: Size, work: Path) -> dict:
-    """Every measurement for one size; removes what it wrote."""
-    src, out, out_verified = work / f"{size.name}-src", work / f"{size.name}-rms", work / f"{size.name}-rms-v"
-    started = time.perf_counter()
-    record = {"size": size.name, **build_checkpoint(size, src)}
-    record["build_seconds"] = round(time.perf_counter() - started, 1)
+STEPS = ("cp", "startup", "convert_no_verify", "verify", "convert_default")
+
+
+def one_round(src: Path, work: Path) -> tuple[dict[str, dict], dict, bool]:
+    """Every step once, in a fresh process each: the measurements, the default command's
+    verification figures, and whether both conversions wrote the same bytes."""
+    out, out_verified = work / "rms", work / "rms-v"
     try:
-        cp_runs = [measure_cp(src, work)]
-        startup = timed(normswap("inspect", str(src)))
-        convert = timed(normswap("convert", str(src), "--out", str(out), "--verify", "none", "--quiet"))
-        cp_runs.append(measure_cp(src, work))
-        verify = timed(normswap("verify", str(src), str(out), "--quiet"))
+        steps = {"cp": measure_cp(src, work), "startup": timed(normswap("inspect", str(src)))}
+        steps["convert_no_verify"] = timed(normswap("convert", str(src), "--out", str(out), "--verify", "none",
+                                                    "--quiet"))
+        steps["verify"] = timed(normswap("verify", str(src), str(out), "--quiet"))
         converted_hash = weights_hash(out)
         shutil.rmtree(out)
-        both = timed(normswap("convert", str(src), "--out", str(out_verified), "--quiet"))
+        steps["convert_default"] = timed(normswap("convert", str(src), "--out", str(out_verified), "--quiet"))
         verification = json.loads((out_verified / "config.json").read_text())["normswap"]["verification"]
-        record.update(
-            cp_seconds=[run["seconds"] for run in cp_runs],
-            cp=cp_runs,
-            startup=startup,
-            convert=convert,
-            verify=verify,
-            verify_mode=verification.get("mode", "full"),
-            convert_and_verify=both,
-            deterministic=weights_hash(out_verified) == converted_hash,
-            verification={key: verification[key] for key in ("mode", "passed", "worst_layer") if key in verification},
-        )
-        record["verification"]["max_abs_diff"] = {
-            loader: figures.get("max_abs_diff") for loader, figures in verification["loaders"].items()
-        }
+        return steps, verification, weights_hash(out_verified) == converted_hash
     finally:
-        for path in (src, out, out_verified):
+        for path in (out, out_verified):
             shutil.rmtree(path, ignore_errors=True)
-    cp_seconds = sum(record["cp_seconds"]) / len(record["cp_seconds"])
-    streaming = max(record["convert"]["seconds"] - record["startup"]["seconds"], 1e-3)
-    record["convert_over_cp"] = round(record["convert"]["seconds"] / cp_seconds, 2)
+
+
+def summary(runs: list[dict]) -> dict:
+    """Min and median wall seconds and peak RSS of one step over its runs."""
+    seconds = [run["seconds"] for run in runs]
+    rss = [run["peak_rss_mb"] for run in runs]
+    return {"min_seconds": min(seconds), "median_seconds": round(statistics.median(seconds), 3),
+            "min_peak_rss_mb": min(rss), "median_peak_rss_mb": round(statistics.median(rss), 1),
+            "max_peak_rss_mb": max(rss), "runs": runs}
+
+
+def bench_size(size: Size, work: Path, repeat: int = 1) -> dict:
+    """Every measurement for one size, ``repeat`` rounds; removes what it wrote."""
+    src = work / f"{size.name}-src"
+    started = time.perf_counter()
+    record = {"size": size.name, "repeat": repeat, **build_checkpoint(size, src)}
+    record["build_seconds"] = round(time.perf_counter() - started, 1)
+    rounds: dict[str, list[dict]] = {step: [] for step in STEPS}
+    try:
+        for _ in range(repeat):
+            steps, verification, deterministic = one_round(src, work)
+            for step, measured in steps.items():
+                rounds[step].append(measured)
+            record["deterministic"] = record.get("deterministic", True) and deterministic
+    finally:
+        shutil.rmtree(src, ignore_errors=True)
+    record["steps"] = {step: summary(runs) for step, runs in rounds.items()}
+    record["verification"] = {key: verification[key] for key in ("mode", "passed", "worst_layer", "precheck")
+                              if key in verification}
+    record["verification"]["max_abs_diff"] = {
+        loader: figures.get("max_abs_diff") for loader, figures in verification["loaders"].items()
+    }
+    median = {step: figures["median_seconds"] for step, figures in record["steps"].items()}
+    streaming = max(median["convert_no_verify"] - median["startup"], 1e-3)
     record["streaming_seconds"] = round(streaming, 3)
-    record["streaming_over_cp"] = round(streaming / cp_seconds, 2)
-    record["convert_seconds_per_gb"] = round(record["convert"]["seconds"] / (record["bytes"] / 1e9), 2)
-    record["streaming_seconds_per_gb"] = round(streaming / (record["bytes"] / 1e9), 2)
+    record["ratios"] = {
+        "convert_no_verify_over_cp": round(median["convert_no_verify"] / median["cp"], 2),
+        "streaming_over_cp": round(streaming / median["cp"], 2),
+        "convert_default_over_cp": round(median["convert_default"] / median["cp"], 2),
+        "verify_work_over_streaming": round((median["verify"] - median["startup"]) / streaming, 2),
+    }
+    record["seconds_per_gb"] = {"convert_no_verify": round(median["convert_no_verify"] / (record["bytes"] / 1e9), 2),
+                                "streaming": round(streaming / (record["bytes"] / 1e9), 2)}
     return record
 
 
@@ -229,20 +259,15 @@ def bench_size(size: Size, work: Path) -> dict:
 
 
 def table(records: list[dict]) -> str:
-    head = ("| size | params | GB | shards | cp s | start-up s | convert s | ×cp | streaming s (convert − start-up) "
-            "| streaming ×cp | convert RSS MB | verify s (mode) | verify RSS MB | convert+verify s "
-            "| convert+verify RSS MB | same bytes |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    """One row per size and step: min and median seconds, peak RSS, ratio to cp (medians)."""
+    lines = ["| size | step | min s | median s | ×cp (median) | peak RSS MB (median, max) | runs |",
+             "|---|---|---|---|---|---|---|"]
     for r in records:
-        cp = sum(r["cp_seconds"]) / len(r["cp_seconds"])
-        lines.append(
-            f"| {r['size']} | {r['params'] / 1e9:.2f}B | {r['bytes'] / 1e9:.2f} | {r['shards']} | {cp:.2f} "
-            f"| {r['startup']['seconds']:.2f} | {r['convert']['seconds']:.2f} | {r['convert_over_cp']:.2f} "
-            f"| {r['streaming_seconds']:.2f} | {r['streaming_over_cp']:.2f} "
-            f"| {r['convert']['peak_rss_mb']:.0f} | {r['verify']['seconds']:.1f} ({r['verify_mode']}) "
-            f"| {r['verify']['peak_rss_mb']:.0f} | {r['convert_and_verify']['seconds']:.1f} "
-            f"| {r['convert_and_verify']['peak_rss_mb']:.0f} | {'yes' if r['deterministic'] else 'NO'} |"
-        )
+        cp = r["steps"]["cp"]["median_seconds"]
+        for step, f in r["steps"].items():
+            lines.append(f"| {r['size']} ({r['bytes'] / 1e9:.2f} GB) | {step} | {f['min_seconds']:.2f} "
+                         f"| {f['median_seconds']:.2f} | {f['median_seconds'] / cp:.1f} "
+                         f"| {f['median_peak_rss_mb']:.0f}, {f['max_peak_rss_mb']:.0f} | {len(f['runs'])} |")
     return "\n".join(lines)
 
 
@@ -250,35 +275,30 @@ def scaling(records: list[dict]) -> dict:
     """Seconds per GB by size, whole conversion and streaming part; largest over smallest (1.0 = linear)."""
     ordered = sorted(records, key=lambda r: r["bytes"])
     result = {}
-    for key in ("convert_seconds_per_gb", "streaming_seconds_per_gb"):
-        result[key] = {r["size"]: r[key] for r in ordered}
+    for key in ("convert_no_verify", "streaming"):
+        result[key] = {r["size"]: r["seconds_per_gb"][key] for r in ordered}
         if len(ordered) > 1:
-            result[key + "_largest_over_smallest"] = round(ordered[-1][key] / ordered[0][key], 2)
+            result[key + "_largest_over_smallest"] = round(ordered[-1]["seconds_per_gb"][key]
+                                                           / ordered[0]["seconds_per_gb"][key], 2)
     return result
 
 
 def targets(records: list[dict]) -> dict:
+    """The issue's targets for the 1.5B checkpoint, judged on medians (peak RSS on the worst run)."""
     by_size = {r["size"]: r for r in records}
-    result = {"convert_within_3x_cp": {r["size"]: r["convert_over_cp"] <= 3.0 for r in records},
-              "streaming_within_3x_cp": {r["size"]: r["streaming_over_cp"] <= 3.0 for r in records}}
-    if "gpt2-xl" in by_size:
-        xl = by_size["gpt2-xl"]
-        rss = xl["convert_and_verify"]["peak_rss_mb"]
-        cp = sum(xl["cp_seconds"]) / len(xl["cp_seconds"])
-        default_over_cp = xl["convert_and_verify"]["seconds"] / cp
-        result["xl_convert_and_layerwise_verify_rss_below_1gb"] = {"peak_rss_mb": rss, "met": rss < 1024}
-        result["xl_convert_and_verify_rss_at_most_800mb"] = {"peak_rss_mb": rss, "met": rss <= 800}
-        result["xl_default_convert_within_8x_cp"] = {"ratio": round(default_over_cp, 2), "met": default_over_cp <= 8}
-        # verification alone (its own start-up taken off, as for the conversion's streaming part)
-        verify_work = xl["verify"]["seconds"] - xl["startup"]["seconds"]
-        result["xl_verify_no_slower_than_streaming"] = {
-            "verify_minus_startup_seconds": round(verify_work, 2), "streaming_seconds": xl["streaming_seconds"],
-            "met": verify_work <= xl["streaming_seconds"]}
-    if "gpt2-small" in by_size:
-        small = by_size["gpt2-small"]
-        result["smallest_in_seconds"] = {"convert_seconds": small["convert"]["seconds"],
-                                         "convert_and_verify_seconds": small["convert_and_verify"]["seconds"]}
-    return result
+    if "gpt2-xl" not in by_size:
+        return {}
+    xl = by_size["gpt2-xl"]
+    rss = xl["steps"]["convert_default"]["max_peak_rss_mb"]
+    verify_rss = xl["steps"]["verify"]["max_peak_rss_mb"]
+    return {
+        "default_convert_within_8x_cp": {"ratio": xl["ratios"]["convert_default_over_cp"],
+                                         "met": xl["ratios"]["convert_default_over_cp"] <= 8},
+        "default_convert_rss_at_most_800mb": {"peak_rss_mb": rss, "met": rss <= 800},
+        "verify_rss_at_most_800mb": {"peak_rss_mb": verify_rss, "met": verify_rss <= 800},
+        "verify_no_slower_than_streaming": {"verify_work_over_streaming": xl["ratios"]["verify_work_over_streaming"],
+                                            "met": xl["ratios"]["verify_work_over_streaming"] <= 1},
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -286,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated, from {', '.join(SIZES)}")
     parser.add_argument("--workdir", default="/tmp/normswap-bench", help="where synthetic checkpoints go (deleted)")
     parser.add_argument("--out", default=str(RESULTS), help="JSON results file")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds of every step per size (min and median)")
     args = parser.parse_args(argv)
     work = Path(args.workdir)
     shutil.rmtree(work, ignore_errors=True)
@@ -295,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for name in args.sizes.split(","):
             print(f"[bench] {name} ...", file=sys.stderr, flush=True)
-            records.append(bench_size(SIZES[name], work))
+            records.append(bench_size(SIZES[name], work, args.repeat))
             print(table(records[-1:]), file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -306,8 +327,10 @@ def main(argv: list[str] | None = None) -> int:
                     "torch": torch.__version__,
                     "note": "shared machine: other processes (other engineers' jobs) may have been running; "
                             "load_before is the 1-minute load average before each step"},
-        "method": "each step a fresh process under /usr/bin/time after sync; peak RSS = max resident set size; "
-                  "cp = cp of the same weight files (mean of two runs bracketing the conversion)",
+        "method": "each step a fresh process under /usr/bin/time after sync, the steps of a round in turn; "
+                  "peak RSS = max resident set size; cp = cp of the same weight files; streaming = median "
+                  "convert_no_verify - median startup; verify work = median verify - median startup",
+        "uptime": uptime(),
         "results": records,
         "scaling": scaling(records),
         "targets": targets(records),

@@ -207,7 +207,8 @@ def compare_layerwise(original_dir: Path, converted_dir: Path, architecture: Arc
     try:
         with dispatched(original, original_dir, blocks_path, device):
             trace = trace_original(original, blocks, inputs, step)
-        del original
+        del original, blocks
+        release_memory()
         loaders: dict[str, dict] = {}
         load = lambda how: converted_model(converted_dir, architecture, how)  # noqa: E731
         for label, model in each_loader(stock_loadable, rms_how, load):

@@ -203,6 +203,66 @@ def device_map_for(model: nn.Module, blocks_path: str, device: str = "disk") -> 
     return units
 
 
+class RowsFromCheckpoint(nn.Module):
+    """An input embedding that reads only the rows it is asked for, from the checkpoint, in float32.
+
+    A block-by-block pass would otherwise load the whole [vocab, d] table (for GPT-2-XL, 321 MB in
+    float32) to look up the probe's 128 tokens."""
+
+    def __init__(self, reader: CheckpointReader, source: str, device: torch.device) -> None:
+        super().__init__()
+        self.reader, self.source, self.device = reader, source, device
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        unique, where = torch.unique(ids.cpu(), return_inverse=True)
+        rows = torch.stack([self.reader.read_rows(self.source, int(row), 1)[0] for row in unique.tolist()])
+        return rows.float()[where].to(self.device)
+
+
+class HeadByVocabularyChunk(nn.Module):
+    """A bias-free output head computed a slice of the vocabulary at a time, each slice's weight
+    rows read from the checkpoint and converted to float32 just before use: memory holds one
+    slice, not the [vocab, d] matrix."""
+
+    def __init__(self, reader: CheckpointReader, source: str, slice_bytes: int = 16 << 20) -> None:
+        super().__init__()
+        self.reader, self.source = reader, source
+        vocab, width = reader.tensors[source].shape
+        self.vocab, self.rows = vocab, max(1, slice_bytes // (4 * width))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = hidden.new_empty(*hidden.shape[:-1], self.vocab)
+        for start in range(0, self.vocab, self.rows):
+            count = min(self.rows, self.vocab - start)
+            weight = self.reader.read_rows(self.source, start, count).to(hidden.device, torch.float32)
+            logits[..., start: start + count] = hidden @ weight.T
+        return logits
+
+
+def _replace(model: nn.Module, old: nn.Module, new: nn.Module) -> None:
+    for name, module in model.named_modules():
+        if module is old:
+            parent, _, attribute = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, attribute, new)
+
+
+def stream_vocabulary(model: nn.Module, weights: Float32Weights, device: torch.device) -> None:
+    """Replace ``model``'s plain input embedding and bias-free output head by modules that read
+    the checkpoint a few rows at a time (``RowsFromCheckpoint``, ``HeadByVocabularyChunk``).
+
+    The model is consumed: it runs, then is thrown away, so nothing puts the modules back."""
+    names = {id(module): name for name, module in model.named_modules()}
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if type(embedding) is nn.Embedding and embedding.max_norm is None and id(embedding) in names:
+        source = weights.sources.get(f"{names[id(embedding)]}.weight")
+        if source is not None:
+            _replace(model, embedding, RowsFromCheckpoint(weights.reader, source, device))
+    if type(head) is nn.Linear and head.bias is None and id(head) in names:
+        source = weights.sources.get(f"{names[id(head)]}.weight")
+        if source is not None and len(weights.reader.tensors[source].shape) == 2:
+            _replace(model, head, HeadByVocabularyChunk(weights.reader, source))
+
+
 class Unsupported(Exception):
     """This model cannot be verified layer by layer (the caller falls back to the whole model)."""
 
@@ -215,9 +275,10 @@ def dispatched(model: nn.Module, checkpoint: Path, blocks_path: str, device: tor
     from accelerate.hooks import remove_hook_from_module
 
     map_large_allocations()
-    release_memory()
+    release_memory(collect=False)
     with CheckpointReader(checkpoint) as reader:
         weights = Float32Weights(model, reader)
+        stream_vocabulary(model, weights, device)
         with _quiet():
             dispatch_model(model, device_map=device_map_for(model, blocks_path), main_device=str(device),
                            state_dict=weights, offload_index={}, offload_buffers=False)
@@ -225,7 +286,7 @@ def dispatched(model: nn.Module, checkpoint: Path, blocks_path: str, device: tor
             yield model
         finally:
             remove_hook_from_module(model, recurse=True)
-            release_memory()
+            release_memory(collect=False)
 
 
 def unsupported_reason(architecture: Architecture, original_dir: Path) -> str | None:

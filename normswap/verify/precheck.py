@@ -61,47 +61,71 @@ def precheck(original_dir: Path, converted_dir: Path) -> dict:
     return counts
 
 
-def _row_chunks(reader: CheckpointReader, name: str) -> Iterator[tuple[int, torch.Tensor]]:
-    """(first row, rows) of ``name`` in slices of about CHUNK_BYTES, in the stored dtype."""
+def _row_chunks(reader: CheckpointReader, name: str, buffer: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+    """(first row, rows) of ``name`` in slices of at most CHUNK_BYTES, in the stored dtype, read
+    into ``buffer`` (each slice is overwritten by the next)."""
     info = reader.tensors[name]
     if len(info.shape) == 0 or info.shape[0] == 0:
         yield 0, reader.get(name)
         return
-    row_bytes = max(1, info.nbytes // info.shape[0])
-    rows = max(1, CHUNK_BYTES // row_bytes)
+    rows = max(1, CHUNK_BYTES // max(1, info.nbytes // info.shape[0]))
     for start in range(0, info.shape[0], rows):
-        yield start, reader.read_rows(name, start, min(rows, info.shape[0] - start)).clone()
+        yield start, reader.read_rows(name, start, min(rows, info.shape[0] - start), buffer)
+
+
+def _buffer() -> torch.Tensor:
+    return torch.empty(CHUNK_BYTES, dtype=torch.uint8)
 
 
 def _unit(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
 
 
+def _accumulator(dtype: torch.dtype) -> torch.dtype:
+    """Sums of 16-bit values are exact enough in float32 for a bound in their own rounding unit."""
+    return torch.float32 if dtype.itemsize <= 2 else torch.float64
+
+
 def _check_untouched(source: CheckpointReader, output: CheckpointReader, source_name: str, name: str) -> None:
     dtype = output.tensors[name].dtype
     if tuple(source.tensors[source_name].shape) != tuple(output.tensors[name].shape):
         raise VerificationError(f"pre-check: {name} should be {source_name} unchanged, but its shape differs")
-    for (_, before), (_, after) in zip(_row_chunks(source, source_name), _row_chunks(output, name), strict=True):
-        if not torch.equal(before.to(dtype), after):
+    same_dtype = source.tensors[source_name].dtype == dtype
+    chunks = zip(_row_chunks(source, source_name, _buffer()), _row_chunks(output, name, _buffer()), strict=True)
+    for (_, before), (_, after) in chunks:
+        if same_dtype and before.is_contiguous() and after.is_contiguous():
+            equal = torch.equal(_words(before), _words(after))
+        else:
+            equal = torch.equal(before.to(dtype), after)
+        if not equal:
             raise VerificationError(f"pre-check: {name} should be {source_name} unchanged, but its values differ")
+
+
+def _words(values: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``values`` as 8-byte words where they divide evenly (compared 4x faster than bytes)."""
+    raw = values.reshape(-1).view(torch.uint8)
+    return raw.view(torch.int64) if raw.numel() % 8 == 0 and raw.data_ptr() % 8 == 0 else raw
 
 
 def _check_centred(output: CheckpointReader, name: str, axis: int) -> None:
     """The mean along ``axis`` is zero up to the stored dtype's rounding of the largest value."""
     info = output.tensors[name]
     axis = axis % max(1, len(info.shape))
-    total, largest = None, 0.0
-    for _, rows in _row_chunks(output, name):
-        rows64 = rows.double()
-        largest = max(largest, float(rows64.abs().max()) if rows64.numel() else 0.0)
+    accumulate = _accumulator(info.dtype)
+    total, largest, worst = None, 0.0, 0.0
+    for _, rows in _row_chunks(output, name, _buffer()):
+        if rows.numel() == 0:
+            continue
+        low, high = torch.aminmax(rows)
+        largest = max(largest, -float(low), float(high))
+        part = rows.to(accumulate).sum(axis)  # converting first is faster than summing 16-bit values
         if axis == 0:
-            part = rows64.sum(0)
             total = part if total is None else total + part
         else:
-            mean = rows64.mean(axis)
-            _within(name, float(mean.abs().max()) if mean.numel() else 0.0, largest, info.dtype)
+            worst = max(worst, float(part.abs().max()) / info.shape[axis])
     if total is not None:
-        _within(name, float((total / info.shape[0]).abs().max()), largest, info.dtype)
+        worst = float(total.abs().max()) / info.shape[0]
+    _within(name, worst, largest, info.dtype)
 
 
 def _within(name: str, mean: float, largest: float, dtype: torch.dtype) -> None:
@@ -119,7 +143,8 @@ def _check_folded(source: CheckpointReader, output: CheckpointReader, source_nam
     floor = torch.finfo(dtype).tiny * unit if dtype.is_floating_point else 0.0  # subnormal spacing
     ndim = len(output.tensors[name].shape)
     axis = step.axis % ndim
-    for (start, before), (_, after) in zip(_row_chunks(source, source_name), _row_chunks(output, name), strict=True):
+    chunks = zip(_row_chunks(source, source_name, _buffer()), _row_chunks(output, name, _buffer()), strict=True)
+    for (start, before), (_, after) in chunks:
         if axis == 0:
             scale = gain[start: start + before.shape[0]].reshape(-1, *([1] * (ndim - 1)))
         else:
