@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import ParamSpec, TypeVar
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def available_cores() -> int:
@@ -62,12 +66,12 @@ def cpu_threads(count: int | None = None) -> Iterator[int]:
             torch.set_num_threads(before)
 
 
-def on_idle_cores(function):
+def on_idle_cores(function: Callable[P, R]) -> Callable[P, R]:
     """Decorator: run ``function`` under ``cpu_threads()`` when torch computes on the CPU."""
     import functools
 
     @functools.wraps(function)
-    def wrapper(*args, **kwargs):
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         import torch
 
         if torch.cuda.is_available():

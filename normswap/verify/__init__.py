@@ -1,5 +1,13 @@
 """Verification: run the original and the converted checkpoint on the same probe and compare.
 
-- ``compare``: probes, tolerances and the figures of a comparison.
-- ``layerwise``: the same comparison block by block, for models that do not fit in memory.
+- ``checkpoint``: ``verify_checkpoint``, the entry point: checks the pair, runs the pre-check, then
+  compares whole models or block by block.
+- ``rotated``: ``verify_rotated``, the same for a rotated checkpoint (its stream is C·h·Q).
+- ``precheck``: the algebraic pre-check of the converted weights, before any model runs.
+- ``probes``: the inputs both models run on.
+- ``compare``: tolerances and the figures of a comparison.
+- ``loaders``: the ways a converted checkpoint is loaded, and the loop over them.
+- ``whole``: whole-model comparison.
+- ``layerwise``: block-by-block comparison, for models that do not fit in memory twice
+  (``offload``: models on meta whose weights are read from the checkpoint a unit at a time).
 """

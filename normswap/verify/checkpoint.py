@@ -135,7 +135,7 @@ def verification_mode(reference_dir: Path, architecture: Architecture,
 def run_comparison(reference_dir: Path, converted_dir: Path, architecture: Architecture, *,
                    reference: Callable[[], nn.Module], stock_loadable: bool, trust_remote_code: bool,
                    layerwise: tuple[str, str | None], quiet: bool,
-                   stream_map: Callable[[torch.Tensor], torch.Tensor] = by_layer.centred64,
+                   stream_map: by_layer.StreamMap = by_layer.centred64,
                    ) -> tuple[Probe, dict[str, dict], str, str | None]:
     """(probe, figures per loader, mode, note): block by block when ``layerwise`` (a
     ``verification_mode`` answer) says so and the model allows it, else whole models."""

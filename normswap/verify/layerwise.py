@@ -18,7 +18,7 @@ doubled batch:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +41,8 @@ from normswap.verify.offload import (
     original_model,
 )
 from normswap.verify.probes import Probe, build_probe
+
+StreamMap = Callable[[torch.Tensor], torch.Tensor]  # the original's stream -> the converted model's
 
 
 def centred64(x: torch.Tensor) -> torch.Tensor:
@@ -94,7 +96,8 @@ def _hooks(handles: list) -> Iterator[None]:
 
 
 @torch.no_grad()
-def trace_original(model: nn.Module, blocks: nn.ModuleList, inputs: dict, step=None) -> Trace:
+def trace_original(model: nn.Module, blocks: nn.ModuleList, inputs: dict,
+                   step: Callable[[], None] | None = None) -> Trace:
     """Run the original on ``inputs``, recording the stream around every block."""
     trace = Trace()
     pending: list[torch.Tensor] = []  # the last block output, until the next block's input is seen
@@ -125,7 +128,8 @@ def trace_original(model: nn.Module, blocks: nn.ModuleList, inputs: dict, step=N
 
 @torch.no_grad()
 def trace_converted(model: nn.Module, blocks: nn.ModuleList, inputs: dict, original: Trace,
-                    step=None, stream_map=centred64) -> tuple[list[dict], torch.Tensor]:
+                    step: Callable[[], None] | None = None,
+                    stream_map: StreamMap = centred64) -> tuple[list[dict], torch.Tensor]:
     """Run the converted model free and teacher-forced (a doubled batch); per-block figures and logits.
 
     ``stream_map`` turns the original's stream into the one the converted model carries: C·h
@@ -183,7 +187,7 @@ def _progress(total: int, quiet: bool):
 @on_idle_cores
 def compare_layerwise(original_dir: Path, converted_dir: Path, architecture: Architecture, *,
                       stock_loadable: bool, quiet: bool = True, rms_how: str = "rmsnorm",
-                      stream_map=centred64) -> tuple[Probe, dict[str, dict]]:
+                      stream_map: StreamMap = centred64) -> tuple[Probe, dict[str, dict]]:
     """The probe and, per load of the converted checkpoint (``loaders.each_loader``), the logit
     figures plus per-block figures and the worst layer.
 

@@ -71,7 +71,7 @@ def _quiet() -> Iterator[None]:
             logger.setLevel(level)
 
 
-def empty_model(cls: type, config) -> nn.Module:
+def empty_model(cls: type, config: transformers.PretrainedConfig) -> nn.Module:
     """``cls`` built with its parameters on meta (buffers stay real), in float32, eval mode."""
     from accelerate import init_empty_weights
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -39,7 +40,7 @@ class Probe:
     kind: str  # "text" or "random"
 
 
-def token_ids(vocab_size: int, length: int, tokenizer, generator: torch.Generator) -> tuple[torch.Tensor, str]:
+def token_ids(vocab_size: int, length: int, tokenizer: Any, generator: torch.Generator) -> tuple[torch.Tensor, str]:
     """Ids [PROBE_BATCH, length] and their kind: the probe text through ``tokenizer`` when there is
     one and the text is long enough, else ids drawn uniformly from the vocabulary."""
     if tokenizer is not None:
@@ -54,13 +55,13 @@ def _context(config) -> int:
     return min(PROBE_TOKENS, int(limit))
 
 
-def causal_lm_probe(config, tokenizer, seed: int = 0) -> Probe:
+def causal_lm_probe(config: Any, tokenizer: Any, seed: int = 0) -> Probe:
     """Token ids [PROBE_BATCH, n] and their attention mask."""
     ids, kind = token_ids(config.vocab_size, _context(config), tokenizer, torch.Generator().manual_seed(seed))
     return Probe({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, kind)
 
 
-def seq2seq_speech_probe(config, tokenizer, seed: int = 0) -> Probe:
+def seq2seq_speech_probe(config: Any, tokenizer: Any, seed: int = 0) -> Probe:
     """Whisper: random log-mel features and decoder ids.
 
     The encoder insists on exactly 2·max_source_positions frames (its second conv has stride 2);
@@ -81,12 +82,12 @@ def _pixels(vision_config, generator: torch.Generator) -> torch.Tensor:
     return torch.randn(PROBE_BATCH, channels, int(height), int(width), generator=generator)
 
 
-def vision_probe(config, tokenizer, seed: int = 0) -> Probe:
+def vision_probe(config: Any, tokenizer: Any, seed: int = 0) -> Probe:
     """Random N(0, 1) pixel values [PROBE_BATCH, channels, size, size] (normalised-image scale)."""
     return Probe({"pixel_values": _pixels(config, torch.Generator().manual_seed(seed))}, "random")
 
 
-def clip_probe(config, tokenizer, seed: int = 0) -> Probe:
+def clip_probe(config: Any, tokenizer: Any, seed: int = 0) -> Probe:
     """Token ids ending in the end-of-text token (the CLIP text tower pools there) and/or pixels.
 
     ``clip`` configs get both, ``clip_text_model`` ids only, ``clip_vision_model`` pixels only.
@@ -113,12 +114,12 @@ PROBES = {"causal_lm": causal_lm_probe, "seq2seq_speech": seq2seq_speech_probe, 
 LOGIT_PROBES = ("causal_lm", "seq2seq_speech")
 
 
-def build_probe(kind: str, config, checkpoint: Path) -> Probe:
+def build_probe(kind: str, config: Any, checkpoint: Path) -> Probe:
     """The probe of ``kind`` for a model of ``config``, with the tokenizer of ``checkpoint``."""
     return PROBES[kind](config, load_tokenizer(checkpoint))
 
 
-def load_tokenizer(path: Path):
+def load_tokenizer(path: Path) -> Any:
     """The checkpoint's tokenizer, or None when it has none or it cannot be built offline."""
     if not any((path / name).is_file() for name in ("tokenizer.json", "vocab.json", "tokenizer.model")):
         return None
