@@ -16,6 +16,7 @@ comparison, which this check does not replace: it fails fast, naming the first t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,7 +24,7 @@ import torch
 
 from normswap.convert.plan import Centre, FoldGain
 from normswap.convert.source import CheckpointReader, read_config
-from normswap.errors import VerificationError
+from normswap.errors import NormswapError, VerificationError
 
 CHUNK_BYTES = 16 << 20
 # rounding to the stored dtype moves each value by at most half a unit in the last place
@@ -125,7 +126,14 @@ def _check_centred(output: CheckpointReader, name: str, axis: int) -> None:
             worst = max(worst, float(part.abs().max()) / info.shape[axis])
     if total is not None:
         worst = float(total.abs().max()) / info.shape[0]
+    if not math.isfinite(worst) or not math.isfinite(largest):
+        _refuse_non_finite(output, name)
     _within(name, worst, largest, info.dtype)
+
+
+def _refuse_non_finite(output: CheckpointReader, name: str) -> None:
+    raise NormswapError(f"the converted checkpoint {output.path} has NaN or infinite values in tensor {name}; "
+                        "its outputs cannot be compared")
 
 
 def _within(name: str, mean: float, largest: float, dtype: torch.dtype) -> None:
@@ -149,6 +157,8 @@ def _check_folded(source: CheckpointReader, output: CheckpointReader, source_nam
             scale = gain[start: start + before.shape[0]].reshape(-1, *([1] * (ndim - 1)))
         else:
             scale = gain.reshape(*([1] * axis), -1, *([1] * (ndim - axis - 1)))
+        if not bool(torch.isfinite(after).all()):
+            _refuse_non_finite(output, name)
         expected = before.double() * scale
         error = (after.double() - expected).abs()
         if bool((error > ROUNDING_UNITS * unit * expected.abs() + floor).any()):
