@@ -150,7 +150,7 @@ def check_provenance(block: object, path: Path) -> None:
     if options.get("method", "exact") not in ("exact", "naive"):
         raise NormswapError(f"{where}: options.method must be exact or naive (got {options.get('method')!r:.60})")
     dtype = options.get("dtype")
-    from normswap.convert.pipeline import DTYPES
+    from normswap.dtypes import DTYPES
 
     if dtype is not None and dtype not in DTYPES:
         raise NormswapError(f"{where}: options.dtype {dtype!r:.60} is not a dtype normswap writes")

@@ -28,7 +28,7 @@ import torch
 from helpers import make_hard, save
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from normswap import output
+from normswap import output, temporaries
 from normswap.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -760,12 +760,12 @@ def _dead_pid() -> int:
 
 
 def test_stale_temporary_folder_is_removed(source, tmp_path, capsys):
-    stale = tmp_path / f"out{output.TMP_TAG}{_dead_pid()}-0-deadbeef"
+    stale = tmp_path / f"out{temporaries.TMP_TAG}{_dead_pid()}-0-deadbeef"
     stale.mkdir()
     (stale / "model.safetensors").write_bytes(b"\0" * 1024)
-    live = tmp_path / f"out{output.TMP_TAG}{os.getpid()}-{output._process_start(os.getpid())}-cafecafe"
+    live = tmp_path / f"out{temporaries.TMP_TAG}{os.getpid()}-{temporaries.process_start(os.getpid())}-cafecafe"
     live.mkdir()
-    other = tmp_path / f"other{output.TMP_TAG}{_dead_pid()}-0-deadbeef"
+    other = tmp_path / f"other{temporaries.TMP_TAG}{_dead_pid()}-0-deadbeef"
     other.mkdir()
     code, _, err = run_cli(capsys, "convert", source, "--out", tmp_path / "out", "--quiet")
     assert code == 0, err
@@ -806,7 +806,7 @@ def test_killed_conversion_is_cleaned_by_the_next(source, tmp_path):
     process = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert process.returncode == -9
     left = sorted(path.name for path in tmp_path.iterdir())
-    assert "out" in left and any(output.TMP_TAG in name for name in left)
+    assert "out" in left and any(temporaries.TMP_TAG in name for name in left)
     assert main(["convert", str(source), "--out", str(out), "--quiet"]) == 0
     assert sorted(path.name for path in tmp_path.iterdir()) == ["out"]
 

@@ -88,9 +88,9 @@ def token_ids(args: argparse.Namespace, tokenizer, vocab_size: int | None) -> tu
 
 
 def _dtype(name: str) -> torch.dtype:
-    import torch
+    from normswap.dtypes import parse_dtype
 
-    return getattr(torch, name)
+    return parse_dtype(name)
 
 
 def _load(src: str, args: argparse.Namespace):
