@@ -33,7 +33,8 @@ class Bake(SliceStep):
 
 @dataclass(frozen=True)
 class Centre(SliceStep):
-    """Subtract the mean along ``axis``."""
+    """Subtract the mean along ``axis``: w ← w - mean(w), which applies C = I - 11ᵀ/d along the
+    hidden dimension (``fold.centre``)."""
 
     axis: int
 
@@ -64,9 +65,9 @@ class DivideByGain(WholeStep):
 
 @dataclass(frozen=True)
 class Fill(WholeStep):
-    """Replace the values by a constant (a folded norm's unit gain or zero bias)."""
+    """Replace the values by a constant."""
 
-    value: float
+    value: float  # 1.0 for a folded norm's gain, 0.0 for its folded bias
 
 
 @dataclass(frozen=True, eq=False)
