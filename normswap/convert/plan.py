@@ -2,7 +2,8 @@
 
 The plan is data, computed before any weight is read: for each output tensor, the source tensor
 it starts from and the ordered steps applied to it (bake, centre, fold a gain, fold a bias, ...).
-``normswap inspect`` prints it; ``normswap.convert.write`` executes it one tensor at a time.
+``normswap inspect`` prints it; ``normswap.convert.write`` streams it out one tensor at a time,
+through ``normswap.convert.fold``, which executes the steps.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""Steps: what a plan does to one tensor, and ``Structure``: what it changes in the model class, as data. ``normswap.convert.plan`` decides them;
-``normswap.convert.fold.apply_steps`` executes them (each step's math is a ``fold`` function).
+"""What a plan does, as data: ``Step``s to one tensor, and the ``Structure`` it changes in the
+model class. ``normswap.convert.plan`` decides them; ``normswap.convert.fold`` executes the steps
+(``compute_tensor``, ``slice_kernel``), each step's math being a ``fold`` function.
 
 A ``SliceStep`` acts independently on every slice taken across its ``axis`` (the axis that
 indexes the hidden dimension), so it can run in float64 slices of a large tensor, in place; a
