@@ -135,7 +135,7 @@ def save(model: nn.Module, folder: str | Path, *, overwrite: bool = False) -> No
     reader = StateDictReader({name: state[name] for name in plan.tensors})
     stored = replace(plan, tensors={name: replace(tensor, source=name, steps=[]) for name, tensor in plan.tensors.items()})
     out = output.absolute(folder)
-    write_checkpoint(out, [], stored, reader, out, copy.deepcopy(config_json["normswap"]),
+    write_checkpoint(out, [], stored, reader, None, copy.deepcopy(config_json["normswap"]),
                      config_json=lambda block: {**config_json, "normswap": block}, verifier=None, must_pass=False,
                      overwrite=overwrite, quiet=True, verify_options={}, extra_files=lambda tmp: _save_generation(model, tmp))
 

@@ -58,5 +58,7 @@ def test_save_refuses_other_models_and_foreign_folders(tmp_path):
         converted.save_pretrained(tmp_path / "mine")
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
     converted.save_pretrained(tmp_path / "out")
-    converted.save_pretrained(tmp_path / "out")  # its own earlier output is replaced
+    (tmp_path / "out" / "tokenizer.json").write_text("{}")
+    converted.save_pretrained(tmp_path / "out")  # its own earlier output is replaced, whole
     assert (tmp_path / "out" / "model.safetensors").is_file()
+    assert not (tmp_path / "out" / "tokenizer.json").exists()

@@ -92,7 +92,7 @@ def check_verification_mode(verification: str) -> None:
 
 
 def write_checkpoint(
-    out: Path, inputs: list[Path], plan: ConversionPlan, reader: CheckpointReader, source_dir: Path,
+    out: Path, inputs: list[Path], plan: ConversionPlan, reader: CheckpointReader, source_dir: Path | None,
     provenance: dict, *, config_json: Callable[[dict], dict], verifier: Verifier | None, must_pass: bool,
     overwrite: bool, quiet: bool, verify_options: dict, extra_files: Callable[[Path], None] | None = None,
 ) -> None:
@@ -102,7 +102,8 @@ def write_checkpoint(
     which loads the checkpoint from disk as a user would, and again with the figures
     (``provenance["verification"]``) once they are known. ``verifier(source_dir, folder,
     **verify_options)`` is ``verify_checkpoint`` or ``verify_rotated``; with ``must_pass`` a
-    failed verification raises ``VerificationError`` and nothing is installed.
+    failed verification raises ``VerificationError`` and nothing is installed. ``source_dir``
+    None (a model from memory) has no side files to copy and cannot be verified.
     """
     total = sum(tensor.nbytes for tensor in plan.tensors.values())
     output.check_free_space(out, total)
@@ -114,7 +115,8 @@ def write_checkpoint(
         if extra_files is not None:
             extra_files(tmp)
         (tmp / MODELING_FILE).write_bytes(modeling_source())
-        copy_side_files(source_dir, tmp)
+        if source_dir is not None:  # tokenizer, processor and generation files
+            copy_side_files(source_dir, tmp)
         write_json(tmp / "config.json", config_json(provenance))
         if verifier is not None:
             result = provenance["verification"] = verifier(source_dir, tmp, **verify_options)
