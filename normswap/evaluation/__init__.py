@@ -9,8 +9,7 @@ Names are imported lazily so that building the command line does not import torc
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from normswap.lazy import lazy_getattr
 
 _EXPORTS = {
     "evaluate": "normswap.evaluation.api",
@@ -25,8 +24,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'normswap.evaluation' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS)
