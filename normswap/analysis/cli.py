@@ -20,6 +20,7 @@ from normswap.errors import NormswapError
 
 if TYPE_CHECKING:  # torch is imported once the arguments are checked
     import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 DTYPE_NAMES = ("bfloat16", "float16", "float32", "float64")
 # A token is rarely longer than this many characters; reading only that much keeps huge files cheap.
@@ -71,7 +72,7 @@ def read_text(path: Path, max_chars: int) -> str:
     return text
 
 
-def token_ids(args: argparse.Namespace, tokenizer, vocab_size: int | None) -> tuple[torch.Tensor, str]:
+def token_ids(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int | None) -> tuple[torch.Tensor, str]:
     """The 1-D token ids to measure on, and a description of where they came from."""
     import torch
 
@@ -105,7 +106,7 @@ def _load(src: str, args: argparse.Namespace):
     return model.to(resolve_device(args.device)), tokenizer
 
 
-def measure(src: str, model, ids: torch.Tensor, text: str, args: argparse.Namespace) -> dict:
+def measure(src: str, model: PreTrainedModel, ids: torch.Tensor, text: str, args: argparse.Namespace) -> dict:
     """Run one model over ``ids`` and build its report."""
     from normswap.analysis.collect import run_geometry
     from normswap.analysis.report import build_report

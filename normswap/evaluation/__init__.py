@@ -1,8 +1,8 @@
 """Evaluation: strided perplexity, lm-eval tasks, side-by-side comparison, recipes.
 
 ``normswap eval`` lives in ``cli.py``, ``normswap run`` in ``recipe_cli.py``; the Python entry point
-is ``normswap.evaluation.evaluate``. See README.md in this folder for single-GPU, CPU, data-parallel
-and ``device_map="auto"`` commands.
+is ``normswap.evaluation.evaluate``. docs/evaluation.md has single-GPU, CPU, data-parallel and
+``device_map="auto"`` commands.
 
 Names are imported lazily so that building the command line does not import torch and lm-eval.
 """

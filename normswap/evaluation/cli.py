@@ -10,9 +10,14 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from normswap.commands import add_device_option, add_report_options, check_report_out, emit_json, local_inputs
 from normswap.errors import NormswapError, VerificationError
+
+if TYPE_CHECKING:  # torch and lm-eval are imported once the arguments are checked
+    from normswap.evaluation.compare import Tolerances
+    from normswap.evaluation.runner import EvalSettings
 
 
 def add_eval_options(parser: argparse.ArgumentParser) -> None:
@@ -69,7 +74,7 @@ def _limit(value: float | None) -> int | float | None:
     return int(value) if value >= 1 else value
 
 
-def settings_from_args(args: argparse.Namespace, **overrides):
+def settings_from_args(args: argparse.Namespace, **overrides: Any) -> EvalSettings:
     """``EvalSettings`` from parsed ``eval`` arguments."""
     from normswap.evaluation.runner import EvalSettings, parse_dtype
 
@@ -92,7 +97,7 @@ def settings_from_args(args: argparse.Namespace, **overrides):
     return EvalSettings(**values)
 
 
-def tolerances_from_args(args: argparse.Namespace, dtype: str, base=None):
+def tolerances_from_args(args: argparse.Namespace, dtype: str, base: Tolerances | None = None) -> Tolerances:
     """Default tolerances for the dtype (or ``base``), overridden by any --*-tol options given."""
     from normswap.evaluation.compare import default_tolerances
 
