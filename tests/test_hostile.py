@@ -946,10 +946,11 @@ def test_verify_missing_and_non_checkpoint(source, tmp_path, capsys):
     assert_refused(code, err, "not a normswap checkpoint")
 
 
-def test_verify_json_to_unwritable_place(source, converted, tmp_path, capsys):
-    code, _, err = run_cli(capsys, "verify", source, converted, "--quiet", "--json", tmp_path / "no" / "x.json")
-    assert_refused(code, err, "No such file or directory")
-    assert list(tmp_path.iterdir()) == []
+def test_verify_out_that_is_a_file(source, converted, tmp_path, capsys):
+    (tmp_path / "a-file").write_text("mine")
+    code, _, err = run_cli(capsys, "verify", source, converted, "--quiet", "--out", tmp_path / "a-file")
+    assert_refused(code, err, "is not a folder")
+    assert [p.name for p in tmp_path.iterdir()] == ["a-file"] and (tmp_path / "a-file").read_text() == "mine"
 
 
 def test_verify_names_non_finite_tensor(source, converted, tmp_path, capsys):
@@ -1114,7 +1115,8 @@ def test_eval_out_may_not_lie_in_the_model(source, capsys):
     (["eval", "{src}", "--device", "tpu9"], "not a torch device"),
     (["geometry", "{src}", "--device", "tpu9"], "not a torch device"),
     (["eval", "{src}", "--threads", "1000000"], "--threads must be between 1 and"),
-    (["geometry", "{src}", "--random-tokens", "--plot", "{tmp}/g.txt"], ".png"),
+    (["geometry", "{src}", "--random-tokens", "--plot"], "--plot needs --out"),
+    (["eval", "{src}", "--plot"], "--plot needs --out"),
 ])  # fmt: skip
 def test_options_checked_before_work(source, tmp_path, capsys, args, needle):
     code, _, err = run_cli(capsys, *[a.format(src=source, tmp=tmp_path) for a in args])

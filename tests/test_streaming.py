@@ -274,11 +274,11 @@ def test_layerwise_agrees_with_whole_model(tmp_path, monkeypatch, capsys):
 
     # automatic choice by size, and the CLI flags
     monkeypatch.setattr(verify_layerwise, "LAYERWISE_ABOVE_BYTES", 0)
-    assert main(["verify", str(src), str(out), "--json", str(tmp_path / "v.json")]) == 0
-    assert json.loads((tmp_path / "v.json").read_text())["mode"] == "layerwise"
+    assert main(["verify", str(src), str(out), "--out", str(tmp_path / "v1")]) == 0
+    assert json.loads((tmp_path / "v1" / "report.json").read_text())["mode"] == "layerwise"
     assert "worst block" in capsys.readouterr().out
-    assert main(["verify", str(src), str(out), "--full", "--json", str(tmp_path / "v.json")]) == 0
-    assert json.loads((tmp_path / "v.json").read_text())["mode"] == "full"
+    assert main(["verify", str(src), str(out), "--full", "--out", str(tmp_path / "v2")]) == 0
+    assert json.loads((tmp_path / "v2" / "report.json").read_text())["mode"] == "full"
     assert main(["convert", str(src), "--out", str(tmp_path / "cli"), "--verify", "layerwise", "--quiet"]) == 0
     config = json.loads((tmp_path / "cli" / "config.json").read_text())
     assert config["normswap"]["verification"]["mode"] == "layerwise"
