@@ -18,10 +18,10 @@ from torch import nn
 
 from normswap import validation
 from normswap.architectures import Architecture, architecture_for
-from normswap.convert.pipeline import MODELING_FILE, modeling_sha256, parse_dtype
 from normswap.convert.source import first_non_finite, read_config, resolve_source
+from normswap.dtypes import parse_dtype
 from normswap.errors import NormswapError, VerificationError
-from normswap.modeling import build
+from normswap.modeling import MODELING_FILE, build, modeling_sha256
 from normswap.verify import layerwise as by_layer
 from normswap.verify.compare import default_tolerance, within_tolerance
 from normswap.verify.loaders import refusals

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from normswap.convert.plan import Centre, FoldGain
 from normswap.convert.source import CheckpointReader, read_config
+from normswap.convert.steps import Centre, FoldGain
 from normswap.errors import NormswapError, VerificationError
 
 CHUNK_BYTES = 16 << 20

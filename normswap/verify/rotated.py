@@ -33,14 +33,14 @@ def verify_rotated(reference: str | Path, rotated: str | Path, *, atol: float | 
 
     The rotated model is built from normswap's own RMSNorm classes; with ``trust_remote_code``
     the checkpoint's ``modeling_normswap.py`` runs instead."""
-    from normswap.rotation import _family, load_rotation
+    from normswap.rotation import family_of, load_rotation
 
     reference_dir, rotated_dir = resolve_source(reference), Path(rotated)
     reference_config, rotated_config = read_config(reference_dir), read_config(rotated_dir)
     block = rotated_config.get("normswap") or {}
     width = next((rotated_config[key] for key in ("n_embd", "hidden_size", "d_model") if key in rotated_config), None)
     rotation = load_rotation(rotated_dir, width if isinstance(width, int) else None).clone()
-    architecture, _, _ = _family(reference_dir, reference_config)
+    architecture, _, _ = family_of(reference_dir, reference_config)
     atol, rtol = tolerance(block, atol, rtol)
     if (reference_config.get("normswap") or {}).get("stock_loadable", True):
         mode = verification_mode(reference_dir, architecture, layerwise)
