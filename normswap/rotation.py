@@ -22,7 +22,6 @@ undone.
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import re
 from dataclasses import dataclass, replace
@@ -316,73 +315,19 @@ def read_calibration(path: str | Path) -> str:
     return text
 
 
-@torch.no_grad()
-def stream_second_moment(model: nn.Module, norm_names: list[str], ids: torch.Tensor, window: int) -> torch.Tensor:
-    """M = Σ xᵀx (float64) over every position of ``ids`` and every norm's input x, centred.
-
-    The norms' inputs are the residual stream at every point where it is read; centring gives the
-    stream of the converted model (C·x), which is what Q rotates.
-    """
-    moment = None
-
-    def hook(module, args, kwargs):
-        nonlocal moment
-        x = args[0] if args else kwargs["hidden_states"]
-        x = x.detach().double().reshape(-1, x.shape[-1])
-        x = x - x.mean(-1, keepdim=True)
-        product = x.T @ x
-        moment = product if moment is None else moment + product
-
-    handles = [model.get_submodule(name).register_forward_pre_hook(hook, with_kwargs=True) for name in norm_names]
-    try:
-        for start in range(0, ids.numel(), window):
-            piece = ids[start:start + window]
-            if piece.numel() < 2:
-                continue
-            model(input_ids=piece.unsqueeze(0), use_cache=False)
-    finally:
-        for handle in handles:
-            handle.remove()
-    if moment is None:
-        raise NormswapError("the calibration text gives no tokens to measure the stream on")
-    return moment
-
-
 def calibrate(source_dir: Path, rotation_plan: RotationPlan, text_path: str | Path, max_tokens: int) -> Rotation:
-    """The pca rotation of the source's stream on the calibration text (the whole model is loaded once)."""
-    from normswap.analysis.collect import context_length
-    from normswap.evaluation.perplexity import tokenize_text
+    """The pca rotation of the source's stream on the calibration text: Σ over every norm of its
+    input's second moment, measured block by block (``normswap.calibration``)."""
+    from normswap.calibration import calibration_ids, calibration_moments
 
     text = read_calibration(text_path)
-    tokenizer = verify.load_tokenizer(source_dir)
-    if tokenizer is None:
-        raise NormswapError(f"{source_dir} has no tokenizer to read the calibration text with")
-    ids = tokenize_text(tokenizer, text)[:max_tokens]
-    if ids.numel() < 2:
-        raise NormswapError(f"calibration text {text_path} gives fewer than 2 tokens")
-    from normswap.verify.rotated import reference_model
-
-    model = reference_model(source_dir, rotation_plan.architecture)
+    ids = calibration_ids(source_dir, text, str(text_path))[:max_tokens]
     norms = [norm.name for norm in rotation_plan.plan.norms if norm.baked_into is None]
-    window = min(CALIBRATION_WINDOW, context_length(model))
-    with _threads():
-        moment = stream_second_moment(model, norms, ids, window)
-    del model
-    gc.collect()
+    measured = calibration_moments(source_dir, rotation_plan.architecture, norms, ids, CALIBRATION_WINDOW)
+    moment = sum(measured.moments[name] for name in norms)
     calibration = {"text": Path(text_path).name, "tokens": int(ids.numel()),
-                   "text_sha256": hashlib.sha256(text.encode()).hexdigest(), "window": window}
+                   "text_sha256": hashlib.sha256(text.encode()).hexdigest(), "window": measured.window}
     return pca_rotation(moment, calibration)
-
-
-class _threads:
-    """Fix torch's thread count while calibrating, so the same text gives the same Q bit for bit."""
-
-    def __enter__(self):
-        self.previous = torch.get_num_threads()
-        torch.set_num_threads(1)
-
-    def __exit__(self, *exc):
-        torch.set_num_threads(self.previous)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -408,6 +353,13 @@ def rotated_config(rotation_plan: RotationPlan, provenance: dict) -> dict:
 
 def rotation_provenance(src: str, rotation_plan: RotationPlan, rotation: Rotation, counts: dict,
                         checkpoint_dtype: torch.dtype) -> dict:
+    block = source_provenance(src, rotation_plan, checkpoint_dtype)
+    block["rotation"] = {**rotation.provenance(), "rotated": counts}
+    return block
+
+
+def source_provenance(src: str, rotation_plan: RotationPlan, checkpoint_dtype: torch.dtype) -> dict:
+    """The provenance block of a checkpoint made from ``rotation_plan`` (folded, not stock-loadable)."""
     from normswap.convert.pipeline import provenance_block
 
     plan = rotation_plan.plan
@@ -420,7 +372,6 @@ def rotation_provenance(src: str, rotation_plan: RotationPlan, rotation: Rotatio
         options = {"method": "exact", "fold_gains": True, "dtype": dtype_name}
         block = provenance_block(src, plan, options, rotation_plan.architecture.auto_class)
     block["stock_loadable"] = False
-    block["rotation"] = {**rotation.provenance(), "rotated": counts}
     return block
 
 
