@@ -99,15 +99,16 @@ def window_for(model: nn.Module, limit: int) -> int:
 
 
 def blockwise_moments(source_dir: Path, architecture: Architecture, norm_names: list[str], ids: torch.Tensor,
-                      window_limit: int) -> StreamMoments:
-    """``stream_moments`` with one block's weights in memory at a time; raises
-    ``layerwise.Unsupported`` when the model cannot be dispatched block by block."""
+                      window_limit: int, device: torch.device | None = None) -> StreamMoments:
+    """``stream_moments`` with one block's weights in memory at a time, run on ``device`` (default:
+    the GPU when there is one); raises ``layerwise.Unsupported`` when the model cannot be
+    dispatched block by block."""
     model = empty_source_model(source_dir, architecture)
     found = layerwise.find_blocks(model, architecture.blocks)
     if found is None:
         raise layerwise.Unsupported("no list of residual blocks found in the model")
     window = window_for(model, window_limit)
-    device = layerwise.execution_device()
+    device = device or layerwise.execution_device()
     with layerwise.dispatched(model, source_dir, found[0], device), cpu_threads(1):
         moments = stream_moments(model, norm_names, ids, window, device)
     del model

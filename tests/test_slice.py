@@ -18,7 +18,8 @@ import torch
 import transformers
 from helpers import assert_no_layer_norm, causal_logits, load, make_hard, save, token_ids
 from safetensors import safe_open
-from test_bad_input import assert_one_line_error, leftovers, run_cli
+from test_bad_input import run_cli
+from test_rotate import _files, _refused
 
 import normswap
 from normswap import calibration, slicing
@@ -188,10 +189,6 @@ def test_cli_says_slicing_is_not_exact(gpt2_src, tmp_path, capsys):
     assert "NOT exact" in printed and "perplexity" in printed and "(original)" in printed and "32 to 24" in printed
 
 
-def _files(path: Path) -> dict[str, bytes]:
-    return {file.name: file.read_bytes() for file in sorted(path.iterdir())}
-
-
 def test_slicing_is_deterministic(gpt2_src, sliced, tmp_path):
     again = tmp_path / "again"
     slice_checkpoint(gpt2_src, again, fraction=0.25, calibration=CALIBRATION)
@@ -200,14 +197,6 @@ def test_slicing_is_deterministic(gpt2_src, sliced, tmp_path):
 
 # ---------------------------------------------------------------------------------------------
 # Refusals
-
-
-def _refused(tmp_path, capsys, *args, needles=()):
-    out = tmp_path / "out"
-    code, err = run_cli(capsys, "rotate", *args, "--out", str(out))
-    assert_one_line_error(code, err, *needles)
-    assert not out.exists()
-    assert not leftovers(tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -268,7 +257,7 @@ def test_blockwise_calibration_equals_whole_model(tmp_path, source):
     architecture = ARCHITECTURES["gpt2"]
     norms = slicing.signal_norms(slicing.LAYOUTS["gpt2"], 4)
     ids = calibration.calibration_ids(src, CALIBRATION.read_text(), "emma")[:700]
-    blockwise = calibration.blockwise_moments(src, architecture, norms, ids, 256)
+    blockwise = calibration.blockwise_moments(src, architecture, norms, ids, 256, torch.device("cpu"))
     whole = calibration.whole_moments(src, architecture, norms, ids, 256)
     assert (blockwise.mode, whole.mode, blockwise.window) == ("blockwise", "whole", 256)
     for name in norms:
