@@ -83,6 +83,9 @@ def plan_slicing(source_dir: Path, rotation_plan: RotationPlan, architecture: Ar
     norms = slicing.signal_norms(layout, n_blocks)
     measured = calibration_moments(source_dir, architecture, norms, texts.calibration, CALIBRATION_WINDOW)
     bases, kept = slicing.kept_bases(measured.moments, norms, k)
+    for head, embedding in architecture.tied:
+        if head not in rotation_plan.plan.tensors:  # a tied head would read the last signal in the first's basis
+            raise NormswapError(f"cannot slice: {head} stays tied to {embedding}, and slicing gives them different bases")
     roles = slicing.tensor_roles(list(rotation_plan.plan.tensors), architecture, layout, norms)
     block = slicing.slicing_block(layout, roles, fraction, d, k, kept)
     block.update(texts.record)

@@ -167,6 +167,17 @@ def test_sliced_checkpoint_loads_both_ways(sliced):
     assert _stock_refuses(out, ARCHITECTURES["gpt2"])  # the own model type: stock transformers refuses it
 
 
+def test_folded_source_slices_like_the_original(gpt2_src, sliced, tmp_path):
+    folded, out = tmp_path / "folded", tmp_path / "from-folded"
+    normswap.convert_checkpoint(gpt2_src, folded, fold_gains=True, verification="none")
+    block = slice_checkpoint(folded, out, fraction=0.25, calibration=CALIBRATION)["slicing"]
+    assert block["hidden_size"] == 24 and block["calibration"] == sliced[1]["slicing"]["calibration"]
+    ids = token_ids(VOCAB)
+    expected = causal_logits(load(sliced[0], "remote", torch.float32), ids)
+    got = causal_logits(load(out, "remote", torch.float32), ids)
+    assert float((got - expected).abs().max()) < 1e-3 * max(1.0, float(expected.abs().max()))
+
+
 def test_perplexity_cost_is_printed_and_recorded(gpt2_src, tmp_path, capsys):
     out = tmp_path / "cli"
     held_out = tmp_path / "held-out.txt"
