@@ -17,9 +17,9 @@ line wraps: the example model learnt them, and unwrapped lines make it predict n
 
 The shipped files were built from the whole of Jane Austen's *Persuasion* (1818, public domain),
 the novel held out from the bundled example model's training (the package bundles a 60 kB excerpt
-of it; the full text was ``../shared/data/austen/persuasion.txt``):
+of it), with the full text of the novel as the source (a UTF-8 plain text, e.g. Project Gutenberg ebook 105):
 
-    python evals/build_local_tasks.py --source ../shared/data/austen/persuasion.txt
+    python evals/build_local_tasks.py --source PATH/TO/persuasion.txt
 
 Without ``--source`` the bundled excerpt is used, which gives smaller tasks.
 """

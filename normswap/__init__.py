@@ -6,7 +6,8 @@ Public API:
 - ``verify_checkpoint(original, converted)``: compare a converted checkpoint with its original.
 - ``load(path)``: a converted checkpoint as an RMSNorm model using normswap's kernels.
 - ``load_model(src)``: any checkpoint (original or converted) and its tokenizer, for evaluation.
-- ``convert_model(model)``: convert a model already in memory.
+- ``convert_model(model)``: convert a model already in memory; ``save(model, folder)`` (or its
+  ``save_pretrained``) writes it as ``convert`` would.
 - ``patch(model)``: substitute normswap's fused kernels into an RMSNorm model.
 
 ``import normswap`` is light: torch and transformers are imported when one of these names is
@@ -31,6 +32,7 @@ _EXPORTS = {
     "convert_checkpoint": "normswap.convert.pipeline",
     "verify_checkpoint": "normswap.verify.checkpoint",
     "convert_model": "normswap.loading",
+    "save": "normswap.loading",
     "load": "normswap.loading",
     "load_model": "normswap.loading",
 }

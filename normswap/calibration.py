@@ -1,4 +1,4 @@
-"""The residual stream's second moments on calibration text, measured block by block.
+"""Calibration: the residual stream's second moments on a text, measured block by block.
 
 PCA rotations and slicing need M_n = Σ xᵀx (float64) of the centred stream C·x at the input of
 every norm n, summed over every calibration position. The model is not loaded whole for this:
@@ -13,8 +13,10 @@ measured on the whole model, and the result says so.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -22,11 +24,31 @@ from torch import nn
 from normswap.architectures import Architecture
 from normswap.convert.source import read_config
 from normswap.errors import NormswapError
+from normswap.rotation_matrix import Rotation, pca_rotation
 from normswap.threads import cpu_threads
 from normswap.verify import layerwise
 
+if TYPE_CHECKING:
+    from normswap.rotation import RotationPlan
+
+# at most this many tokens, in windows of at most this many positions
+DEFAULT_CALIBRATION_TOKENS = 32768
+CALIBRATION_WINDOW = 512
 # windows of the same length run together, this many at a time
 BATCH_WINDOWS = 8
+
+
+def read_calibration(path: str | Path) -> str:
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise NormswapError(f"calibration text not found: {path}")
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError as error:
+        raise NormswapError(f"cannot read calibration text {path}: {error.strerror or error}") from None
+    if not text.strip():
+        raise NormswapError(f"calibration text is empty: {path}")
+    return text
 
 
 @dataclass
@@ -151,3 +173,16 @@ def calibration_ids(source_dir: Path, text: str, label: str) -> torch.Tensor:
     if ids.numel() < 2:
         raise NormswapError(f"calibration text {label} gives fewer than 2 tokens")
     return ids
+
+
+def calibrate(source_dir: Path, rotation_plan: RotationPlan, text_path: str | Path, max_tokens: int) -> Rotation:
+    """The pca rotation of the source's stream on the calibration text: Σ over every norm of its
+    input's second moment, measured block by block."""
+    text = read_calibration(text_path)
+    ids = calibration_ids(source_dir, text, str(text_path))[:max_tokens]
+    norms = [norm.name for norm in rotation_plan.plan.norms if norm.baked_into is None]
+    measured = calibration_moments(source_dir, rotation_plan.architecture, norms, ids, CALIBRATION_WINDOW)
+    moment = sum(measured.moments[name] for name in norms)
+    calibration = {"text": Path(text_path).name, "tokens": int(ids.numel()),
+                   "text_sha256": hashlib.sha256(text.encode()).hexdigest(), "window": measured.window}
+    return pca_rotation(moment, calibration)

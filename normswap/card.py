@@ -1,4 +1,20 @@
-"""The model card (README.md) written into every converted checkpoint."""
+"""What a converted checkpoint says about itself: its config.json (the source's, rewritten, with the
+``normswap`` provenance block) and its model card (README.md), for ``convert`` and ``rotate``."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from normswap import __version__
+from normswap.dtypes import dtype_name
+from normswap.modeling import modeling_sha256
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from normswap.architectures import Architecture
+    from normswap.convert.plan import ConversionPlan
 
 MODEL_CARD = """\
 ---
@@ -21,7 +37,7 @@ the same function as `{source}` with every LayerNorm replaced by an RMSNorm.
 - **Untied:** {untied}. The head reads the stream; it does not write it, so it keeps the original
   matrix.
 - **Swapped {norms} norms** for RMSNorm (same eps; γ and β kept as weight and bias).
-- **Folded gains:** {fold_gains} ({folded} norms folded into the layers that read them).
+- **Folded gains:** {fold_gains}.
 - Method `{method}`, weights stored as `{dtype}`.
 
 ## Loading
@@ -44,3 +60,118 @@ float32. Tolerance on max |Δ|: {tolerance:.3g}.
 
 {table}
 """
+
+ROTATION_SECTION = """
+## Rotation
+
+The residual stream is rotated by an orthogonal matrix Q ({method}{seed}; {construction}; d = {dimension}; \
+sha256 {matrix_sha256}), stored in `{matrix_file}`. Every writer, reader and kept norm bias was rotated, so \
+the model computes the original's function while its hidden states are x·Q. Load it with \
+`trust_remote_code=True` or `normswap.load`; stock LayerNorm classes refuse it on purpose, because \
+LayerNorm(x·Q) ≠ LayerNorm(x)·Q.
+"""
+
+
+def provenance_block(source: str, plan: ConversionPlan, options: dict, auto_class: str) -> dict:
+    """The ``normswap`` block of config.json: what was done, with which options and version."""
+    return {
+        "version": __version__,
+        "source": source,
+        "options": options,
+        "original_model_type": plan.model_type,
+        "norms_swapped": [norm.name for norm in plan.norms],
+        "norms_folded": [norm.name for norm in plan.norms if norm.folded_gain],
+        "writers_centred": len(plan.writers),
+        "untied": [head for head, _ in plan.untied],
+        "stock_loadable": plan.stock_loadable,
+        "structure": plan.structure.to_json(),
+        "auto_class": auto_class,
+        # verify refuses a checkpoint whose modeling file is not the one written here
+        "modeling_sha256": modeling_sha256(),
+    }
+
+
+def rotation_provenance(source: str, plan: ConversionPlan, auto_class: str, dtype: torch.dtype,
+                        rotation: dict, source_block: dict | None) -> dict:
+    """The ``normswap`` block of a rotated checkpoint: a folded source's block carried over (or a
+    fresh one for an original), with the rotation added."""
+    if source_block is not None:
+        block = {key: value for key, value in source_block.items() if key != "verification"}
+        block.update({"version": __version__, "rotated_from": source})
+        block["options"] = {**block.get("options", {}), "dtype": dtype_name(dtype)}
+    else:
+        options = {"method": "exact", "fold_gains": True, "dtype": dtype_name(dtype)}
+        block = provenance_block(source, plan, options, auto_class)
+    block["stock_loadable"] = False
+    block["rotation"] = rotation
+    return block
+
+
+def converted_config(config: dict, plan: ConversionPlan, meta: nn.Module, architecture: Architecture,
+                     provenance: dict) -> dict:
+    """config.json of the output: the source's, untied, with auto_map and the provenance block.
+
+    A checkpoint the stock class cannot hold (``provenance["stock_loadable"]`` false: a naive
+    swap, a baked norm, a rotation) gets the model type ``normswap_<type>``, which stock
+    transformers refuses to load.
+    """
+    from normswap.modeling import build, remote
+
+    new = dict(config)
+    if plan.untied:
+        new[architecture.tie_flag] = False
+    dtypes = {tensor.dtype for tensor in plan.tensors.values() if tensor.dtype.is_floating_point}
+    if len(dtypes) == 1:
+        new["dtype"] = dtype_name(dtypes.pop())
+        if "torch_dtype" in new:
+            new["torch_dtype"] = new["dtype"]
+    model_name = type(meta).__name__
+    new["architectures"] = [model_name]
+    # the family's Auto class, and every other Auto class that maps this type to this class
+    # (AutoModelForImageClassification for a ViTForImageClassification)
+    autos = [architecture.auto_class, *build.auto_classes_for(config["model_type"], model_name)]
+    if provenance["stock_loadable"]:
+        new["auto_map"] = {auto: f"modeling_normswap.{remote.CLASS_PREFIX}{model_name}" for auto in autos}
+    else:
+        new["model_type"] = remote.MODEL_TYPE_PREFIX + config["model_type"]
+        new["auto_map"] = {
+            "AutoConfig": f"modeling_normswap.{remote.CLASS_PREFIX}{type(meta.config).__name__}",
+            **{auto: f"modeling_normswap.{remote.OWN_TYPE_PREFIX}{model_name}" for auto in autos},
+        }
+    new["normswap"] = provenance
+    return new
+
+
+def model_card(provenance: dict) -> str:
+    """README.md of a converted checkpoint: what was done, how to load it, the measured figures."""
+    from normswap.verify.compare import format_table
+
+    verification = provenance.get("verification")
+    options = provenance["options"]
+    folded = len(provenance["norms_folded"])
+    card = MODEL_CARD.format(
+        source=provenance["source"],
+        auto_class=provenance["auto_class"],
+        version=provenance["version"],
+        method=options["method"],
+        fold_gains=(f"yes, {folded} norm{'s' if folded != 1 else ''} folded into the layers that read them"
+                    if options["fold_gains"] else "no; the norms keep their γ and β"),
+        dtype=options["dtype"],
+        norms=len(provenance["norms_swapped"]),
+        writers=provenance["writers_centred"],
+        untied=", ".join(provenance["untied"]) or "nothing (the head was not tied)",
+        stock=(
+            "Stock transformers loads it and computes the original's outputs exactly."
+            if provenance["stock_loadable"]
+            else "Stock transformers refuses it on purpose (its model type is "
+            "normswap-specific): the stock class would not compute this model."
+        ),
+        table=format_table(verification["loaders"]) if verification else "(not verified)",
+        probe=(verification or {}).get("probe", "-"),
+        tolerance=(verification or {}).get("tolerance", {}).get("limit", float("nan")),
+    )
+    rotation = provenance.get("rotation")
+    if rotation is not None:
+        seed = "" if rotation["seed"] is None else f", seed {rotation['seed']}"
+        card += ROTATION_SECTION.format(**{**rotation, "seed": seed})
+    return card

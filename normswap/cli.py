@@ -10,6 +10,7 @@ in normswap and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import os
@@ -70,12 +71,17 @@ def main(argv: list[str] | None = None) -> int:
     parser, modules = build_parser(chosen)
     args = parser.parse_args(argv)
     try:
-        return int(modules[args.command].run(args) or 0)
+        if not getattr(args, "json", False):
+            return int(modules[args.command].run(args) or 0)
+        # --json: stdout carries the JSON alone; every other line goes to stderr.
+        args.json_stream = sys.stdout
+        with contextlib.redirect_stdout(sys.stderr):
+            return int(modules[args.command].run(args) or 0)
     except NormswapError as error:
         print(f"normswap {args.command}: error: {_one_line(str(error))}", file=sys.stderr)
         return error.exit_code
     except OSError as error:
-        # a file the command had to read or write (a --json, --out or report path) failed
+        # a file the command had to read or write (an input, or a report in --out) failed
         reason = error.strerror or _one_line(str(error)) or type(error).__name__
         where = f": {error.filename}" if error.filename else ""
         print(f"normswap {args.command}: error: {reason}{where}", file=sys.stderr)

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import copy
 import warnings
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
 from torch import nn
 
-from normswap import validation
+from normswap import card, validation
 from normswap.architectures import ARCHITECTURES, architecture_for
 from normswap.convert.source import StateDictReader, read_config, resolve_source
+from normswap.dtypes import dtype_name
 from normswap.errors import NormswapError
 from normswap.modeling import build, remote
 
@@ -53,7 +56,7 @@ def load(path: str | Path, **from_pretrained_kwargs) -> nn.Module:
 
 
 def load_model(src: str | Path, *, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
-               **from_pretrained_kwargs):
+               **from_pretrained_kwargs) -> tuple[nn.Module, Any]:
     """Any checkpoint and its tokenizer (or None): converted ones in RMSNorm form via ``load``."""
     from normswap.verify.compare import load_tokenizer
 
@@ -79,29 +82,78 @@ def convert_model(model: nn.Module, *, fold_gains: bool = False, method: str = "
     """Convert a model already in memory; returns a new model in RMSNorm form (plain torch norms).
 
     The same plan and tensor math as ``convert_checkpoint``, without files. Call
-    ``normswap.patch`` on the result to use the fused kernels.
+    ``normswap.patch`` on the result to use the fused kernels. Its ``save_pretrained(folder)``
+    (or ``normswap.save(model, folder)``) writes what ``normswap convert`` writes for the same
+    weights: the same tensors, config.json with ``auto_map`` and the provenance block,
+    ``modeling_normswap.py`` and the model card.
     """
-    from normswap.convert.pipeline import plan_conversion, stock_can_hold
-    from normswap.convert.write import compute_tensor
+    from normswap.convert import fold
+    from normswap.convert.pipeline import main_dtype, plan_conversion
 
-    config = model.config.to_dict()
+    # config.json as save_pretrained would write it, which is what convert reads
+    config = {**model.config.to_diff_dict(), "architectures": [type(model).__name__]}
     reader = StateDictReader({name: tensor.detach() for name, tensor in model.state_dict().items()})
     architecture, plan, _ = plan_conversion(Path("<memory>"), config, reader, method=method,
                                             fold_gains=fold_gains, dtype=None)
     new_config = copy.deepcopy(model.config)
     if plan.untied:
         setattr(new_config, architecture.tie_flag, False)
-    new_config.normswap = {"structure": plan.structure, "original_model_type": plan.model_type,
-                           "stock_loadable": stock_can_hold(plan)}
+    new_config.normswap = {"structure": plan.structure.to_json(), "original_model_type": plan.model_type,
+                           "stock_loadable": plan.stock_loadable}
     # clone: untouched tensors must not alias the original model's parameters
-    state = {name: compute_tensor(tensor, reader.get).clone() for name, tensor in plan.tensors.items()}
+    state = {name: fold.compute_tensor(tensor, reader.get).clone() for name, tensor in plan.tensors.items()}
     device = next(model.parameters()).device
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        converted = remote.rms_class(type(model))(new_config)
+        converted = _saving_class(type(model))(new_config)
     converted.load_state_dict(state, strict=False, assign=True)
     _materialise_buffers(converted, model)
+    if getattr(model, "generation_config", None) is not None:
+        converted.generation_config = copy.deepcopy(model.generation_config)
+    options = {"method": method, "fold_gains": fold_gains, "dtype": dtype_name(main_dtype(plan))}
+    source = getattr(model, "name_or_path", "") or "an in-memory model"
+    provenance = card.provenance_block(source, plan, options, architecture.auto_class)
+    converted._normswap_output = (card.converted_config(config, plan, model, architecture, provenance), plan)
     return converted.to(device).eval()
+
+
+def save(model: nn.Module, folder: str | Path, *, overwrite: bool = False) -> None:
+    """Write a ``convert_model`` result to ``folder`` as ``normswap convert`` writes a conversion
+    (no verification figures: there is no original checkpoint to run).
+
+    ``folder`` is claimed and installed like ``convert --out``: a non-empty folder is replaced only
+    with ``overwrite`` and only when normswap wrote it.
+    """
+    from normswap import output
+    from normswap.convert.pipeline import write_checkpoint
+
+    saved = getattr(model, "_normswap_output", None)
+    if saved is None:
+        raise NormswapError("normswap.save takes a model returned by normswap.convert_model")
+    config_json, plan = saved
+    state = {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
+    reader = StateDictReader({name: state[name] for name in plan.tensors})
+    stored = replace(plan, tensors={name: replace(tensor, source=name, steps=[]) for name, tensor in plan.tensors.items()})
+    out = output.absolute(folder)
+    write_checkpoint(out, [], stored, reader, None, copy.deepcopy(config_json["normswap"]),
+                     config_json=lambda block: {**config_json, "normswap": block}, verifier=None, must_pass=False,
+                     overwrite=overwrite, quiet=True, verify_options={}, extra_files=lambda tmp: _save_generation(model, tmp))
+
+
+def _save_generation(model: nn.Module, folder: Path) -> None:
+    """generation_config.json, as save_pretrained writes it for a model that generates."""
+    if getattr(model, "generation_config", None) is not None and model.can_generate():
+        model.generation_config.save_pretrained(folder)
+
+
+def _saving_class(base: type) -> type:
+    """The RMSNorm class of ``base`` whose ``save_pretrained`` is ``normswap.save``."""
+    rms = remote.rms_class(base)
+
+    def save_pretrained(self, save_directory: str | Path, *args, **kwargs) -> None:
+        save(self, save_directory, overwrite=True)
+
+    return type(rms.__name__, (rms,), {"save_pretrained": save_pretrained, "__module__": __name__})
 
 
 def _materialise_buffers(converted: nn.Module, original: nn.Module) -> None:
@@ -133,7 +185,7 @@ def register_auto_classes() -> None:
             config_class = transformers.CONFIG_MAPPING[model_type]
         except KeyError:  # a family this transformers version lacks
             continue
-        own_config = remote._lookup(remote.CLASS_PREFIX + config_class.__name__)
+        own_config = getattr(remote, remote.CLASS_PREFIX + config_class.__name__)
         registering = _registering_config(own_config, config_class, architecture.auto_class)
         transformers.AutoConfig.register(own_config.model_type, registering, exist_ok=True)
 

@@ -19,8 +19,9 @@ Every command that writes a folder (``convert``, ``run``) goes through ``claimed
 On any failure, SIGINT or SIGTERM, the temporary folder, a claimed ``--out`` that is still empty
 and the parent folders this command created are removed. Only SIGKILL (or a power cut) can leave
 the temporary folder and an empty ``--out`` behind; the next command for that ``--out`` removes
-the first and reuses the second. Folders and files are created with the process's umask, as
-``save_pretrained`` does.
+the first and reuses the second. Files get the process's umask, as ``save_pretrained``'s do.
+Before any of this, ``check_free_space`` refuses a filesystem too small for the weights, and
+``progress_bar`` reports the writing.
 """
 
 from __future__ import annotations
@@ -31,19 +32,18 @@ import errno
 import fcntl
 import json
 import os
-import secrets
 import shutil
 import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from normswap.errors import NormswapError
+from normswap.temporaries import make_temporary, remove_stale_temporaries
 
 MARKER = ".normswap-output"
-TMP_TAG = ".normswap-tmp-"
 
 
 def absolute(out: str | Path) -> Path:
@@ -166,7 +166,7 @@ def claimed_output(out: Path, *, inputs: Sequence[Path], overwrite: bool, kind: 
                 pass
             fd = _lock(out)
             check_out(out, inputs, overwrite)  # again, now that nobody else can write here
-            tmp = _make_temporary(out)
+            tmp = make_temporary(out)
             claim = Claim(out, tmp, fd, kind)
             yield claim
     finally:
@@ -226,10 +226,8 @@ def _make_parents(parent: Path) -> list[Path]:
 
 
 def _remove_if_empty(folder: Path) -> None:
-    try:
+    with suppress(OSError):  # not empty (or gone): left as it is
         os.rmdir(folder)
-    except OSError:
-        pass
 
 
 def _lock(out: Path) -> int:
@@ -261,61 +259,6 @@ def _same_folder(fd: int, path: Path) -> bool:
         return False
     mine = os.fstat(fd)
     return (here.st_dev, here.st_ino) == (mine.st_dev, mine.st_ino)
-
-
-def _process_start(pid: int) -> str:
-    """The start time of process ``pid`` in clock ticks since boot ("0" where /proc is missing)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as file:
-            fields = file.read().rsplit(b")", 1)[1].split()
-        return fields[19].decode()
-    except (OSError, IndexError):
-        return "0"
-
-
-def _make_temporary(out: Path) -> Path:
-    """A fresh folder beside ``out``, named for this process, created with the umask's mode."""
-    pid = os.getpid()
-    while True:
-        tmp = out.with_name(f"{out.name}{TMP_TAG}{pid}-{_process_start(pid)}-{secrets.token_hex(4)}")
-        try:
-            os.mkdir(tmp, 0o777)
-            return tmp
-        except FileExistsError:
-            continue
-
-
-def _alive(pid: int, start: str) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return start == "0" or _process_start(pid) in (start, "0")
-
-
-def remove_stale_temporaries(out: Path) -> list[Path]:
-    """Remove temporary folders for ``out`` whose process is gone; the ones removed."""
-    removed = []
-    prefix = f"{out.name}{TMP_TAG}"
-    try:
-        names = os.listdir(out.parent)
-    except OSError:
-        return removed
-    for name in names:
-        if not name.startswith(prefix):
-            continue
-        parts = name[len(prefix):].split("-")
-        if len(parts) != 3 or not parts[0].isdigit():
-            continue
-        if _alive(int(parts[0]), parts[1]):
-            continue
-        path = out.parent / name
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-    return removed
 
 
 _RENAME_EXCHANGE = 2
@@ -359,3 +302,49 @@ def _signals_held(enabled: bool = True) -> Iterator[None]:
 
 def _is_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
+
+
+def check_free_space(out: Path, needed: int) -> None:
+    """Refuse early when the filesystem of ``out`` cannot hold ``needed`` bytes of weights."""
+    existing = next(folder for folder in (out, *out.parents) if folder.exists())
+    try:
+        free = shutil.disk_usage(existing).free
+    except OSError:
+        return  # no figure to compare with; a full disk is still reported when writing
+    if free < needed:
+        raise NormswapError(f"not enough disk space beside --out: the converted weights need {_size(needed)}, "
+                            f"{_size(free)} {'is' if free == 1 else 'are'} free; nothing was written")
+
+
+def _size(count: int) -> str:
+    """A byte count for people: 512 bytes, 3.4 kB, 12.0 MB, 1.50 GB."""
+    if count < 1000:
+        return f"{count} byte{'s' if count != 1 else ''}"
+    unit, scale = next((u, s) for u, s in (("kB", 1e3), ("MB", 1e6), ("GB", 1e9), ("TB", 1e12))
+                       if count < s * 1000 or u == "TB")
+    return f"{count / scale:.{2 if unit == 'GB' else 1}f} {unit}"
+
+
+@contextmanager
+def progress_bar(total_bytes: int, count: int, quiet: bool) -> Iterator[Callable[[int], None] | None]:
+    """A callback ``done(nbytes)`` per tensor written, drawing bytes and tensors written, rate and
+    ETA on stderr (shown after 1 s only); None when ``quiet``. The bar is closed after the block."""
+    if quiet:
+        yield None
+        return
+    from tqdm import tqdm
+
+    bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="converting", delay=1.0,
+               leave=False, dynamic_ncols=True)
+    written = 0
+
+    def done(nbytes: int) -> None:
+        nonlocal written
+        written += 1
+        bar.set_postfix_str(f"{written}/{count} tensors", refresh=False)
+        bar.update(nbytes)
+
+    try:
+        yield done
+    finally:
+        bar.close()

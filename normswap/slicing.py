@@ -194,7 +194,8 @@ def write_sliced(out_dir: Path, plan, reader: CheckpointReader, roles: dict[str,
     """The sliced weights, one tensor computed at a time, in shards of at most ``SHARD_BYTES``."""
     from safetensors.torch import save_file
 
-    from normswap.convert.write import compute_tensor, write_json
+    from normswap.convert.fold import compute_tensor
+    from normswap.convert.write import write_json
 
     names = sorted([*plan.tensors, *extra])
     shards: list[dict[str, torch.Tensor]] = [{}]

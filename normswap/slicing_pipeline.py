@@ -15,20 +15,12 @@ from pathlib import Path
 
 import torch
 
-from normswap import output, slicing
+from normswap import card, output, slicing
 from normswap.architectures import Architecture
-from normswap.convert.source import CheckpointReader, read_config, resolve_source
+from normswap.calibration import CALIBRATION_WINDOW, DEFAULT_CALIBRATION_TOKENS, read_calibration
+from normswap.convert.source import CheckpointReader, read_config, resolve_source, source_inputs
 from normswap.errors import NormswapError
-from normswap.rotation import (
-    CALIBRATION_WINDOW,
-    DEFAULT_CALIBRATION_TOKENS,
-    RotationPlan,
-    hidden_size,
-    plan_rotation,
-    read_calibration,
-    rotated_config,
-    source_provenance,
-)
+from normswap.rotation import RotationPlan, hidden_size, plan_rotation
 
 
 @dataclass
@@ -117,20 +109,20 @@ def perplexity_cost(source_dir: Path, sliced_dir: Path, architecture: Architectu
 
 def sliced_config(slice_plan: SlicePlan, provenance: dict) -> dict:
     """config.json: the rotated-checkpoint config, with ε·d/k for the norms over k dimensions."""
-    config = rotated_config(slice_plan.rotation_plan, provenance)
+    rotation_plan = slice_plan.rotation_plan
+    config = card.converted_config(rotation_plan.config, rotation_plan.plan, rotation_plan.meta,
+                                   rotation_plan.architecture, provenance)
     key = slice_plan.layout.eps_key
     config[key] = float(config[key]) * slice_plan.d / slice_plan.k
     return config
 
 
 def model_card(provenance: dict) -> str:
-    from normswap.convert.pipeline import model_card as conversion_card
-
     block = provenance["slicing"]
     cost = block.get("perplexity", {})
     figures = (f" Perplexity on {cost['tokens']} held-out tokens: {cost['original']:.4g} (original) → "
                f"{cost['sliced']:.4g} (sliced)." if cost else "")
-    return conversion_card(provenance) + (
+    return card.model_card(provenance) + (
         "\n## Slicing\n\n"
         f"The residual stream was cut from {block['original_hidden_size']} to {block['hidden_size']} dimensions "
         f"(fraction {block['fraction']}): at every norm input the least-variance principal directions of the "
@@ -156,16 +148,17 @@ def slice_checkpoint(
     """Write ``src`` sliced by ``fraction`` (0 < f < 1; ``allow_zero`` admits 0, which keeps every
     dimension and is exact) to ``out``; returns the provenance block, perplexity cost included."""
     from normswap.convert import pipeline
+    from normswap.dtypes import parse_dtype
 
     fraction = slicing.check_fraction(fraction, allow_zero=allow_zero)
     if calibration is None:
         raise NormswapError("--slice needs --calibration TEXT_FILE: the stream's principal directions are measured on it")
     if calibration_tokens < 2:
         raise NormswapError("--calibration-tokens must be at least 2")
-    out_dtype = pipeline.parse_dtype(dtype)
+    out_dtype = parse_dtype(dtype)
     source_dir = resolve_source(src, trust_remote_code=trust_remote_code)
     out = output.absolute(out)
-    inputs = [*pipeline.source_inputs(source_dir), Path(calibration), *([Path(held_out)] if held_out else [])]
+    inputs = [*source_inputs(source_dir), Path(calibration), *([Path(held_out)] if held_out else [])]
     output.check_out(out, inputs, overwrite)
     config = read_config(source_dir)
     architecture, layout = slicing.check_sliceable(source_dir, config)
@@ -173,10 +166,13 @@ def slice_checkpoint(
     with CheckpointReader(source_dir) as reader:
         rotation_plan = plan_rotation(source_dir, config, reader, dtype=out_dtype)
         slice_plan = plan_slicing(source_dir, rotation_plan, architecture, layout, fraction, texts)
-        dtype_out = pipeline._main_dtype(rotation_plan.plan)
-        provenance = source_provenance(str(src), rotation_plan, dtype_out)
+        plan = rotation_plan.plan
+        dtype_out = pipeline.main_dtype(plan)
+        provenance = card.rotation_provenance(str(src), plan, architecture.auto_class, dtype_out, {},
+                                              rotation_plan.source_block)
+        del provenance["rotation"]  # the source's block for a checkpoint in a new basis; the basis is sliced
         provenance["slicing"] = slice_plan.block
-        pipeline._check_free_space(out, rotation_plan.plan)
+        output.check_free_space(out, sum(tensor.nbytes for tensor in plan.tensors.values()))
         with output.claimed_output(out, inputs=inputs, overwrite=overwrite, kind="checkpoint") as claim:
             write_checkpoint(claim.tmp, source_dir, slice_plan, reader, provenance, dtype_out)
             provenance["slicing"]["perplexity"] = perplexity_cost(
@@ -188,12 +184,12 @@ def slice_checkpoint(
 
 def write_checkpoint(tmp: Path, source_dir: Path, slice_plan: SlicePlan, reader: CheckpointReader,
                      provenance: dict, dtype: torch.dtype) -> None:
-    from normswap.convert import pipeline
     from normswap.convert.write import copy_side_files, write_json
+    from normswap.modeling import MODELING_FILE, modeling_source
 
     slicing.write_sliced(tmp, slice_plan.rotation_plan.plan, reader, slice_plan.roles, slice_plan.bases,
                          slice_plan.shortcuts, dtype, slice_plan.d)
-    (tmp / pipeline.MODELING_FILE).write_bytes(pipeline.modeling_source())
+    (tmp / MODELING_FILE).write_bytes(modeling_source())
     copy_side_files(source_dir, tmp)
     write_json(tmp / "config.json", sliced_config(slice_plan, provenance))
 

@@ -111,21 +111,13 @@ def check_layer_count(config: dict, tensor_names: Iterable[str], where: str) -> 
                             f"{'s' if present != 1 else ''}")
 
 
-# key -> (accepted types, description) of a converted config's ``normswap`` block
-PROVENANCE_KEYS: dict[str, tuple[tuple[type, ...], str]] = {
-    "version": ((str,), "a string"),
-    "source": ((str,), "a string"),
-    "options": ((dict,), "a mapping"),
-    "original_model_type": ((str,), "a string"),
-    "norms_swapped": ((list,), "a list"),
-    "norms_folded": ((list,), "a list"),
-    "untied": ((list,), "a list"),
-    "stock_loadable": ((bool,), "true or false"),
-    "structure": ((dict,), "a mapping of lists of module names"),
-    "auto_class": ((str,), "a string"),
-    "modeling_sha256": ((str,), "a string"),
-    "writers_centred": ((int,), "a number"),
+# the type of each key of a converted config's ``normswap`` block, and how a message names it
+PROVENANCE_KEYS: dict[str, type] = {
+    "version": str, "source": str, "original_model_type": str, "auto_class": str, "modeling_sha256": str,
+    "options": dict, "structure": dict, "norms_swapped": list, "norms_folded": list, "untied": list,
+    "stock_loadable": bool, "writers_centred": int,
 }
+_TYPE_WORDS = {str: "a string", dict: "a mapping", list: "a list", bool: "true or false", int: "a number"}
 
 
 def check_structure(path: Path, config: dict) -> None:
@@ -143,14 +135,14 @@ def check_provenance(block: object, path: Path) -> None:
     where = f"{path / 'config.json'}: the normswap block"
     if not isinstance(block, dict):
         raise NormswapError(f"{where} is not a mapping")
-    for key, (types, description) in PROVENANCE_KEYS.items():
-        if key in block and not isinstance(block[key], types):
-            raise NormswapError(f"{where}: '{key}' must be {description} (got {block[key]!r:.60})")
+    for key, kind in PROVENANCE_KEYS.items():
+        if key in block and not isinstance(block[key], kind):
+            raise NormswapError(f"{where}: '{key}' must be {_TYPE_WORDS[kind]} (got {block[key]!r:.60})")
     options = block.get("options", {})
     if options.get("method", "exact") not in ("exact", "naive"):
         raise NormswapError(f"{where}: options.method must be exact or naive (got {options.get('method')!r:.60})")
     dtype = options.get("dtype")
-    from normswap.convert.pipeline import DTYPES
+    from normswap.dtypes import DTYPES
 
     if dtype is not None and dtype not in DTYPES:
         raise NormswapError(f"{where}: options.dtype {dtype!r:.60} is not a dtype normswap writes")

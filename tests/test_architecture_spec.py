@@ -97,3 +97,17 @@ def test_structure_kinds_are_what_the_modeling_file_applies():
     assert model[1]._forward_pre_hooks and model[2]._forward_hooks
     output = model(torch.randn(3, 4) + 5.0)
     assert output.mean(-1).abs().max() < 1e-6
+
+
+def test_plan_structure_is_typed_with_the_stored_keys():
+    """The plan's typed Structure stores exactly the kinds adapters declare and remote.py applies."""
+    from dataclasses import fields
+
+    from normswap.convert.steps import Structure
+    from normswap.errors import NormswapError
+
+    assert {field.name for field in fields(Structure)} == set(STRUCTURE_KINDS)
+    structure = Structure.from_json({CENTRE_OUTPUT: ["pre"]})
+    assert structure.centres and not structure.identity and structure.to_json() == {CENTRE_OUTPUT: ["pre"]}
+    with pytest.raises(NormswapError, match="unknown structural change"):
+        Structure.from_json({"shift": ["x"]})

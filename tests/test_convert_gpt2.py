@@ -46,6 +46,7 @@ def test_converted_config_and_files(tmp_path):
     assert (out / "modeling_normswap.py").is_file()
     card = (out / "README.md").read_text()
     assert "max_abs_diff" in card and "RMSNorm" in card
+    assert "**Folded gains:** yes, 5 norms folded" in card  # words, not a Python value
     assert "import normswap" not in (out / "modeling_normswap.py").read_text()
     # the folded norms are weightless: unit gain, zero bias except the final norm's β/γ
     from safetensors.torch import load_file

@@ -275,16 +275,17 @@ def test_command_compares_original_and_converted(tmp_path, capsys):
     normswap.convert_checkpoint(tmp_path / "src", tmp_path / "rms")
     (tmp_path / "text.txt").write_text(PROSE * 3)
     argv = [str(tmp_path / "src"), "--compare", str(tmp_path / "rms"), "--text", str(tmp_path / "text.txt"),
-            "--json", str(tmp_path / "geometry.json"), "--plot", str(tmp_path / "geometry.png")]
+            "--out", str(tmp_path / "geometry"), "--plot"]
     assert geometry(argv) == 0
     out = capsys.readouterr().out
     assert "transformer.h.1.ln_2" in out and "orthogonal to 1 to floating-point noise" in out
-    report = json.loads((tmp_path / "geometry.json").read_text())
+    report = json.loads((tmp_path / "geometry" / "report.json").read_text())
     assert report["original"]["tokens"] == report["converted"]["tokens"] > 32
     assert report["original"]["text"].endswith("text.txt")
     assert all(n["mean_share"] > 0.3 for n in report["original"]["norms"])
     assert all(n["abs_cos"]["max"] < 1e-6 for n in report["converted"]["norms"])
-    assert (tmp_path / "geometry.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "geometry" / "report.png").read_bytes()[:4] == b"\x89PNG"
+    assert "transformer.h.1.ln_2" in (tmp_path / "geometry" / "report.md").read_text()
 
 
 def test_model_without_tokenizer_needs_random_tokens(tmp_path, capsys):
@@ -296,20 +297,18 @@ def test_model_without_tokenizer_needs_random_tokens(tmp_path, capsys):
     assert "random ids" in capsys.readouterr().out
 
 
-def test_json_and_plot_are_written_whole(tmp_path, monkeypatch):
-    """A failure while writing leaves neither a half-written file nor the temporary one."""
-    from normswap.analysis import cli as geometry_cli
+def test_reports_are_written_whole(tmp_path, monkeypatch, capsys):
+    """A failure while writing --out leaves neither a half-written folder nor the temporary one."""
+    from normswap import cli
+    from normswap.analysis import plot
 
-    target = tmp_path / "report.json"
-    target.write_text("previous")
+    def fail(reports, path):
+        path.write_text("half")
+        raise OSError(28, "No space left on device")
 
-    def fail(tmp):
-        tmp.write_text("half")
-        raise OSError("disk full")
-
-    with pytest.raises(OSError):
-        geometry_cli._write_whole(target, fail)
-    assert target.read_text() == "previous"
-    assert [p.name for p in tmp_path.iterdir()] == ["report.json"]
-    geometry_cli._write_whole(target, lambda tmp: tmp.write_text("new"))
-    assert target.read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["report.json"]
+    monkeypatch.setattr(plot, "plot_reports", fail)
+    out = tmp_path / "geometry"
+    code = cli.main(["geometry", "normswap:austen-gpt2", "--max-tokens", "64", "--out", str(out), "--plot"])
+    err = capsys.readouterr().err
+    assert code == 2 and "no space left" in err and "nothing was written" in err
+    assert list(tmp_path.iterdir()) == []

@@ -168,7 +168,7 @@ def test_gpt2_recipe_runs_literally_against_the_local_hub(hub, tmp_path):
     add_all(hub)
     hub.log.clear()
     result = normswap_cli("run", str(RECIPES_DIR / "gpt2.yaml"), "--limit", "3", "--device", "cpu", "--out", "run",
-                          "--no-plot", "--no-progress", hub=hub, home=tmp_path / "hf", cwd=tmp_path)
+                          "--no-progress", hub=hub, home=tmp_path / "hf", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     report = result.stdout
     assert "## Comparison: PASS" in report and "## Reference figures" in report
@@ -208,7 +208,7 @@ def test_hub_recipes_convert_and_evaluate_through_the_local_hub(recipe_path, tmp
     local.write_text(yaml.safe_dump(data))
     with FakeHub() as hub:
         hub.add(recipe.source, folder_files(model_dir))
-        result = normswap_cli("run", str(local), "--out", "run", "--no-plot", "--device", "cpu", hub=hub,
+        result = normswap_cli("run", str(local), "--out", "run", "--device", "cpu", hub=hub,
                               home=tmp_path / "hf", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "## Comparison: PASS" in result.stdout

@@ -162,11 +162,11 @@ def test_whisper_eval_catches_a_broken_conversion(models, two_utterances, tmp_pa
 def test_whisper_geometry_on_audio(models, two_utterances, tmp_path, capsys):
     src, out = models["whisper"]
     code = main(["geometry", str(src), "--compare", str(out), "--audio", str(two_utterances),
-                              "--json", str(tmp_path / "g.json")])
+                              "--out", str(tmp_path / "g")])
     printed = capsys.readouterr().out
     assert code == 0
     assert "side encoder:" in printed and "side decoder:" in printed
-    reports = json.loads((tmp_path / "g.json").read_text())
+    reports = json.loads((tmp_path / "g" / "report.json").read_text())
     original, converted = reports["original"], reports["converted"]
     stacks = {n["name"]: n["stack"] for n in original["norms"]}
     assert stacks["model.decoder.layers.0.encoder_attn_layer_norm"] == "decoder"

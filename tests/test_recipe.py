@@ -69,7 +69,7 @@ def test_shipped_recipes_are_valid():
 def test_offline_recipe_end_to_end(capsys, tmp_path, offline_recipe):
     out = tmp_path / "run"
     code, stdout, err = run_cli(capsys, "run", str(offline_recipe), "--out", str(out), "--limit", "3",
-                                "--no-progress")
+                                "--no-progress", "--plot")
     assert code == 0, err
     assert "Comparison: PASS" in stdout
     for name in ("report.json", "report.md", "report.png", "conversion.json", "recipe.yaml", "converted/config.json"):

@@ -487,9 +487,9 @@ def test_geometry_shows_rotation_spreading_outliers(tmp_path, capsys):
     src = save(make_hard(transformers.GPT2LMHeadModel(config)).eval(), tmp_path / "gpt2")
     rotated = tmp_path / "rotated"
     rotate_checkpoint(src, rotated, verification="none")
-    report = tmp_path / "geometry.json"
+    report = tmp_path / "geometry" / "report.json"
     code = normswap_cli("geometry", str(src), "--compare", str(rotated), "--outliers", "--random-tokens",
-                        "--max-tokens", "256", "--json", str(report))
+                        "--max-tokens", "256", "--out", str(report.parent))
     printed = capsys.readouterr().out
     assert code == 0 and "is rotated" in printed and "outlier ratio" in printed
     reports = json.loads(report.read_text())

@@ -109,7 +109,7 @@ def test_require_passes_when_installed(monkeypatch):
 @pytest.mark.parametrize(("args", "extra"), [
     (["eval", "normswap:austen-gpt2"], "eval"),
     (["run", "austen-gpt2"], "eval"),
-    (["geometry", "normswap:austen-gpt2", "--plot", "/tmp/normswap-never-written.png"], "plot"),
+    (["geometry", "normswap:austen-gpt2", "--out", "/tmp/normswap-never-written", "--plot"], "plot"),
 ])
 def test_command_without_its_extra_prints_one_line(monkeypatch, capsys, args, extra):
     monkeypatch.setattr(extras, "missing", lambda name: ["some-dist"] if name == extra else [])

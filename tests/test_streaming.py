@@ -21,9 +21,9 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 import normswap
 from normswap.cli import main
-from normswap.convert import fold, write
-from normswap.convert.plan import Centre, FoldGain
+from normswap.convert import fold, safetensors_io
 from normswap.convert.source import CheckpointReader
+from normswap.convert.steps import Centre, FoldGain
 from normswap.errors import NormswapError
 from normswap.verify import layerwise as verify_layerwise
 
@@ -108,16 +108,16 @@ def test_sharded_bin_input(tmp_path):
 
 
 def test_slice_kernels_match_fold_bit_for_bit():
-    """The in-place float64 slice kernels compute exactly what fold.chunked over fold.* computes."""
+    """Streaming a tensor slice by slice through fold's in-place kernels gives, bit for bit, what
+    the whole-tensor fold functions give."""
     x = torch.randn(300, 64, dtype=torch.float16) + 0.3
     gain = torch.rand(64) + 0.5
-    cases = [([Centre(1)], lambda p: fold.centre(p, 1), 1), ([Centre(0)], lambda p: fold.centre(p, 0), 0),
-             ([FoldGain("g", 1)], lambda p: fold.fold_gain(p, gain, 1), 1)]
-    for steps, transform, keep in cases:
-        ours = write.apply_slice_steps(x, steps, {"g": gain}.__getitem__, torch.float16, slice_elements=1000)
-        reference = fold.chunked(x, lambda p, t=transform: t(p.double()), keep_axis=keep, out_dtype=torch.float16,
-                                 chunk_elements=1000)
-        assert torch.equal(ours, reference)
+    cases = [([Centre(1)], lambda p: fold.centre(p, 1)), ([Centre(0)], lambda p: fold.centre(p, 0)),
+             ([FoldGain("g", 1)], lambda p: fold.fold_gain(p, gain, 1)),
+             ([Centre(1), FoldGain("g", 1)], lambda p: fold.fold_gain(fold.centre(p, 1), gain, 1))]
+    for steps, transform in cases:
+        ours = fold.apply_slice_steps(x, steps, {"g": gain}.__getitem__, torch.float16, slice_elements=1000)
+        assert torch.equal(ours, transform(x).to(torch.float16))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,7 +127,7 @@ def test_slice_kernels_match_fold_bit_for_bit():
 def test_disk_full_leaves_nothing(tmp_path, monkeypatch):
     src = tiny_gpt2(tmp_path / "src", shard_size="40KB")
     calls = []
-    real = write._write_at
+    real = safetensors_io.write_at
 
     def full_after_first(fd, offset, data):
         calls.append(offset)
@@ -135,7 +135,7 @@ def test_disk_full_leaves_nothing(tmp_path, monkeypatch):
             raise OSError(errno.ENOSPC, "No space left on device")
         real(fd, offset, data)
 
-    monkeypatch.setattr(write, "_write_at", full_after_first)
+    monkeypatch.setattr(safetensors_io, "write_at", full_after_first)
     out = tmp_path / "rms"
     with pytest.raises(NormswapError, match="no space left"):
         normswap.convert_checkpoint(src, out, verification="none")
@@ -176,12 +176,12 @@ _INTERRUPTED = textwrap.dedent("""
     import normswap.convert.write as write
     from normswap.cli import main
 
-    real = write._write_tensor
+    real = write.write_tensor
     def slow(*args):
         print("writing", flush=True)
         time.sleep(0.05)
         return real(*args)
-    write._write_tensor = slow
+    write.write_tensor = slow
     sys.exit(main(["convert", sys.argv[1], "--out", sys.argv[2], "--quiet"]))
 """)
 
@@ -274,11 +274,11 @@ def test_layerwise_agrees_with_whole_model(tmp_path, monkeypatch, capsys):
 
     # automatic choice by size, and the CLI flags
     monkeypatch.setattr(verify_layerwise, "LAYERWISE_ABOVE_BYTES", 0)
-    assert main(["verify", str(src), str(out), "--json", str(tmp_path / "v.json")]) == 0
-    assert json.loads((tmp_path / "v.json").read_text())["mode"] == "layerwise"
+    assert main(["verify", str(src), str(out), "--out", str(tmp_path / "v1")]) == 0
+    assert json.loads((tmp_path / "v1" / "report.json").read_text())["mode"] == "layerwise"
     assert "worst block" in capsys.readouterr().out
-    assert main(["verify", str(src), str(out), "--full", "--json", str(tmp_path / "v.json")]) == 0
-    assert json.loads((tmp_path / "v.json").read_text())["mode"] == "full"
+    assert main(["verify", str(src), str(out), "--full", "--out", str(tmp_path / "v2")]) == 0
+    assert json.loads((tmp_path / "v2" / "report.json").read_text())["mode"] == "full"
     assert main(["convert", str(src), "--out", str(tmp_path / "cli"), "--verify", "layerwise", "--quiet"]) == 0
     config = json.loads((tmp_path / "cli" / "config.json").read_text())
     assert config["normswap"]["verification"]["mode"] == "layerwise"

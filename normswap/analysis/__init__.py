@@ -11,9 +11,9 @@ Names are imported lazily so that building the command line does not import torc
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
-from typing import Any
+
+from normswap.lazy import lazy_getattr
 
 # The text measured when none is given: an excerpt of Persuasion shipped with the package.
 DEFAULT_TEXT = Path(__file__).resolve().parent.parent / "data" / "text" / "persuasion-excerpt.txt"
@@ -28,8 +28,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'normswap.analysis' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

@@ -1,22 +1,27 @@
-"""``normswap geometry MODEL [--compare CONVERTED]``: how a model's norm inputs use the all-ones direction."""
+"""``normswap geometry MODEL [--compare CONVERTED] [--out DIR [--plot]] [--json]``: how a model's norm inputs use the all-ones direction."""
 
 from __future__ import annotations
 
 import argparse
-import json
-import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from normswap.analysis import DEFAULT_TEXT
+from normswap.commands import (
+    add_device_option,
+    add_report_options,
+    check_report_out,
+    emit_json,
+    local_inputs,
+    write_reports,
+)
 from normswap.errors import NormswapError
 
 if TYPE_CHECKING:  # torch is imported once the arguments are checked
     import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-# file types matplotlib writes, for --plot
-_PLOT_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg")
 DTYPE_NAMES = ("bfloat16", "float16", "float32", "float64")
 # A token is rarely longer than this many characters; reading only that much keeps huge files cheap.
 _CHARS_PER_TOKEN = 16
@@ -41,17 +46,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=4, help="windows per forward pass (default 4)")
     parser.add_argument("--dtype", choices=DTYPE_NAMES, default="float32",
                         help="dtype to run the model in; statistics are always float64 (default float32)")
-    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    add_device_option(parser)
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="load a model whose type transformers lacks with its own code (auto_map); "
                              "converted checkpoints always load with normswap's classes, never their code")
     parser.add_argument("--top-dims", type=int, default=5, help="dimensions listed per norm as carrying the mean")
     parser.add_argument("--seed", type=int, default=0, help="seed for --random-tokens")
-    parser.add_argument("--json", type=Path, metavar="PATH", help="write the full report as JSON")
-    parser.add_argument("--plot", type=Path, metavar="PNG", help="write per-norm plots as a PNG")
+    add_report_options(parser)
     parser.add_argument("--outliers", action="store_true",
                         help="also measure max|x|/RMS(x) and kurtosis at every linear layer's input "
-                             "(what a rotation changes); with --plot, a second PNG ending -outliers.png")
+                             "(what a rotation changes); with --plot, also report-outliers.png")
 
 
 def read_text(path: Path, max_chars: int) -> str:
@@ -68,7 +72,7 @@ def read_text(path: Path, max_chars: int) -> str:
     return text
 
 
-def token_ids(args: argparse.Namespace, tokenizer, vocab_size: int | None) -> tuple[torch.Tensor, str]:
+def token_ids(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int | None) -> tuple[torch.Tensor, str]:
     """The 1-D token ids to measure on, and a description of where they came from."""
     import torch
 
@@ -88,19 +92,21 @@ def token_ids(args: argparse.Namespace, tokenizer, vocab_size: int | None) -> tu
 
 
 def _dtype(name: str) -> torch.dtype:
-    import torch
+    from normswap.dtypes import parse_dtype
 
-    return getattr(torch, name)
+    return parse_dtype(name)
 
 
 def _load(src: str, args: argparse.Namespace):
     import normswap
 
     model, tokenizer = normswap.load_model(src, dtype=_dtype(args.dtype), trust_remote_code=args.trust_remote_code)
-    return model.to(args.device), tokenizer
+    from normswap.commands import resolve_device
+
+    return model.to(resolve_device(args.device)), tokenizer
 
 
-def measure(src: str, model, ids: torch.Tensor, text: str, args: argparse.Namespace) -> dict:
+def measure(src: str, model: PreTrainedModel, ids: torch.Tensor, text: str, args: argparse.Namespace) -> dict:
     """Run one model over ``ids`` and build its report."""
     from normswap.analysis.collect import run_geometry
     from normswap.analysis.report import build_report
@@ -108,17 +114,6 @@ def measure(src: str, model, ids: torch.Tensor, text: str, args: argparse.Namesp
     seq_len = args.seq_len or 1024
     norms = run_geometry(model, ids, seq_len=seq_len, batch_size=args.batch_size, top_dims=args.top_dims)
     return build_report(norms, model=src, dtype=_dtype(args.dtype), tokens=int(ids.numel()), text=text)
-
-
-def _json_safe(value):
-    # JSON has no inf/nan; write them as null rather than emitting invalid JSON.
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_json_safe(v) for v in value]
-    return value
 
 
 def _media_reports(args: argparse.Namespace) -> tuple[dict, None]:
@@ -150,8 +145,8 @@ def _media_reports(args: argparse.Namespace) -> tuple[dict, None]:
     return reports, None
 
 
-def _text_reports(args: argparse.Namespace) -> tuple[dict, Callable[[], None] | None]:
-    """Reports on text, and the outlier statistics to print after them (``--outliers``)."""
+def _text_reports(args: argparse.Namespace) -> tuple[dict, Callable[[], str] | None]:
+    """Reports on text, and what measures the outlier statistics (``--outliers``) and returns their table."""
     from normswap.evaluation.media_eval import check_sources
 
     # Speech and vision models read audio or images: say so before loading anything.
@@ -172,7 +167,8 @@ def _text_reports(args: argparse.Namespace) -> tuple[dict, Callable[[], None] | 
     return reports, lambda: _outliers(args, models, ids, reports)
 
 
-def run(args: argparse.Namespace) -> int:
+def _check_arguments(args: argparse.Namespace) -> None:
+    """Refuse contradictory or impossible options, with one line, before any model is loaded."""
     from normswap.commands import check_source
     from normswap.extras import require
 
@@ -184,15 +180,12 @@ def run(args: argparse.Namespace) -> int:
         raise NormswapError("--max-tokens must be at least 2")
     if args.text is not None and not args.random_tokens and not args.text.is_file():
         raise NormswapError(f"text file not found: {args.text}")
+    check_report_out(args, local_inputs(args.model, args.compare))
     if args.plot:
         require("plot", "normswap geometry --plot")
-    if args.plot and args.plot.suffix.lower().lstrip(".") not in _PLOT_FORMATS:
-        raise NormswapError(f"--plot {args.plot}: the file name must end in one of "
-                            f"{', '.join('.' + f for f in _PLOT_FORMATS)}")
     check_source(args.model, trust_remote_code=args.trust_remote_code)  # before any heavy import
     if args.compare:
         check_source(args.compare, trust_remote_code=args.trust_remote_code)
-    from normswap.analysis.report import format_comparison, format_report
     from normswap.commands import check_device
 
     check_device(args.device)
@@ -202,54 +195,57 @@ def run(args: argparse.Namespace) -> int:
 
         paths = [resolve_source(src, trust_remote_code=args.trust_remote_code) for src in (args.model, args.compare)]
         validation.check_same_shape(paths[0], read_config(paths[0]), paths[1], read_config(paths[1]))
+
+
+def run(args: argparse.Namespace) -> int:
+    _check_arguments(args)
+    from normswap.analysis.report import format_comparison, format_report
+
     reports, outliers = _media_reports(args) if args.audio or args.images else _text_reports(args)
     original = reports["original"]
     converted = reports.get("converted")
-    if converted is not None:
-        print(format_comparison(original, converted))
-    else:
-        print(format_report(original))
-
+    tables = [format_comparison(original, converted) if converted is not None else format_report(original)]
     if outliers is not None:
-        outliers()
-
+        tables.append(outliers())
+    text = "\n".join(tables)
+    print(text)
+    payload = reports if converted is not None else original
+    if args.out is not None:
+        write_reports(args.out, lambda folder: _write_files(folder, payload, reports, text, args.plot),
+                      inputs=local_inputs(args.model, args.compare), overwrite=args.overwrite)
     if args.json:
-        payload = reports if converted is not None else original
-        _write_whole(args.json, lambda tmp: tmp.write_text(json.dumps(_json_safe(payload), indent=1) + "\n"))
-        print(f"wrote {args.json}")
-    if args.plot:
-        from normswap.analysis.plot import plot_reports
-
-        _write_whole(args.plot, lambda tmp: plot_reports(reports, tmp))
-        print(f"wrote {args.plot}")
+        emit_json(args, payload)
     return 0
 
 
-def _write_whole(path: Path, write: Callable[[Path], object]) -> None:
-    """Write ``path`` through a temporary file beside it and rename it into place, so a failure
-    leaves no half-written file (and an existing one untouched)."""
-    import os
+def _write_files(folder: Path, payload: dict, reports: dict, text: str, plot: bool) -> list[Path]:
+    """report.json, report.md, and with ``plot`` report.png (and report-outliers.png) in ``folder``."""
+    from normswap.analysis.report import to_markdown
+    from normswap.commands import json_text
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.normswap-tmp-{os.getpid()}{path.suffix}")  # suffix: the plot's format
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    written = [folder / "report.json", folder / "report.md"]
+    written[0].write_text(json_text(payload), encoding="utf-8")
+    written[1].write_text(to_markdown(reports, text), encoding="utf-8")
+    if plot:
+        from normswap.analysis.plot import plot_reports
+
+        written.append(plot_reports(reports, folder / "report.png"))
+        layers = {label: report["outliers"]["layers"] for label, report in reports.items() if "outliers" in report}
+        if layers:
+            from normswap.analysis.outliers import plot_outliers
+
+            plot_outliers(layers, folder / "report-outliers.png")
+            written.append(folder / "report-outliers.png")
+    return written
 
 
-def _outliers(args: argparse.Namespace, models: dict, ids: torch.Tensor, reports: dict) -> None:
-    """Linear-input outlier statistics per model: printed, added to each report, optionally plotted."""
+def _outliers(args: argparse.Namespace, models: dict, ids: torch.Tensor, reports: dict) -> str:
+    """Linear-input outlier statistics per model, added to each report; returns their table."""
     from normswap.analysis.collect import context_length
-    from normswap.analysis.outliers import format_outliers, geometry_outliers, plot_outliers
+    from normswap.analysis.outliers import format_outliers, geometry_outliers
 
     seq_len = min([args.seq_len or 1024] + [context_length(model) for model in models.values()])
     results = geometry_outliers(models, ids, seq_len, args.batch_size)
-    print(format_outliers({label: result["summary"] for label, result in results.items()}))
     for label, result in results.items():
         reports[label]["outliers"] = result
-    if args.plot:
-        path = args.plot.with_name(args.plot.stem + "-outliers.png")
-        _write_whole(path, lambda tmp: plot_outliers({label: result["layers"] for label, result in results.items()}, tmp))
-        print(f"wrote {path}")
+    return format_outliers({label: result["summary"] for label, result in results.items()})

@@ -247,3 +247,12 @@ def format_comparison(original: dict, converted: dict) -> str:
         lines.append(f"warning: the converted model's norm inputs are NOT orthogonal to 1 "
                      f"(largest token share {_g(converted['overall']['token_share_max'])})")
     return "\n".join(lines)
+
+
+def to_markdown(reports: dict[str, dict], text: str) -> str:
+    """report.md: which models were measured on what, and the tables as printed."""
+    lines = ["# normswap geometry", ""]
+    lines += [f"- **{label}**: `{report.get('model')}`" for label, report in reports.items()]
+    first = next(iter(reports.values()))
+    lines += [f"- **measured on**: {first.get('text')} ({first.get('tokens')} tokens)", "", "```", text, "```", ""]
+    return "\n".join(lines)

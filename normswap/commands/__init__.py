@@ -1,4 +1,4 @@
-"""The core subcommands: convert, inspect, verify.
+"""The core subcommands (convert, rotate, inspect, verify) and the options every command shares.
 
 Command modules import only the standard library at module level: the parser is built, and bad
 paths are refused, before torch and transformers are imported.
@@ -6,7 +6,13 @@ paths are refused, before torch and transformers are imported.
 
 from __future__ import annotations
 
+import argparse
+import json
+import math
+import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from normswap.errors import NormswapError
 
@@ -23,15 +29,15 @@ def check_source(src: str, *, trust_remote_code: bool = False) -> None:
 
 
 def check_device(name: str | None) -> None:
-    """Refuse, with one line, a ``--device`` that torch cannot use here."""
-    if name is None:
+    """Refuse, with one line, a ``--device`` that torch cannot use here (``auto`` always works)."""
+    if name in (None, "auto"):
         return
     import torch
 
     try:
         device = torch.device(name)
     except (RuntimeError, ValueError):
-        raise NormswapError(f"--device {name!r} is not a torch device (cpu, cuda, cuda:1, mps, ...)") from None
+        raise NormswapError(f"--device {name!r} is not a torch device (auto, cpu, cuda, cuda:1, mps, ...)") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise NormswapError(f"--device {name}: CUDA is not available on this machine")
@@ -39,3 +45,112 @@ def check_device(name: str | None) -> None:
             raise NormswapError(f"--device {name}: there are {torch.cuda.device_count()} CUDA devices")
     if device.type == "mps" and not torch.backends.mps.is_available():
         raise NormswapError(f"--device {name}: MPS is not available on this machine")
+
+
+DEVICE_HELP = "torch device: auto (default: cuda when available, else cpu), cpu, cuda, cuda:1, mps"
+
+
+def add_device_option(parser: argparse.ArgumentParser | argparse._ArgumentGroup, default: str | None = "auto") -> None:
+    """``--device``, the same everywhere: ``auto`` is cuda when available, else cpu."""
+    parser.add_argument("--device", default=default, help=DEVICE_HELP)
+
+
+def resolve_device(name: str | None) -> str:
+    """The torch device ``--device`` names; ``auto`` (or None) is cuda when available, else cpu."""
+    if name in (None, "auto"):
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    check_device(name)
+    return name
+
+
+def add_checkpoint_out(parser: argparse.ArgumentParser) -> None:
+    """``--out DIR`` (required) and ``--overwrite`` for the commands that write a checkpoint."""
+    parser.add_argument("--out", required=True, metavar="DIR",
+                        help="output checkpoint folder: absent or empty, or with --overwrite one that normswap wrote")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an --out that normswap wrote earlier (never any other folder)")
+
+
+def add_verification_options(parser: argparse.ArgumentParser) -> None:
+    """The built-in verification's options, shared by ``convert`` and ``rotate``."""
+    parser.add_argument("--atol", type=float, help="verification tolerance on max |Δlogit| (default by dtype)")
+    parser.add_argument("--rtol", type=float, help="relative part of the tolerance, times max |logit|")
+    parser.add_argument("--verify", dest="verification", choices=["auto", "layerwise", "full", "none"], default="auto",
+                        help="layerwise: block by block within bounded memory; full: whole models; "
+                             "auto (default): layerwise for models above 1 GiB of float32 weights")
+
+
+def add_json_option(parser: argparse.ArgumentParser) -> None:
+    """``--json``, the same everywhere: stdout carries only the JSON; the usual text goes to stderr."""
+    parser.add_argument("--json", action="store_true",
+                        help="print the result as JSON on stdout (the usual text goes to stderr)")
+
+
+def add_report_options(parser: argparse.ArgumentParser, *, plot: bool = True, out_help: str | None = None) -> None:
+    """``--out DIR`` for report.json and report.md (and plots with ``--plot``), ``--overwrite``, ``--json``."""
+    parser.add_argument("--out", type=Path, metavar="DIR",
+                        help=out_help or "write report.json and report.md here: a folder that is absent or empty, "
+                                         "or with --overwrite one that normswap wrote")
+    parser.add_argument("--overwrite", action="store_true", help="replace an --out folder that normswap wrote")
+    if plot:
+        parser.add_argument("--plot", action="store_true", help="also write plots (PNG) into --out")
+    add_json_option(parser)
+
+
+def local_inputs(*sources: str | None) -> list[Path]:
+    """The local folders among a command's sources: ``--out`` may not overlap them."""
+    return [Path(src).expanduser() for src in sources if src is not None and Path(src).expanduser().exists()]
+
+
+def check_report_out(args: argparse.Namespace, inputs: list[Path]) -> None:
+    """Refuse, before any work, an ``--out`` normswap may not write, and ``--plot`` without one."""
+    if getattr(args, "plot", False) and args.out is None:
+        raise NormswapError("--plot needs --out DIR (the plots are written there)")
+    if args.out is not None:
+        from normswap import output
+
+        args.out = output.absolute(args.out)
+        output.check_out(args.out, inputs, args.overwrite)
+
+
+def write_reports(out: Path, write: Callable[[Path], list[Path]], *, inputs: list[Path],
+                  overwrite: bool, kind: str = "report") -> list[Path]:
+    """Claim ``out``, let ``write(folder)`` fill a temporary folder, install it whole; the final paths.
+
+    Like every normswap output (``normswap.output``): nothing half-written, and ``overwrite`` only
+    replaces a folder normswap wrote."""
+    from normswap import output
+
+    with output.claimed_output(out, inputs=inputs, overwrite=overwrite, kind=kind) as claim:
+        names = [path.name for path in write(claim.tmp)]
+        claim.install()
+    paths = [out / name for name in names]
+    print("wrote " + ", ".join(str(path) for path in paths), file=sys.stderr)
+    return paths
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with inf and nan as null (JSON has neither) and other non-JSON values as strings."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    return str(value)
+
+
+def json_text(data: Any) -> str:
+    """``data`` as strict JSON text (what ``json.loads`` and every other parser accept)."""
+    return json.dumps(json_safe(data), indent=2, allow_nan=False) + "\n"
+
+
+def emit_json(args: argparse.Namespace, data: Any) -> None:
+    """Print ``data`` as JSON to the real stdout (``normswap.cli`` sends all other text to stderr)."""
+    stream = getattr(args, "json_stream", None) or sys.stdout
+    stream.write(json_text(data))
+    stream.flush()

@@ -1,35 +1,35 @@
-"""``normswap convert SRC --out DIR``."""
+"""``normswap convert SRC --out DIR [--json]``."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from normswap.commands import check_source
+from normswap.commands import (
+    add_checkpoint_out,
+    add_json_option,
+    add_verification_options,
+    check_source,
+    emit_json,
+)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("src", help="hub id (gpt2), local checkpoint directory, or normswap:austen-gpt2")
     parser.add_argument("--revision", help="hub ids: the branch, tag or commit to download (default: main)")
-    parser.add_argument("--out", required=True,
-                        help="output directory: absent or empty, or with --overwrite one that normswap wrote")
+    add_checkpoint_out(parser)
     parser.add_argument("--fold-gains", action="store_true",
                         help="fold each norm's gain and bias into the layers that read it")
     parser.add_argument("--method", choices=["exact", "naive"], default="exact",
                         help="exact: centre the residual writers (default); naive: swap only (inexact)")
     parser.add_argument("--allow-inexact", action="store_true", help="required with --method naive")
     parser.add_argument("--dtype", help="output dtype (float32, float16, bfloat16); default: the source's")
-    parser.add_argument("--atol", type=float, help="verification tolerance on max |Δlogit| (default by dtype)")
-    parser.add_argument("--rtol", type=float, help="relative part of the tolerance, times max |logit|")
-    parser.add_argument("--verify", dest="verification", choices=["auto", "layerwise", "full", "none"], default="auto",
-                        help="layerwise: block by block within bounded memory; full: whole models; "
-                             "auto (default): layerwise for models above 1 GiB of float32 weights")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace an --out that normswap wrote earlier (never any other folder)")
+    add_verification_options(parser)
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="no effect: conversion and its verification never run code from a checkpoint "
                              "(only families transformers implements are converted)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_json_option(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,4 +54,6 @@ def run(args: argparse.Namespace) -> int:
         if args.method == "naive":
             print("warning: --method naive is inexact by design; the figures above are its measured degradation",
                   file=sys.stderr)
+    if args.json:
+        emit_json(args, provenance)
     return 0

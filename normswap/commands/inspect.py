@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import argparse
-import json
+from typing import TYPE_CHECKING
 
+from normswap.commands import add_json_option, emit_json
 from normswap.convert.source import CheckpointReader, read_config, resolve_source
+
+if TYPE_CHECKING:
+    from normswap.convert.plan import ConversionPlan
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("src", help="hub id, local checkpoint directory, or normswap:austen-gpt2")
     parser.add_argument("--fold-gains", action="store_true", help="plan with gain folding")
-    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    add_json_option(parser)
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="no effect: inspect never runs code from a checkpoint")
 
@@ -26,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     with CheckpointReader(path) as reader:
         _, plan, _ = plan_conversion(path, config, reader, method="exact", fold_gains=args.fold_gains, dtype=None)
     if args.json:
-        print(json.dumps(plan_as_dict(plan), indent=2))
+        emit_json(args, plan_as_dict(plan))
         return 0
     print(f"checkpoint: {path}")
     print(f"architecture: {config.get('model_type')} ({', '.join(config.get('architectures') or ['?'])})")
@@ -49,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def plan_as_dict(plan) -> dict:
+def plan_as_dict(plan: ConversionPlan) -> dict:
+    """The plan as JSON-ready data: its summary, the norms, the centred writers, each tensor's steps."""
     return {
         **plan.summary(),
         "norms": [vars(norm) for norm in plan.norms],

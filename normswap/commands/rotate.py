@@ -1,9 +1,11 @@
 """``normswap rotate SRC --out DIR [--method hadamard|orthogonal|pca] [--seed N] [--calibration TEXT]
-[--slice FRACTION [--held-out TEXT]]``."""
+[--slice FRACTION [--held-out TEXT]] [--json]``."""
 
 from __future__ import annotations
 
 import argparse
+
+from normswap.commands import add_checkpoint_out, add_json_option, add_verification_options, emit_json
 
 METHODS = ("hadamard", "orthogonal", "pca")
 
@@ -11,7 +13,7 @@ METHODS = ("hadamard", "orthogonal", "pca")
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("src", help="an original LayerNorm checkpoint (hub id, directory, normswap:austen-gpt2) "
                                     "or a normswap checkpoint converted with --fold-gains")
-    parser.add_argument("--out", required=True, help="output directory (must be empty or absent)")
+    add_checkpoint_out(parser)
     parser.add_argument("--method", choices=METHODS,
                         help="hadamard: randomised Hadamard diag(±1)·H/√d (default); orthogonal: seeded random "
                              "orthogonal; pca: principal directions of the stream on --calibration text "
@@ -28,14 +30,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="with --slice: text the perplexity cost is measured on (default: the last 10%% of the "
                              "calibration text's tokens, then not used for calibration)")
     parser.add_argument("--dtype", help="output dtype (float32, float16, bfloat16, float64); default: the source's")
-    parser.add_argument("--atol", type=float, help="verification tolerance on max |Δlogit| (default by dtype)")
-    parser.add_argument("--rtol", type=float, help="relative part of the tolerance, times max |logit|")
-    parser.add_argument("--verify", dest="verification", choices=["auto", "layerwise", "full", "none"], default="auto",
-                        help="layerwise: block by block within bounded memory; full: whole models; "
-                             "auto (default): layerwise for models above 1 GiB of float32 weights")
-    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    add_verification_options(parser)
     parser.add_argument("--trust-remote-code", action="store_true", help="allow the source's own code to run")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_json_option(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,4 +61,6 @@ def run(args: argparse.Namespace) -> int:
     if verification:
         print(format_table(verification["loaders"]))
         print(describe_mode(verification))
+    if args.json:
+        emit_json(args, provenance)
     return 0

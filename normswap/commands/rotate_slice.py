@@ -1,4 +1,4 @@
-"""``normswap rotate SRC --out DIR --slice FRACTION --calibration TEXT [--held-out TEXT]``."""
+"""``normswap rotate SRC --out DIR --slice FRACTION --calibration TEXT [--held-out TEXT] [--json]``."""
 
 from __future__ import annotations
 
@@ -36,4 +36,8 @@ def run_slice(args: argparse.Namespace) -> int:
           f"(min {block['energy_kept']['min']:.2%})")
     print(f"NOT exact: perplexity on {cost['tokens']} held-out tokens {cost['original']:.4f} (original) -> "
           f"{cost['sliced']:.4f} (sliced), {cost['increase']:+.2%}")
+    if args.json:
+        from normswap.commands import emit_json
+
+        emit_json(args, provenance)
     return 0

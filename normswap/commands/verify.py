@@ -1,14 +1,12 @@
-"""``normswap verify ORIG CONVERTED``."""
+"""``normswap verify ORIG CONVERTED [--out DIR] [--json]``."""
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 from pathlib import Path
 
-from normswap.commands import check_source
-from normswap.errors import NormswapError, VerificationError
+from normswap.commands import add_report_options, check_report_out, check_source, emit_json, local_inputs
+from normswap.errors import VerificationError
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -16,7 +14,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("converted", help="the converted checkpoint directory")
     parser.add_argument("--atol", type=float, help="tolerance on max |Δ| (default by dtype)")
     parser.add_argument("--rtol", type=float, help="relative part of the tolerance, times max |output|")
-    parser.add_argument("--json", help="also write the figures to this JSON file")
+    add_report_options(parser, plot=False)
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--layerwise", action="store_const", const=True, dest="layerwise",
                       help="compare block by block within bounded memory (default above 1 GiB of float32 weights)")
@@ -31,35 +29,46 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     check_source(args.original)
     check_source(args.converted)
+    inputs = local_inputs(args.original, args.converted)
+    check_report_out(args, inputs)
     from normswap.verify.checkpoint import verify_checkpoint
-    from normswap.verify.compare import format_table
-    from normswap.verify.layerwise import describe_mode
 
     result = verify_checkpoint(args.original, args.converted, atol=args.atol, rtol=args.rtol,
                                layerwise=args.layerwise, quiet=args.quiet, trust_remote_code=args.trust_remote_code)
-    print(format_table(result["loaders"]))
-    print(describe_mode(result))
-    print(f"probe: {result['probe']} {result['probe_shape']}, tolerance {result['tolerance']['limit']:.3g}")
+    text = summary(result)
+    print(text)
+    if args.out is not None:
+        from normswap.commands import json_text, write_reports
+
+        def write(folder: Path) -> list[Path]:
+            files = {"report.json": json_text(result), "report.md": to_markdown(args, text)}
+            for name, content in files.items():
+                (folder / name).write_text(content, encoding="utf-8")
+            return [folder / name for name in files]
+
+        write_reports(args.out, write, inputs=inputs, overwrite=args.overwrite)
     if args.json:
-        write_json_file(args.json, result)
+        emit_json(args, result)
     if not result["passed"]:
         raise VerificationError("the converted model does not match the original within tolerance")
-    print("verified: outputs match")
     return 0
 
 
-def write_json_file(path: str, data: dict) -> None:
-    """Write ``data`` to ``path`` whole or not at all (a temporary file beside it, then a rename);
-    a failure is one line."""
-    target = Path(path)
-    tmp = target.with_name(f".{target.name}.normswap-tmp-{os.getpid()}")
-    try:
-        with open(tmp, "w") as file:
-            json.dump(data, file, indent=2)
-        os.replace(tmp, target)
-    except OSError as error:
-        from normswap.output import describe_os_error
+def summary(result: dict) -> str:
+    """The figures as text: one row per loader, the comparison mode, the probe, the verdict."""
+    from normswap.verify.compare import format_table
+    from normswap.verify.layerwise import describe_mode
 
-        raise NormswapError(describe_os_error(error, f"while writing --json {path}")) from None
-    finally:
-        tmp.unlink(missing_ok=True)
+    verdict = "verified: outputs match" if result["passed"] else "FAILED: outputs differ beyond tolerance"
+    return "\n".join([
+        format_table(result["loaders"]),
+        describe_mode(result),
+        f"probe: {result['probe']} {result['probe_shape']}, tolerance {result['tolerance']['limit']:.3g}",
+        verdict,
+    ])
+
+
+def to_markdown(args: argparse.Namespace, text: str) -> str:
+    """report.md: what was compared, and the figures as printed."""
+    return (f"# normswap verify\n\n- **original**: `{args.original}`\n- **converted**: `{args.converted}`\n\n"
+            f"```\n{text}\n```\n")

@@ -9,19 +9,31 @@ projection that removes the mean. For a row vector x, xC = x - mean(x)·1.
 * A *reader* of a norm computes y = W(γ ⊙ n + β) + b. Folding gives W' = W·diag(γ) and
   b' = b + Wβ, so the norm can output n alone.
 
-Every function takes and returns tensors; ``chunked`` applies one of them over slices of a large
-tensor so that a float64 copy of the whole never exists.
+Every function takes and returns tensors. The last section executes a plan's steps with these
+functions: ``compute_tensor`` for one tensor, ``slice_kernel``/``run_kernels`` for the slices the
+writer streams (in place on one reused float64 buffer), so what the tests check here is what
+conversion runs.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
-# Work on at most this many float64 elements at once (64 MiB).
+from normswap.convert.steps import Bake, Centre, DivideByGain, Fill, FoldBias, FoldGain, Rotate, Step
+
+if TYPE_CHECKING:
+    from normswap.convert.plan import TensorPlan
+
+# Work on at most this many float64 elements at once (64 MiB) in a whole-tensor bias fold.
 CHUNK_ELEMENTS = 8 * 1024 * 1024
+# float64 working slice of the streamed steps, reused for every slice of a tensor: 8 MiB stays in cache
+SLICE_ELEMENTS = 1 << 20
+
+Read = Callable[[str], torch.Tensor]
 
 
 def centre(weight: torch.Tensor, hidden_axis: int) -> torch.Tensor:
@@ -30,15 +42,24 @@ def centre(weight: torch.Tensor, hidden_axis: int) -> torch.Tensor:
     For an embedding table [vocab, d] (hidden_axis=1) each row is centred; for an nn.Linear
     out-projection [d, in] (hidden_axis=0) each column is; for a bias [d] the vector is.
     """
-    weight = weight.double()
-    return weight - weight.mean(dim=hidden_axis, keepdim=True)
+    return centre_(weight.to(torch.float64, copy=True), hidden_axis)
+
+
+def centre_(work: torch.Tensor, hidden_axis: int) -> torch.Tensor:
+    """``centre`` in place on a float64 ``work`` tensor (the streamed slices)."""
+    return work.sub_(work.mean(dim=hidden_axis, keepdim=True))
 
 
 def fold_gain(weight: torch.Tensor, gain: torch.Tensor, input_axis: int) -> torch.Tensor:
     """W·diag(γ): scale the reader's input axis by the norm's gain γ."""
-    shape = [1] * weight.dim()
+    return fold_gain_(weight.to(torch.float64, copy=True), gain.double(), input_axis)
+
+
+def fold_gain_(work: torch.Tensor, gain: torch.Tensor, input_axis: int) -> torch.Tensor:
+    """``fold_gain`` in place on a float64 ``work`` tensor, with a float64 ``gain``."""
+    shape = [1] * work.dim()
     shape[input_axis] = -1
-    return weight.double() * gain.double().reshape(shape)
+    return work.mul_(gain.reshape(shape))
 
 
 def fold_bias(
@@ -67,31 +88,6 @@ def layer_norm_rows(table: torch.Tensor, gain: torch.Tensor, bias: torch.Tensor,
     mean = table.mean(dim=-1, keepdim=True)
     variance = (table - mean).pow(2).mean(dim=-1, keepdim=True)
     return (table - mean) / torch.sqrt(variance + eps) * gain.double() + bias.double()
-
-
-def chunked(
-    tensor: torch.Tensor,
-    transform: Callable[[torch.Tensor], torch.Tensor],
-    keep_axis: int,
-    out_dtype: torch.dtype,
-    chunk_elements: int = CHUNK_ELEMENTS,
-) -> torch.Tensor:
-    """``transform`` applied to slices of ``tensor`` taken along an axis other than ``keep_axis``.
-
-    ``transform`` must act independently on each slice along the other axes (centring along the
-    hidden axis does; so does folding a gain along the input axis). Results are cast to
-    ``out_dtype`` slice by slice, so peak extra memory is one float64 slice.
-    """
-    if tensor.dim() <= 1 or tensor.numel() <= chunk_elements:
-        return transform(tensor).to(out_dtype)
-    split_axis = 0 if keep_axis != 0 else 1
-    per_index = tensor.numel() // tensor.shape[split_axis]
-    step = max(1, chunk_elements // per_index)
-    out = torch.empty(tensor.shape, dtype=out_dtype)
-    for start in range(0, tensor.shape[split_axis], step):
-        piece = tensor.narrow(split_axis, start, min(step, tensor.shape[split_axis] - start))
-        out.narrow(split_axis, start, piece.shape[split_axis]).copy_(transform(piece))
-    return out
 
 
 def chunked_bias_fold(
@@ -223,3 +219,97 @@ def principal_rotation(second_moment: torch.Tensor) -> tuple[torch.Tensor, torch
     signs = torch.sign(vectors[largest, torch.arange(vectors.shape[1])])
     signs[signs == 0] = 1.0
     return vectors * signs, values
+
+
+# ---------------------------------------------------------------------------------------------
+# Executing a plan's steps with the functions above.
+
+
+def compute_tensor(plan: TensorPlan, read: Read) -> torch.Tensor:
+    """The output value of one tensor: its source, transformed by its steps, in float64, cast once."""
+    value = torch.zeros(plan.shape, dtype=torch.float64) if plan.source is None else read(plan.source)
+    if not plan.steps:
+        return value.to(plan.dtype)
+    slice_steps = [step for step in plan.steps if step.slice_wise]
+    other_steps = [step for step in plan.steps if not step.slice_wise]
+    if slice_steps:
+        target = torch.float64 if other_steps else plan.dtype
+        value = apply_slice_steps(value, slice_steps, read, target, name=plan.name)
+    for step in other_steps:
+        value = whole_step(step, value.double(), read)
+    return value.to(plan.dtype)
+
+
+def apply_slice_steps(value: torch.Tensor, steps: list[Step], read: Read, out_dtype: torch.dtype, *,
+                      name: str = "", slice_elements: int = SLICE_ELEMENTS) -> torch.Tensor:
+    """Slice-wise ``steps`` applied in float64 to ``value`` slice by slice, cast to ``out_dtype``.
+
+    Every step acts on whole slices across one axis (the hidden axis a writer is centred along,
+    or the input axis a reader's gain scales), so ``value`` is cut along another axis into
+    slices of about ``slice_elements``. Each slice is copied into one reused float64 buffer,
+    transformed in place, and cast into the output.
+    """
+    axes = {step.axis for step in steps}
+    if len(axes) != 1:
+        raise AssertionError(f"{name}: slice-wise steps on different axes {axes}")
+    axis = axes.pop()
+    kernels = [slice_kernel(step, read) for step in steps]
+    out = torch.empty(value.shape, dtype=out_dtype)
+    if value.dim() <= 1 or value.numel() == 0:
+        out.copy_(run_kernels(kernels, value.to(torch.float64, copy=True)))
+        return out
+    split = 0 if axis != 0 else 1
+    count = value.shape[split]
+    step = max(1, slice_elements // (value.numel() // count))
+    buffer = torch.empty(min(step, count) * (value.numel() // count), dtype=torch.float64)
+    for start in range(0, count, step):
+        piece = value.narrow(split, start, min(step, count - start))
+        work = buffer[: piece.numel()].view(piece.shape)
+        work.copy_(piece)
+        out.narrow(split, start, piece.shape[split]).copy_(run_kernels(kernels, work))
+    return out
+
+
+def run_kernels(kernels: list[Callable[[torch.Tensor], torch.Tensor]], work: torch.Tensor) -> torch.Tensor:
+    """``work`` through every kernel in order (each may modify it in place)."""
+    for kernel in kernels:
+        work = kernel(work)
+    return work
+
+
+def slice_kernel(step: Step, read: Read) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The float64 slice kernel of a slice-wise ``step``, in place where the math allows.
+
+    Centre: w ← w - mean(w along the hidden axis)      (``centre_``)
+    FoldGain: w ← w · γ along the input axis             (``fold_gain_``)
+    Bake: w ← LayerNorm(w) row by row                     (``layer_norm_rows``)
+    Rotate: w ← w contracted with Q along the stream axis (``rotate_axis``)
+    """
+    if isinstance(step, Centre):
+        return lambda w: centre_(w, step.axis)
+    if isinstance(step, FoldGain):
+        gain = read(step.gain).double()
+        return lambda w: fold_gain_(w, gain, step.axis)
+    if isinstance(step, Bake):
+        gain, bias = read(step.gain), read(step.bias)
+        return lambda w: layer_norm_rows(w, gain, bias, step.eps)
+    if isinstance(step, Rotate):
+        return lambda w: rotate_axis(w, step.rotation.matrix, step.axis)
+    raise TypeError(step)
+
+
+def whole_step(step: Step, value: torch.Tensor, read: Read) -> torch.Tensor:
+    """A step that needs the whole float64 tensor ``value``.
+
+    Fill: a constant; DivideByGain: β ⊘ γ (``residual_norm_bias``); FoldBias: b + Wβ
+    (``chunked_bias_fold``); Rotate: a kept norm bias, (β⊘γ)·Q (``rotate_axis``).
+    """
+    if isinstance(step, Fill):
+        return torch.full_like(value, step.value)
+    if isinstance(step, DivideByGain):
+        return residual_norm_bias(read(step.gain), value)
+    if isinstance(step, FoldBias):
+        return chunked_bias_fold(read(step.weight), read(step.norm_bias), value, step.axis)
+    if isinstance(step, Rotate):
+        return rotate_axis(value, step.rotation.matrix, step.axis)
+    raise TypeError(step)

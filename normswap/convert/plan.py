@@ -2,97 +2,23 @@
 
 The plan is data, computed before any weight is read: for each output tensor, the source tensor
 it starts from and the ordered steps applied to it (bake, centre, fold a gain, fold a bias, ...).
-``normswap inspect`` prints it; ``normswap.convert.write`` executes it one tensor at a time.
+``normswap inspect`` prints it; ``normswap.convert.write`` streams it out one tensor at a time,
+through ``normswap.convert.fold``, which executes the steps.
 """
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from normswap.architectures.spec import IDENTITY, Architecture
+from normswap.architectures.spec import Architecture
+from normswap.convert.safetensors_io import tensor_nbytes
 from normswap.convert.source import TensorInfo
+from normswap.convert.steps import Bake, Centre, DivideByGain, Fill, FoldBias, FoldGain, Step, Structure
 from normswap.errors import NormswapError
-
-# ---------------------------------------------------------------------------------------------
-# Steps. "Slice-wise" steps act independently on every slice taken across ``axis`` (the axis that
-# indexes the hidden dimension), so they can run in float64 chunks of a large tensor.
-
-
-@dataclass(frozen=True)
-class Bake:
-    """Replace each row e by LayerNorm(e) with the given norm's γ, β and eps (slice-wise)."""
-
-    gain: str
-    bias: str
-    eps: float
-    axis: int
-    slice_wise = True
-
-
-@dataclass(frozen=True)
-class Centre:
-    """Subtract the mean along ``axis`` (slice-wise)."""
-
-    axis: int
-    slice_wise = True
-
-
-@dataclass(frozen=True)
-class FoldGain:
-    """Multiply the reader's input ``axis`` by the norm gain ``gain`` (slice-wise)."""
-
-    gain: str
-    axis: int
-    slice_wise = True
-
-
-@dataclass(frozen=True)
-class FoldBias:
-    """Reader bias b ← b + Wβ, with W the original reader weight ``weight`` read along ``axis``."""
-
-    weight: str
-    norm_bias: str
-    axis: int
-    slice_wise = False
-
-
-@dataclass(frozen=True)
-class DivideByGain:
-    """Norm bias β ← β ⊘ γ, for a norm whose γ is folded but whose β has nowhere to go."""
-
-    gain: str
-    slice_wise = False
-
-
-@dataclass(frozen=True)
-class Fill:
-    """Replace the values by a constant (a folded norm's unit gain or zero bias)."""
-
-    value: float
-    slice_wise = False
-
-
-@dataclass(frozen=True, eq=False)
-class Rotate:
-    """Contract the stream axis ``axis`` with the orthogonal Q of ``rotation`` (``fold.rotate_axis``).
-
-    ``side`` says which of the ``fold.rotate_*`` identities this is (writer, reader, norm_bias).
-    Slice-wise: every slice across ``axis`` is rotated on its own. A norm bias is rotated after
-    its β ⊘ γ is formed, so that step is whole-tensor (``slice_wise`` False) and keeps its order.
-    """
-
-    axis: int
-    side: str
-    rotation: object = field(repr=False)  # normswap.rotation.Rotation: the matrix and its label
-    slice_wise: bool = True
-
-
-Step = Bake | Centre | FoldGain | FoldBias | DivideByGain | Fill | Rotate
 
 
 @dataclass
@@ -109,7 +35,7 @@ class TensorPlan:
     @property
     def nbytes(self) -> int:
         """Bytes of the output tensor."""
-        return math.prod(self.shape) * self.dtype.itemsize
+        return tensor_nbytes(self.shape, self.dtype)
 
 
 @dataclass
@@ -138,8 +64,19 @@ class ConversionPlan:
     untied: list[tuple[str, str]]
     dropped: list[str]
     renamed: dict[str, str]
-    structure: dict[str, list[str]]
+    structure: Structure
     shards: list[str]
+
+    @property
+    def stock_loadable(self) -> bool:
+        """Whether the stock LayerNorm class computes the converted model exactly.
+
+        It does when every write is centred (LayerNorm's mean removal is then a no-op) and no
+        module was removed. A naive swap changes the function, and a baked embedding norm must not
+        be applied a second time, so those get their own model type, which stock transformers
+        refuses to load.
+        """
+        return self.method == "exact" and not self.structure.identity
 
     def summary(self) -> dict:
         return {
@@ -151,7 +88,7 @@ class ConversionPlan:
             "norms_folded": sum(norm.folded_gain for norm in self.norms),
             "untied": [f"{head} <- {embedding}" for head, embedding in self.untied],
             "dropped": self.dropped,
-            "structure": self.structure,
+            "structure": self.structure.to_json(),
             "shards": len(self.shards),
         }
 
@@ -179,13 +116,16 @@ def canonical_names(
     return mapping
 
 
-def resolve_structure(structure: dict[str, list[str]], module_names: list[str]) -> dict[str, list[str]]:
+def resolve_structure(structure: dict[str, list[str]], module_names: list[str] | None) -> Structure:
     """Turn the adapter's structure patterns into module paths of the model class.
 
     Adapters give regular expressions (``(model\\.)?encoder\\.layers\\.0``) because one family's
     classes nest the same module under different prefixes. Each pattern must match at least one
     module: a structural change that silently applied nowhere would leave the model inexact.
+    Without ``module_names`` the patterns are kept as they are.
     """
+    if module_names is None:
+        return Structure.from_json(structure)
     resolved: dict[str, list[str]] = {}
     for kind, patterns in structure.items():
         paths = []
@@ -195,7 +135,7 @@ def resolve_structure(structure: dict[str, list[str]], module_names: list[str]) 
                 raise NormswapError(f"structure '{kind}': no module of the model class matches '{pattern}'")
             paths.extend(name for name in matched if name not in paths)
         resolved[kind] = paths
-    return resolved
+    return Structure.from_json(resolved)
 
 
 def output_shard_names(source_shards: list[str]) -> dict[str, str]:
@@ -217,7 +157,7 @@ def build_plan(
     method: str = "exact",
     fold_gains: bool = False,
     dtype: torch.dtype | None = None,
-    read_small=None,
+    read_small: Callable[[str], torch.Tensor] | None = None,
     rename: Callable[[str], str] | None = None,
     module_names: list[str] | None = None,
 ) -> ConversionPlan:
@@ -238,27 +178,43 @@ def build_plan(
         for name in renamed.values():
             if name in model_keys and rename(name) != name:
                 raise NormswapError(f"transformers would rename the output tensor {name} on load; not supported")
+    plans, dropped, shards = _tensor_plans(architecture, tensors, renamed, dtype)
+    untied = _untie(architecture, config, plans, model_keys)
+    structure = resolve_structure(architecture.structure(config), module_names)
+    norms = _find_norms(architecture, plans, layer_norm_modules)
+    norms += _bake(architecture, config, plans, dropped, structure)  # before centring the table
+    writers = _centre_writers(architecture, plans) if method == "exact" else []
+    if fold_gains:
+        for norm in norms:
+            if norm.baked_into is None:
+                _fold_norm(norm, architecture, plans, set(writers), read_small)
+    return ConversionPlan(
+        model_type=config.get("model_type", "?"), method=method, fold_gains=fold_gains,
+        tensors=dict(sorted(plans.items())), norms=norms, writers=writers, untied=untied, dropped=sorted(dropped),
+        renamed={old: new for old, new in renamed.items() if old != new}, structure=structure, shards=shards,
+    )
+
+
+def _tensor_plans(architecture: Architecture, tensors: dict[str, TensorInfo], renamed: dict[str, str],
+                  dtype: torch.dtype | None) -> tuple[dict[str, TensorPlan], list[str], list[str]]:
+    """A step-less plan per kept tensor (under its canonical name), the dropped names, the output shards."""
     shard_names = output_shard_names(sorted({info.shard for info in tensors.values()}))
-    by_name = {renamed[name]: info for name, info in tensors.items()}
-
-    def out_dtype(info: TensorInfo) -> torch.dtype:
-        return dtype if dtype is not None and info.dtype.is_floating_point else info.dtype
-
     plans: dict[str, TensorPlan] = {}
     dropped = []
-    for name, info in by_name.items():
+    for source_name, info in tensors.items():
+        name = renamed[source_name]
         if any(re.fullmatch(pattern, name) for pattern in architecture.ignore):
             dropped.append(name)
             continue
-        plans[name] = TensorPlan(name, info.name, info.shape, out_dtype(info), shard_names[info.shard])
+        out_dtype = dtype if dtype is not None and info.dtype.is_floating_point else info.dtype
+        plans[name] = TensorPlan(name, info.name, info.shape, out_dtype, shard_names[info.shard])
+    return plans, dropped, sorted(set(shard_names.values()))
 
-    untied = _untie(architecture, config, plans, model_keys)
-    structure = {key: list(value) for key, value in architecture.structure(config).items()}
-    if module_names is not None:
-        structure = resolve_structure(structure, module_names)
-    norms = _find_norms(architecture, plans, layer_norm_modules)
 
-    # Bake embedding norms into their tables (before centring the table, below).
+def _bake(architecture: Architecture, config: dict, plans: dict[str, TensorPlan], dropped: list[str],
+          structure: Structure) -> list[NormPlan]:
+    """Bake embedding norms into their tables; the norm module becomes an identity."""
+    baked = []
     for bake in architecture.bake:
         if bake.embedding not in plans:
             continue
@@ -269,36 +225,21 @@ def build_plan(
         for suffix in (".weight", ".bias"):
             dropped.append(bake.norm + suffix)
             del plans[bake.norm + suffix]
-        structure.setdefault(IDENTITY, []).append(bake.norm)
-        norms.append(NormPlan(bake.norm, [], baked_into=bake.embedding, note="baked into the table; nothing left to fold"))
+        structure.identity.append(bake.norm)
+        baked.append(NormPlan(bake.norm, [], baked_into=bake.embedding, note="baked into the table; nothing left to fold"))
+    return baked
 
+
+def _centre_writers(architecture: Architecture, plans: dict[str, TensorPlan]) -> list[str]:
+    """Centre every tensor that writes the stream along its hidden axis; their names."""
     writers = []
-    if method == "exact":
-        for name, plan in plans.items():
-            for writer in architecture.writers:
-                if re.fullmatch(writer.pattern, name):
-                    plan.steps.append(Centre(writer.hidden_axis))
-                    writers.append(name)
-                    break
-
-    if fold_gains:
-        for norm in norms:
-            if norm.baked_into is None:
-                _fold_norm(norm, architecture, plans, set(writers), read_small)
-
-    return ConversionPlan(
-        model_type=config.get("model_type", "?"),
-        method=method,
-        fold_gains=fold_gains,
-        tensors=dict(sorted(plans.items())),
-        norms=norms,
-        writers=writers,
-        untied=untied,
-        dropped=sorted(dropped),
-        renamed={old: new for old, new in renamed.items() if old != new},
-        structure=structure,
-        shards=sorted(set(shard_names.values())),
-    )
+    for name, plan in plans.items():
+        for writer in architecture.writers:
+            if re.fullmatch(writer.pattern, name):
+                plan.steps.append(Centre(writer.hidden_axis))
+                writers.append(name)
+                break
+    return writers
 
 
 def _untie(architecture: Architecture, config: dict, plans: dict[str, TensorPlan], model_keys: set[str]):

@@ -1,14 +1,9 @@
 """Load: find a checkpoint and read its tensors lazily.
 
-``resolve_source`` turns what the user typed (a local directory, a Hugging Face hub id, or the
-bundled example) into a local directory. ``CheckpointReader`` opens the weight files of that
-directory without reading them: tensors are fetched one at a time, so a conversion never holds
-more than the group of tensors it is working on.
-
-Safetensors shards are read with positioned reads (``os.preadv``) at the offsets named in their
-header, not memory-mapped: pages of a mapping stay resident (and count in the process's RSS) as
-long as the file is open, so reading a 100 GB checkpoint through ``safe_open`` would look like a
-100 GB process. A read copies exactly one tensor into memory the process owns and frees.
+``resolve_source`` turns what the user typed (a local directory, a hub id, or the bundled example)
+into a local directory. ``CheckpointReader`` opens its weight files without reading them: tensors
+are fetched one at a time (safetensors shards by positioned reads, ``safetensors_io``), so a
+conversion never holds more than the group of tensors it is working on.
 """
 
 from __future__ import annotations
@@ -16,13 +11,15 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import cache
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from normswap.convert.safetensors_io import SafetensorsShard, tensor_nbytes
 from normswap.errors import NormswapError
 
 if TYPE_CHECKING:  # torch is imported where tensors are read: resolving a source stays light
@@ -68,69 +65,9 @@ def resolve_source(src: str | Path, *, trust_remote_code: bool = False, revision
         return path
     if not _HUB_ID.match(str(src)):
         raise NormswapError(f"{src} does not exist and is not a Hugging Face hub id")
-    return _download(str(src), trust_remote_code=trust_remote_code, revision=revision)
+    from normswap.convert.hub import download
 
-
-# What the hub client's errors mean, by class name, in the one line the user reads.
-_HUB_ERRORS = {
-    "RepositoryNotFoundError": "repository not found (or private: log in with `hf auth login`)",
-    "GatedRepoError": "the repository is gated: accept its terms on the hub and log in with `hf auth login`",
-    "RevisionNotFoundError": "revision not found",
-    "OfflineModeIsEnabled": "offline mode is on (HF_HUB_OFFLINE) and it is not in the local cache",
-}
-
-
-def _download(repo_id: str, *, trust_remote_code: bool, revision: str | None = None) -> Path:
-    import logging
-
-    from huggingface_hub import snapshot_download
-
-    # The hub client logs every retry; one line from us says it all.
-    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
-    patterns = ["*.json", "*.txt", "*.model", "*.tiktoken"] + (["*.py"] if trust_remote_code else [])
-    # Top-level files only: onnx/, openvino/ and the like hold other exports of the same model.
-    options = {"revision": revision, "ignore_patterns": ["*/*"]}
-    try:
-        path = Path(snapshot_download(repo_id, allow_patterns=patterns + ["*.safetensors"], **options))
-        if not any(path.glob("*.safetensors")):
-            path = Path(snapshot_download(repo_id, allow_patterns=patterns + ["*.bin"], **options))
-        return path
-    except Exception as error:  # the hub client raises many types; all mean "could not fetch"
-        raise NormswapError(
-            f"could not fetch '{repo_id}'{f' at revision {revision}' if revision else ''} ({_hub_reason(error)}); "
-            "pass a local checkpoint directory instead"
-        ) from None
-
-
-def _hub_reason(error: BaseException) -> str:
-    """The cause of a failed download, in a few words."""
-    chain: list[BaseException] = []
-    current: BaseException | None = error
-    while current is not None and len(chain) < 8:
-        chain.append(current)
-        current = current.__cause__ or current.__context__
-    names = [type(e).__name__ for e in chain]
-    if "OfflineModeIsEnabled" in names or any("offline" in _first_line(e).lower() for e in chain[:1]):
-        return _HUB_ERRORS["OfflineModeIsEnabled"]
-    for name in names:
-        if name in _HUB_ERRORS:
-            return _HUB_ERRORS[name]
-    status = getattr(getattr(error, "response", None), "status_code", None)
-    if status in (401, 403):
-        return _HUB_ERRORS["GatedRepoError"]
-    reason = _first_line(error)
-    connection = ("ConnectError", "ConnectionError", "RemoteProtocolError", "ReadError", "TimeoutException",
-                  "ConnectTimeout", "ReadTimeout", "LocalEntryNotFoundError")
-    if any(name in connection for name in names) or "Name or service not known" in reason or "connect" in reason.lower():
-        return f"the Hugging Face Hub is unreachable at {_endpoint()}"
-    sentence = reason.split(". ")[0].rstrip(".")
-    if len(sentence) > 160:  # the client's messages run to paragraphs; cut at a word
-        sentence = sentence[:160].rsplit(" ", 1)[0] + " ..."
-    return sentence
-
-
-def _endpoint() -> str:
-    return os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    return download(str(src), trust_remote_code=trust_remote_code, revision=revision)
 
 
 def read_config(path: Path) -> dict:
@@ -139,7 +76,7 @@ def read_config(path: Path) -> dict:
     try:
         config = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise NormswapError(f"cannot read {file}: {_first_line(error)}") from None
+        raise NormswapError(f"cannot read {file}: {first_line(error)}") from None
     if not isinstance(config, dict):
         kind = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean"}
         raise NormswapError(f"{file} must hold a JSON object, not {kind.get(type(config), 'null')}")
@@ -157,129 +94,7 @@ class TensorInfo:
 
     @property
     def nbytes(self) -> int:
-        count = 1
-        for size in self.shape:
-            count *= size
-        return count * _itemsize(self.dtype)
-
-
-class SafetensorsShard:
-    """One safetensors file: its header parsed and checked at open, tensors read on demand.
-
-    The file is ``[8-byte little-endian header length n][n bytes of JSON][data]``; each header
-    entry gives a tensor's dtype, shape and ``data_offsets`` [begin, end) into the data section.
-    A header that does not parse, or promises bytes the file does not have (a truncated
-    download), is reported at once as a ``NormswapError``.
-    """
-
-    MAX_HEADER_BYTES = 100 * 1024 * 1024
-
-    def __init__(self, file: Path) -> None:
-        self.file = file
-        self._fd = os.open(file, os.O_RDONLY)
-        try:
-            self.entries = self._parse_header()
-        except BaseException:
-            os.close(self._fd)
-            raise
-
-    def _corrupt(self, why: str) -> NormswapError:
-        return NormswapError(f"weight file {self.file} is corrupt or truncated: {why}")
-
-    def _parse_header(self) -> dict[str, tuple[torch.dtype, tuple[int, ...], int, int]]:
-        size = os.fstat(self._fd).st_size
-        if size < 8:
-            raise self._corrupt(f"{size} bytes, too short for a safetensors header")
-        length = int.from_bytes(os.pread(self._fd, 8, 0), "little")
-        if length > min(size - 8, self.MAX_HEADER_BYTES):
-            raise self._corrupt(f"header length {length} does not fit in the file's {size} bytes")
-        try:
-            header = json.loads(os.pread(self._fd, length, 8))
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise self._corrupt(f"unreadable header ({error})") from None
-        if not isinstance(header, dict):
-            raise self._corrupt("the header is not a JSON object")
-        self.data_start = 8 + length
-        data_bytes = size - self.data_start
-        entries = {}
-        for name, entry in header.items():
-            if name == "__metadata__":
-                continue
-            entries[name] = self._check_entry(name, entry, data_bytes)
-        self._check_layout(entries, data_bytes)
-        return entries
-
-    def _check_entry(self, name: str, entry: object, data_bytes: int) -> tuple[torch.dtype, tuple[int, ...], int, int]:
-        if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= set(entry):
-            raise self._corrupt(f"header entry {name} is not a mapping with dtype, shape and data_offsets")
-        dtype = _safetensors_dtypes().get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
-        if dtype is None:
-            raise self._corrupt(f"{name} has dtype {entry['dtype']!r:.40}, which normswap does not read")
-        shape, offsets = entry["shape"], entry["data_offsets"]
-        if not isinstance(shape, list) or not all(_natural(size) for size in shape):
-            raise self._corrupt(f"{name} has shape {shape!r:.60}; dimensions must be non-negative integers")
-        if not isinstance(offsets, list) or len(offsets) != 2 or not all(_natural(offset) for offset in offsets):
-            raise self._corrupt(f"{name} has data_offsets {offsets!r:.60}; they must be two non-negative integers")
-        shape, (begin, end) = tuple(shape), offsets
-        count = 1
-        for size in shape:
-            count *= size
-        if end - begin != count * _itemsize(dtype):
-            raise self._corrupt(f"{name}: data_offsets {begin}..{end} do not match shape {list(shape)} of {entry['dtype']}")
-        if end > data_bytes:
-            raise self._corrupt(f"{name} ends at byte {end} of a data section of {data_bytes} bytes")
-        return dtype, shape, begin, end
-
-    def _check_layout(self, entries: dict, data_bytes: int) -> None:
-        """Tensors must tile the data section exactly: no overlap, no gap, no trailing bytes."""
-        position, previous = 0, None
-        for name, (_, _, begin, end) in sorted(entries.items(), key=lambda item: (item[1][2], item[1][3])):
-            if begin < position:
-                raise self._corrupt(f"{name} overlaps {previous} (bytes {begin}..{end})")
-            if begin > position:
-                raise self._corrupt(f"bytes {position}..{begin} before {name} belong to no tensor")
-            position, previous = end, name
-        if position != data_bytes:
-            raise self._corrupt(f"{data_bytes - position} trailing bytes after the last tensor")
-
-    def read(self, name: str) -> torch.Tensor:
-        """The tensor ``name``, copied from the file into fresh memory."""
-        import torch
-
-        dtype, shape, begin, end = self.entries[name]
-        buffer = torch.empty(end - begin, dtype=torch.uint8)
-        self._pread(name, buffer, begin)
-        return buffer.view(dtype).reshape(shape)
-
-    def read_rows(self, name: str, start: int, count: int, buffer: torch.Tensor | None = None) -> torch.Tensor:
-        """Rows ``start``..``start+count`` (along the first axis) of ``name``, read into ``buffer``
-        (a uint8 tensor, reused by the caller) when given."""
-        import torch
-
-        dtype, shape, begin, end = self.entries[name]
-        row = (end - begin) // shape[0]
-        raw = torch.empty(row * count, dtype=torch.uint8) if buffer is None else buffer[: row * count]
-        self._pread(name, raw, begin + start * row)
-        return raw.view(dtype).reshape(count, *shape[1:])
-
-    def _pread(self, name: str, into: torch.Tensor, offset: int) -> None:
-        view = memoryview(into.numpy())
-        done = 0
-        while done < len(view):
-            got = os.preadv(self._fd, [view[done:]], self.data_start + offset + done)
-            if got <= 0:
-                raise self._corrupt(f"{name} ends early (the file shrank while it was read)")
-            done += got
-
-    def locate(self, name: str) -> tuple[int, int]:
-        """The open file descriptor and absolute offset of the bytes of ``name``."""
-        _, _, begin, _ = self.entries[name]
-        return self._fd, self.data_start + begin
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        return tensor_nbytes(self.shape, self.dtype)
 
 
 class CheckpointReader:
@@ -331,43 +146,31 @@ class CheckpointReader:
     def _handle(self, shard: str):
         if shard not in self._open:
             file = self.path / shard
-            try:
+            with _read_errors(f"weight file {file}"):
                 if shard.endswith(".safetensors"):
                     self._open[shard] = SafetensorsShard(file)
                 else:
                     # bin shards are whole pickles; keep only one mapped at a time
                     self._open = {k: v for k, v in self._open.items() if k.endswith(".safetensors")}
                     self._open[shard] = _load_pickle_shard(file)
-            except NormswapError:
-                raise
-            except Exception as error:
-                raise NormswapError(f"cannot read weight file {file}: {_first_line(error)}") from None
         return self._open[shard]
 
     def get(self, name: str) -> torch.Tensor:
         """The tensor called ``name``, read from disk now."""
         info = self.tensors[name]
-        try:
+        with _read_errors(f"tensor {name} from {info.shard}"):
             if self.is_safetensors:
                 return self._handle(info.shard).read(name)
             return self._handle(info.shard)[name]
-        except NormswapError:
-            raise
-        except Exception as error:
-            raise NormswapError(f"cannot read tensor {name} from {info.shard}: {_first_line(error)}") from None
 
     def read_rows(self, name: str, start: int, count: int, buffer: torch.Tensor | None = None) -> torch.Tensor:
         """Rows ``start``..``start+count`` of ``name`` along its first axis, read now (into
         ``buffer``, a reusable uint8 tensor, for safetensors shards)."""
         info = self.tensors[name]
-        try:
+        with _read_errors(f"tensor {name} from {info.shard}"):
             if self.is_safetensors:
                 return self._handle(info.shard).read_rows(name, start, count, buffer)
             return self._handle(info.shard)[name].narrow(0, start, count)
-        except NormswapError:
-            raise
-        except Exception as error:
-            raise NormswapError(f"cannot read tensor {name} from {info.shard}: {_first_line(error)}") from None
 
     def read_as(self, name: str, dtype: torch.dtype, slice_bytes: int = 8 << 20) -> torch.Tensor:
         """The tensor ``name`` converted to ``dtype``, read in row slices of about ``slice_bytes``,
@@ -391,9 +194,52 @@ class CheckpointReader:
             return None
         return self._handle(self.tensors[name].shard).locate(name)
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """Every tensor, read now (for small models and tests)."""
-        return {name: self.get(name) for name in self.tensors}
+
+class RecentReads:
+    """``read`` that remembers the last large tensor and a bounded set of small ones.
+
+    Large means above ``small_bytes``; only one is kept, so the extra memory is at most one
+    tensor of the group being written. Small tensors (norm gains and biases, read by every
+    reader of a norm) are kept up to ``small_items``. Callers never modify what they get.
+    """
+
+    def __init__(self, read: Callable[[str], torch.Tensor], small_bytes: int = 1 << 20, small_items: int = 256) -> None:
+        self._read = read
+        self._small_bytes = small_bytes
+        self._small_items = small_items
+        self._small: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._large: tuple[str, torch.Tensor] | None = None
+        self.disk_reads = 0
+
+    def __call__(self, name: str) -> torch.Tensor:
+        if name in self._small:
+            return self._small[name]
+        if self._large is not None and self._large[0] == name:
+            return self._large[1]
+        self._large = None  # drop the previous large tensor before reading the next one
+        value = self._read(name)
+        self.disk_reads += 1
+        if value.numel() * value.element_size() <= self._small_bytes:
+            self._small[name] = value
+            if len(self._small) > self._small_items:
+                self._small.popitem(last=False)
+        else:
+            self._large = (name, value)
+        return value
+
+
+def source_inputs(source_dir: Path) -> list[Path]:
+    """The source folder and the real files behind its entries (hub caches link to blobs
+    elsewhere): what no output may contain or lie inside."""
+    inputs = [source_dir]
+    try:
+        entries = list(source_dir.iterdir())
+    except OSError:
+        return inputs
+    for entry in entries:
+        if entry.is_symlink():
+            inputs.append(Path(os.path.realpath(entry)))
+    return inputs
 
 
 def first_non_finite(path: Path) -> str | None:
@@ -433,15 +279,18 @@ def _load_pickle_shard(file: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _natural(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+@contextmanager
+def _read_errors(what: str) -> Iterator[None]:
+    """Any failure to read ``what`` (other than normswap's own refusals) as one line."""
+    try:
+        yield
+    except NormswapError:
+        raise
+    except Exception as error:
+        raise NormswapError(f"cannot read {what}: {first_line(error)}") from None
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return dtype.itemsize
-
-
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
 
@@ -452,7 +301,7 @@ def _weight_map(index: Path) -> dict[str, str]:
     try:
         data = json.loads(index.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise NormswapError(f"cannot read {index}: {_first_line(error)}") from None
+        raise NormswapError(f"cannot read {index}: {first_line(error)}") from None
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict):
         raise NormswapError(f"{index}: 'weight_map' must be a mapping of tensor names to shard files")
@@ -481,32 +330,6 @@ def _weight_shards(path: Path) -> list[str]:
     raise NormswapError(
         f"{path} has no weights: expected {SAFETENSORS_FILE}, a sharded {SAFETENSORS_INDEX}, or {PICKLE_FILE}"
     )
-
-
-@cache
-def _safetensors_dtypes() -> dict[str, torch.dtype]:
-    import torch
-
-    return {
-        "F64": torch.float64,
-        "F32": torch.float32,
-        "F16": torch.float16,
-        "BF16": torch.bfloat16,
-        "I64": torch.int64,
-        "I32": torch.int32,
-        "I16": torch.int16,
-        "I8": torch.int8,
-        "U8": torch.uint8,
-        "BOOL": torch.bool,
-        "F8_E4M3": torch.float8_e4m3fn,
-        "F8_E5M2": torch.float8_e5m2,
-    }
-
-
-def __getattr__(name: str):
-    if name == "SAFETENSORS_DTYPE_NAMES":  # built on first use, with torch
-        return {dtype: key for key, dtype in _safetensors_dtypes().items()}
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class StateDictReader:

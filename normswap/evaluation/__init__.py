@@ -1,16 +1,15 @@
 """Evaluation: strided perplexity, lm-eval tasks, side-by-side comparison, recipes.
 
 ``normswap eval`` lives in ``cli.py``, ``normswap run`` in ``recipe_cli.py``; the Python entry point
-is ``normswap.evaluation.evaluate``. See README.md in this folder for single-GPU, CPU, data-parallel
-and ``device_map="auto"`` commands.
+is ``normswap.evaluation.evaluate``. docs/evaluation.md has single-GPU, CPU, data-parallel and
+``device_map="auto"`` commands.
 
 Names are imported lazily so that building the command line does not import torch and lm-eval.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from normswap.lazy import lazy_getattr
 
 _EXPORTS = {
     "evaluate": "normswap.evaluation.api",
@@ -25,8 +24,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'normswap.evaluation' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

@@ -1,4 +1,4 @@
-"""``normswap eval MODEL [--baseline ORIG]``: perplexity and lm-eval scores, side by side.
+"""``normswap eval MODEL [--baseline ORIG] [--out DIR [--plot]] [--json]``: perplexity and lm-eval scores, side by side.
 
 Exit status: 0 when the comparison passes (or there is none), 3 when a tolerance is exceeded,
 2 for user errors.
@@ -10,8 +10,14 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+from normswap.commands import add_device_option, add_report_options, check_report_out, emit_json, local_inputs
 from normswap.errors import NormswapError, VerificationError
+
+if TYPE_CHECKING:  # torch and lm-eval are imported once the arguments are checked
+    from normswap.evaluation.compare import Tolerances
+    from normswap.evaluation.runner import EvalSettings
 
 
 def add_eval_options(parser: argparse.ArgumentParser) -> None:
@@ -22,7 +28,7 @@ def add_eval_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--batch-size", type=int, default=default, help="fixed batch size (eval default: 8; run: the recipe's)")
     group.add_argument("--max-length", type=int, default=default,
                        help="tokens per window / lm-eval max length (default: the model's context)")
-    group.add_argument("--device", default=default, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    add_device_option(group, default)
     group.add_argument("--device-map", default=default,
                        help="'auto' spreads a big model over all visible GPUs (accelerate)")
     group.add_argument("--limit", type=float, default=default,
@@ -49,17 +55,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tasks", default="",
                         help="comma-separated lm-eval tasks: local ones from evals/ ('local' = all of them) "
                              "or standard ones (lambada_openai, hellaswag, ...; need the hub)")
-    parser.add_argument("--out", type=Path, help="folder for report.json, report.md (and report.png): absent or "
-                                                 "empty, or with --overwrite one that normswap wrote")
-    parser.add_argument("--overwrite", action="store_true", help="replace an --out folder that normswap wrote")
-    parser.add_argument("--plot", action="store_true", help="also write report.png, a bar chart (needs --out)")
+    add_report_options(parser)
     parser.add_argument("--ppl-rtol", type=float, help="relative tolerance for perplexities (default by dtype)")
     parser.add_argument("--acc-atol", type=float, help="absolute tolerance for accuracies (default by dtype)")
     parser.add_argument("--doc-ll-atol", type=float,
                         help="tolerance for the max per-document |Δ loglikelihood| in nats (default by dtype)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     add_eval_options(parser)
-    parser.set_defaults(dtype="float32", batch_size=8, trust_remote_code=False)
+    parser.set_defaults(dtype="float32", batch_size=8, trust_remote_code=False, device="auto")
 
 
 def _limit(value: float | None) -> int | float | None:
@@ -71,7 +74,7 @@ def _limit(value: float | None) -> int | float | None:
     return int(value) if value >= 1 else value
 
 
-def settings_from_args(args: argparse.Namespace, **overrides):
+def settings_from_args(args: argparse.Namespace, **overrides: Any) -> EvalSettings:
     """``EvalSettings`` from parsed ``eval`` arguments."""
     from normswap.evaluation.runner import EvalSettings, parse_dtype
 
@@ -79,14 +82,13 @@ def settings_from_args(args: argparse.Namespace, **overrides):
     if args.batch_size is not None and args.batch_size < 1:
         raise NormswapError("--batch-size must be at least 1")
     check_threads(getattr(args, "threads", None))
-    from normswap.commands import check_device
+    from normswap.commands import resolve_device
 
-    check_device(args.device)
     tasks = [t.strip() for t in (args.tasks or "").split(",") if t.strip()]
     values = dict(
         dtype=args.dtype, batch_size=args.batch_size, max_length=args.max_length, stride=args.stride,
         text=args.text, perplexity=not args.no_perplexity, tasks=tasks, limit=_limit(args.limit),
-        device=args.device, device_map=args.device_map, trust_remote_code=bool(args.trust_remote_code),
+        device=resolve_device(args.device), device_map=args.device_map, trust_remote_code=bool(args.trust_remote_code),
         threads=getattr(args, "threads", None),
         progress=not args.no_progress and sys.stderr.isatty(),
         audio=getattr(args, "audio", None), images=getattr(args, "images", None),
@@ -95,7 +97,7 @@ def settings_from_args(args: argparse.Namespace, **overrides):
     return EvalSettings(**values)
 
 
-def tolerances_from_args(args: argparse.Namespace, dtype: str, base=None):
+def tolerances_from_args(args: argparse.Namespace, dtype: str, base: Tolerances | None = None) -> Tolerances:
     """Default tolerances for the dtype (or ``base``), overridden by any --*-tol options given."""
     from normswap.evaluation.compare import default_tolerances
 
@@ -107,11 +109,6 @@ def tolerances_from_args(args: argparse.Namespace, dtype: str, base=None):
     return tol
 
 
-def _report_inputs(*sources: str | None) -> list[Path]:
-    """The local folders among the evaluated sources: --out may not overlap them."""
-    return [Path(src).expanduser() for src in sources if src is not None and Path(src).expanduser().exists()]
-
-
 def check_threads(threads: int | None) -> None:
     """--threads: at least 1, and no more than 4 times the CPUs (torch's pools fail beyond)."""
     if threads is None:
@@ -121,20 +118,19 @@ def check_threads(threads: int | None) -> None:
         raise NormswapError(f"--threads must be between 1 and {limit} (4 times this machine's CPUs), not {threads}")
 
 
-def finish(report: dict, out: Path | None, plot: bool, *, inputs: list[Path] = (), overwrite: bool = False) -> int:
-    """Print the Markdown, write the files, and turn the verdict into the exit status.
+def finish(args: argparse.Namespace, report: dict, *, out: Path | None, inputs: list[Path]) -> int:
+    """Print the Markdown (or, with --json, the report), write the files, and map the verdict to the exit status.
 
-    The files go to ``out`` as every normswap output does: written into a temporary folder and
-    installed into an ``out`` that is absent, empty, or (``overwrite``) a folder normswap wrote."""
-    from normswap import output
+    The files go to ``out`` as every normswap output does (``normswap.commands.write_reports``)."""
+    from normswap.commands import write_reports
     from normswap.evaluation.report import to_markdown, write_report
 
     print(to_markdown(report))
     if out is not None:
-        with output.claimed_output(out, inputs=inputs, overwrite=overwrite, kind="report") as claim:
-            names = [path.name for path in write_report(report, claim.tmp, plot=plot).values()]
-            claim.install()
-        print("wrote " + ", ".join(str(out / name) for name in names), file=sys.stderr)
+        write_reports(out, lambda folder: list(write_report(report, folder, plot=args.plot).values()),
+                      inputs=inputs, overwrite=args.overwrite)
+    if args.json:
+        emit_json(args, report)
     if report.get("verdict") == "fail":
         print("normswap: FAIL: the converted model differs from the original beyond tolerance", file=sys.stderr)
         return VerificationError.exit_code
@@ -146,13 +142,8 @@ def run(args: argparse.Namespace) -> int:
     from normswap.extras import require
 
     require("eval", "normswap eval")
-    if args.plot and args.out is None:
-        raise NormswapError("--plot needs --out DIR")
-    if args.out is not None:
-        from normswap import output
-
-        args.out = output.absolute(args.out)
-        output.check_out(args.out, _report_inputs(args.model, args.baseline), args.overwrite)  # before any work
+    inputs = local_inputs(args.model, args.baseline)
+    check_report_out(args, inputs)  # before any work
     if args.no_perplexity and not args.tasks and not (args.audio or args.images):
         raise NormswapError("nothing to evaluate: --no-perplexity and no --tasks")
     for src in (args.model, args.baseline):
@@ -165,5 +156,4 @@ def run(args: argparse.Namespace) -> int:
     report = evaluate(args.model, baseline=args.baseline, settings=settings, tolerances=tolerances)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0  # under accelerate launch only the main process reports
-    return finish(report, args.out, args.plot, inputs=_report_inputs(args.model, args.baseline),
-                  overwrite=args.overwrite)
+    return finish(args, report, out=args.out, inputs=inputs)

@@ -229,7 +229,7 @@ def run_recipe(recipe: Recipe, out: Path, *, settings, tolerances, overwrite: bo
     out = output.absolute(out)
     inputs = [recipe.path]
     if Path(recipe.source).expanduser().exists():
-        from normswap.convert.pipeline import source_inputs
+        from normswap.convert.source import source_inputs
 
         inputs += source_inputs(Path(recipe.source).expanduser())
     with output.claimed_output(out, inputs=inputs, overwrite=overwrite, kind="run") as claim:

@@ -1,7 +1,7 @@
 """``normswap run RECIPE``: convert → verify → eval → report into one output folder.
 
 The folder holds ``converted/`` (the checkpoint), ``conversion.json`` (its provenance and
-verification figures), ``recipe.yaml`` (a copy), ``report.json``, ``report.md`` and ``report.png``.
+verification figures), ``recipe.yaml`` (a copy), ``report.json``, ``report.md`` and, with ``--plot``, ``report.png``.
 Command-line evaluation options override the recipe's. Exit status: 0 pass, 3 verification or
 comparison failure, 2 user error.
 """
@@ -12,14 +12,14 @@ import argparse
 import sys
 from pathlib import Path
 
+from normswap.commands import add_report_options
 from normswap.evaluation.cli import add_eval_options, finish, settings_from_args
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", help="recipe YAML file, or a name from recipes/ (e.g. austen-gpt2)")
-    parser.add_argument("--out", type=Path, help="output folder (default: runs/<recipe name>)")
-    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
-    parser.add_argument("--no-plot", action="store_true", help="do not write report.png")
+    add_report_options(parser, out_help="the run's folder (default: runs/<recipe name>): absent or empty, "
+                                         "or with --overwrite one that normswap wrote")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     add_eval_options(parser)
 
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     out = args.out or Path("runs") / recipe.name
     report = run_recipe(
         recipe, out, settings=settings, tolerances=tolerances, overwrite=args.overwrite,
-        plot=not args.no_plot, log=lambda message: print(message, file=sys.stderr),
+        plot=args.plot, log=lambda message: print(message, file=sys.stderr),
     )
-    # finish() prints the Markdown and maps the verdict to the exit status; files are written.
-    return finish(report, None, False)
+    # run_recipe wrote the files; finish() prints the Markdown (or JSON) and maps the verdict.
+    return finish(args, report, out=None, inputs=[])

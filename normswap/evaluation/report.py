@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import math
 from pathlib import Path
 from typing import Any
 
+from normswap.commands import json_text
 from normswap.evaluation.compare import Comparison, reference_rows
 from normswap.evaluation.runner import EvalSettings, ModelEval
 
@@ -92,6 +92,44 @@ def _conversion_lines(conversion: dict[str, Any]) -> list[str]:
     return lines + [""]
 
 
+def _comparison_lines(report: dict[str, Any], comparison: dict[str, Any]) -> list[str]:
+    """The side-by-side metrics, the per-document figures and any direct output agreement."""
+    verdict = "PASS" if comparison["passed"] else "FAIL"
+    lines = [f"## Comparison: {verdict}", ""]
+    lines += _table(
+        ["task/metric", "original", "converted", "Δ", "rel Δ", "tolerance", "ok"],
+        [[r["key"], r["original"], r["converted"], r["delta"], r["rel_delta"], r["limit"], _ok(r["ok"])]
+         for r in comparison["metrics"]],
+    )
+    unit = {"audio": "per utterance", "images": "per image, every class or text"}.get(
+        report.get("modality"), "strided: per window")
+    lines += ["", f"Per-document loglikelihood (nats; {unit}):", ""]
+    lines += _table(
+        ["task", "documents", "max abs Δ loglik", "worst doc", "tolerance", "ok"],
+        [[d["task"], d["n_docs"], d["max_abs_delta_ll"], d["worst_doc"], d["limit"], _ok(d["ok"])]
+         for d in comparison["documents"]],
+    )
+    lines += [f"- problem: {problem}" for problem in comparison["problems"]]
+    lines.append("")
+    if report.get("agreement"):
+        lines += ["Outputs compared directly:", ""]
+        lines += _table(["task/measure", "value", "limit", "ok"],
+                        [[r["key"], r["value"], r["limit"], _ok(r["ok"])] for r in report["agreement"]])
+        lines.append("")
+    return lines
+
+
+def _reference_lines(reference: dict[str, Any] | None, labels: list[str]) -> list[str]:
+    """Published reference figures beside each model's, with the differences."""
+    if not reference:
+        return []
+    lines = [f"## Reference figures ({reference.get('source') or 'published'})", ""]
+    header = ["task/metric", "reference"] + [h for label in labels for h in (label, f"{label} − ref")]
+    lines += _table(header, [[r["key"], r["reference"], *(r[h] for label in labels for h in (label, f"{label}_delta"))]
+                             for r in reference["rows"]])
+    return lines + [""]
+
+
 def to_markdown(report: dict[str, Any]) -> str:
     """Render a report (as built by ``build_report``) as Markdown."""
     recipe = report.get("recipe")
@@ -118,29 +156,7 @@ def to_markdown(report: dict[str, Any]) -> str:
         lines += _conversion_lines(conversion)
     comparison = report.get("comparison")
     if comparison:
-        verdict = "PASS" if comparison["passed"] else "FAIL"
-        lines += [f"## Comparison: {verdict}", ""]
-        lines += _table(
-            ["task/metric", "original", "converted", "Δ", "rel Δ", "tolerance", "ok"],
-            [[r["key"], r["original"], r["converted"], r["delta"], r["rel_delta"], r["limit"], _ok(r["ok"])]
-             for r in comparison["metrics"]],
-        )
-        unit = {"audio": "per utterance", "images": "per image, every class or text"}.get(
-            report.get("modality"), "strided: per window")
-        lines += ["", f"Per-document loglikelihood (nats; {unit}):", ""]
-        lines += _table(
-            ["task", "documents", "max abs Δ loglik", "worst doc", "tolerance", "ok"],
-            [[d["task"], d["n_docs"], d["max_abs_delta_ll"], d["worst_doc"], d["limit"], _ok(d["ok"])]
-             for d in comparison["documents"]],
-        )
-        for problem in comparison["problems"]:
-            lines.append(f"- problem: {problem}")
-        lines.append("")
-        if report.get("agreement"):
-            lines += ["Outputs compared directly:", ""]
-            lines += _table(["task/measure", "value", "limit", "ok"],
-                            [[r["key"], r["value"], r["limit"], _ok(r["ok"])] for r in report["agreement"]])
-            lines.append("")
+        lines += _comparison_lines(report, comparison)
     else:
         lines += ["## Scores", ""]
         keys = sorted({k for m in models.values() for k in m["metrics"]})
@@ -151,14 +167,7 @@ def to_markdown(report: dict[str, Any]) -> str:
         lines += ["## Samples", ""]
         lines += _table(header, [[row.get(h) for h in header] for row in report["samples"]])
         lines.append("")
-    reference = report.get("reference")
-    if reference:
-        labels = list(models)
-        lines += [f"## Reference figures ({reference.get('source') or 'published'})", ""]
-        header = ["task/metric", "reference"] + [h for label in labels for h in (label, f"{label} − ref")]
-        lines += _table(header, [[r["key"], r["reference"], *(r[h] for label in labels for h in (label, f"{label}_delta"))]
-                                 for r in reference["rows"]])
-        lines.append("")
+    lines += _reference_lines(report.get("reference"), list(models))
     return "\n".join(lines)
 
 
@@ -166,7 +175,7 @@ def write_report(report: dict[str, Any], out_dir: Path, *, plot: bool = False) -
     """Write ``report.json`` and ``report.md`` (and ``report.png``) into ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"json": out_dir / "report.json", "markdown": out_dir / "report.md"}
-    paths["json"].write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
+    paths["json"].write_text(json_text(report), encoding="utf-8")
     paths["markdown"].write_text(to_markdown(report) + "\n", encoding="utf-8")
     if plot:
         paths["plot"] = plot_report(report, out_dir / "report.png")

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from normswap.dtypes import DTYPES, parse_dtype  # noqa: F401 (DTYPES: evaluation.compare)
 from normswap.errors import NormswapError
 from normswap.evaluation import lmeval
 from normswap.evaluation.hub import require_hub
@@ -25,21 +26,7 @@ from normswap.evaluation.perplexity import model_max_length, strided_perplexity,
 from normswap.evaluation.text import TextSource, load_text
 from normswap.threads import cpu_threads
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "float64": torch.float64, "fp64": torch.float64,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16,
-}
 STRIDED_TASK = "strided"
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    """``torch.dtype`` for a user-facing name (fp32, bf16, float16, ...)."""
-    try:
-        return DTYPES[name.lower()]
-    except KeyError:
-        raise NormswapError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}") from None
 
 
 @dataclass

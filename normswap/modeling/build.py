@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -60,7 +61,7 @@ def meta_model(config: dict, default_auto_class: str) -> nn.Module:
         return cls(config_obj)
 
 
-def checkpoint_renamer(model: nn.Module):
+def checkpoint_renamer(model: nn.Module) -> Callable[[str], str]:
     """transformers' load-time renaming of checkpoint keys for ``model``'s class, as name -> name.
 
     transformers 5 renames some families' keys when loading (ViT's legacy

@@ -19,10 +19,10 @@ from torch import nn
 
 from normswap import validation
 from normswap.architectures import Architecture, architecture_for
-from normswap.convert.pipeline import MODELING_FILE, modeling_sha256, parse_dtype
 from normswap.convert.source import first_non_finite, read_config, resolve_source
+from normswap.dtypes import parse_dtype
 from normswap.errors import NormswapError, VerificationError
-from normswap.modeling import build, remote
+from normswap.modeling import MODELING_FILE, build, modeling_sha256, remote
 from normswap.threads import on_idle_cores
 from normswap.verify import compare as verify
 from normswap.verify import layerwise as verify_layerwise

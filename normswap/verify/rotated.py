@@ -37,8 +37,9 @@ def verify_rotated(reference: str | Path, rotated: str | Path, *, atol: float | 
     The rotated model is built from normswap's own RMSNorm classes; with ``trust_remote_code``
     the checkpoint's ``modeling_normswap.py`` runs instead."""
     rms_how = "remote" if trust_remote_code else "rmsnorm"
-    from normswap.convert.pipeline import parse_dtype
-    from normswap.rotation import _family, load_rotation
+    from normswap.dtypes import parse_dtype
+    from normswap.rotation import family_of as _family
+    from normswap.rotation import load_rotation
     from normswap.verify.checkpoint import _stock_refuses, _verification_mode, load_converted
 
     reference_dir = resolve_source(reference)

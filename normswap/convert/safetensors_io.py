@@ -1,0 +1,255 @@
+"""The safetensors format, in one place: header parsing and validation, positioned reads, and
+the pieces of the streaming shard writer.
+
+A file is ``[8-byte little-endian header length n][n bytes of JSON][data]``; each header entry
+gives a tensor's dtype, shape and ``data_offsets`` [begin, end) into the data section.
+
+The ``safetensors`` package is used where it fits (the small rotation file). Conversion does not
+use it: ``safe_open`` memory-maps the file, and mapped pages stay resident (and count in the
+process's RSS) as long as the file is open, so reading a 100 GB checkpoint through it looks like a
+100 GB process; and ``save_file`` needs every tensor of a shard in memory at once, where the
+writer streams one tensor (or one block of rows) at a time at offsets known from the header.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import math
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import cache
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from normswap.errors import NormswapError
+
+if TYPE_CHECKING:  # torch is imported where tensors are read: resolving a source stays light
+    import torch
+
+
+def tensor_nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Bytes of a tensor of ``shape`` and ``dtype``, as stored."""
+    return math.prod(shape) * dtype.itemsize
+
+
+class SafetensorsShard:
+    """One safetensors file: its header parsed and checked at open, tensors read on demand.
+
+    The file is ``[8-byte little-endian header length n][n bytes of JSON][data]``; each header
+    entry gives a tensor's dtype, shape and ``data_offsets`` [begin, end) into the data section.
+    A header that does not parse, or promises bytes the file does not have (a truncated
+    download), is reported at once as a ``NormswapError``.
+    """
+
+    MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+    def __init__(self, file: Path) -> None:
+        self.file = file
+        self._fd = os.open(file, os.O_RDONLY)
+        try:
+            self.entries = self._parse_header()
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def _corrupt(self, why: str) -> NormswapError:
+        return NormswapError(f"weight file {self.file} is corrupt or truncated: {why}")
+
+    def _parse_header(self) -> dict[str, tuple[torch.dtype, tuple[int, ...], int, int]]:
+        size = os.fstat(self._fd).st_size
+        if size < 8:
+            raise self._corrupt(f"{size} bytes, too short for a safetensors header")
+        length = int.from_bytes(os.pread(self._fd, 8, 0), "little")
+        if length > min(size - 8, self.MAX_HEADER_BYTES):
+            raise self._corrupt(f"header length {length} does not fit in the file's {size} bytes")
+        try:
+            header = json.loads(os.pread(self._fd, length, 8))
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise self._corrupt(f"unreadable header ({error})") from None
+        if not isinstance(header, dict):
+            raise self._corrupt("the header is not a JSON object")
+        self.data_start = 8 + length
+        data_bytes = size - self.data_start
+        entries = {}
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            entries[name] = self._check_entry(name, entry, data_bytes)
+        self._check_layout(entries, data_bytes)
+        return entries
+
+    def _check_entry(self, name: str, entry: object, data_bytes: int) -> tuple[torch.dtype, tuple[int, ...], int, int]:
+        if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= set(entry):
+            raise self._corrupt(f"header entry {name} is not a mapping with dtype, shape and data_offsets")
+        dtype = _safetensors_dtypes().get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
+        if dtype is None:
+            raise self._corrupt(f"{name} has dtype {entry['dtype']!r:.40}, which normswap does not read")
+        shape, offsets = entry["shape"], entry["data_offsets"]
+        if not isinstance(shape, list) or not all(_natural(size) for size in shape):
+            raise self._corrupt(f"{name} has shape {shape!r:.60}; dimensions must be non-negative integers")
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(_natural(offset) for offset in offsets):
+            raise self._corrupt(f"{name} has data_offsets {offsets!r:.60}; they must be two non-negative integers")
+        shape, (begin, end) = tuple(shape), offsets
+        if end - begin != tensor_nbytes(shape, dtype):
+            raise self._corrupt(f"{name}: data_offsets {begin}..{end} do not match shape {list(shape)} of {entry['dtype']}")
+        if end > data_bytes:
+            raise self._corrupt(f"{name} ends at byte {end} of a data section of {data_bytes} bytes")
+        return dtype, shape, begin, end
+
+    def _check_layout(self, entries: dict, data_bytes: int) -> None:
+        """Tensors must tile the data section exactly: no overlap, no gap, no trailing bytes."""
+        position, previous = 0, None
+        for name, (_, _, begin, end) in sorted(entries.items(), key=lambda item: (item[1][2], item[1][3])):
+            if begin < position:
+                raise self._corrupt(f"{name} overlaps {previous} (bytes {begin}..{end})")
+            if begin > position:
+                raise self._corrupt(f"bytes {position}..{begin} before {name} belong to no tensor")
+            position, previous = end, name
+        if position != data_bytes:
+            raise self._corrupt(f"{data_bytes - position} trailing bytes after the last tensor")
+
+    def read(self, name: str) -> torch.Tensor:
+        """The tensor ``name``, copied from the file into fresh memory."""
+        import torch
+
+        dtype, shape, begin, end = self.entries[name]
+        buffer = torch.empty(end - begin, dtype=torch.uint8)
+        self._pread(name, buffer, begin)
+        return buffer.view(dtype).reshape(shape)
+
+    def read_rows(self, name: str, start: int, count: int, buffer: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ``start``..``start+count`` (along the first axis) of ``name``, read into ``buffer``
+        (a uint8 tensor, reused by the caller) when given."""
+        import torch
+
+        dtype, shape, begin, end = self.entries[name]
+        row = (end - begin) // shape[0]
+        raw = torch.empty(row * count, dtype=torch.uint8) if buffer is None else buffer[: row * count]
+        self._pread(name, raw, begin + start * row)
+        return raw.view(dtype).reshape(count, *shape[1:])
+
+    def _pread(self, name: str, into: torch.Tensor, offset: int) -> None:
+        view = memoryview(into.numpy())
+        done = 0
+        while done < len(view):
+            got = os.preadv(self._fd, [view[done:]], self.data_start + offset + done)
+            if got <= 0:
+                raise self._corrupt(f"{name} ends early (the file shrank while it was read)")
+            done += got
+
+    def locate(self, name: str) -> tuple[int, int]:
+        """The open file descriptor and absolute offset of the bytes of ``name``."""
+        _, _, begin, _ = self.entries[name]
+        return self._fd, self.data_start + begin
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def encode_header(tensors: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> tuple[bytes, list[int]]:
+    """The safetensors header (length prefix included) for ``(name, dtype, shape)`` in that order,
+    and each tensor's offset in the data section.
+
+    Serialised deterministically (no metadata but the format, compact separators) so that the
+    same tensors always give the same bytes.
+    """
+    names = {dtype: key for key, dtype in _safetensors_dtypes().items()}
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offsets, position = [], 0
+    for name, dtype, shape in tensors:
+        size = tensor_nbytes(shape, dtype)
+        header[name] = {"dtype": names[dtype], "shape": list(shape), "data_offsets": [position, position + size]}
+        offsets.append(position)
+        position += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data section starts 8-byte aligned
+    return len(encoded).to_bytes(8, "little") + encoded, offsets
+
+
+@contextmanager
+def created_file(path: Path, size: int) -> Iterator[int]:
+    """A descriptor of ``path``, created (or truncated) with ``size`` bytes reserved, closed after.
+
+    Reserving first (``posix_fallocate``) finds a full disk before any work is done rather than
+    halfway through; running out of space becomes a one-line ``NormswapError``.
+    """
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # the umask decides
+        try:
+            _reserve(fd, size)
+            yield fd
+        finally:
+            os.close(fd)
+    except OSError as error:
+        if error.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise NormswapError(f"no space left on the device while writing {path.name}; nothing was written") from None
+        raise
+
+
+def bytes_of(value: torch.Tensor) -> memoryview:
+    """The raw little-endian bytes of a tensor, without a copy when it is contiguous."""
+    import torch
+
+    return memoryview(value.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def _reserve(fd: int, size: int) -> None:
+    """Allocate ``size`` bytes for the file now; raises ENOSPC when the disk cannot hold them."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as error:
+        if error.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            return  # the filesystem cannot reserve space; writes will report ENOSPC instead
+        raise
+
+
+def write_at(fd: int, offset: int, data: memoryview) -> None:
+    """Write all of ``data`` at ``offset`` (a single write may be partial)."""
+    data = data.cast("B")
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], offset + done)
+
+
+def copy_range(source_fd: int, source_offset: int, fd: int, offset: int, count: int) -> bool:
+    """Copy ``count`` bytes between files in the kernel; False when this filesystem pair cannot."""
+    done = 0
+    try:
+        while done < count:
+            copied = os.copy_file_range(source_fd, fd, count - done, source_offset + done, offset + done)
+            if copied == 0:
+                raise NormswapError("a source weight file ended early (it shrank while it was read)")
+            done += copied
+    except OSError as error:
+        if done == 0 and error.errno in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+            return False
+        raise
+    return True
+
+
+def _natural(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+@cache
+def _safetensors_dtypes() -> dict[str, torch.dtype]:
+    import torch
+
+    return {
+        "F64": torch.float64,
+        "F32": torch.float32,
+        "F16": torch.float16,
+        "BF16": torch.bfloat16,
+        "I64": torch.int64,
+        "I32": torch.int32,
+        "I16": torch.int16,
+        "I8": torch.int8,
+        "U8": torch.uint8,
+        "BOOL": torch.bool,
+        "F8_E4M3": torch.float8_e4m3fn,
+        "F8_E5M2": torch.float8_e5m2,
+    }

@@ -1,0 +1,127 @@
+"""What a plan does, as data: ``Step``s to one tensor, and the ``Structure`` it changes in the
+model class. ``normswap.convert.plan`` decides them; ``normswap.convert.fold`` executes the steps
+(``compute_tensor``, ``slice_kernel``), each step's math being a ``fold`` function.
+
+A ``SliceStep`` acts independently on every slice taken across its ``axis`` (the axis that
+indexes the hidden dimension), so it can run in float64 slices of a large tensor, in place; a
+``WholeStep`` needs the whole tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from normswap.errors import NormswapError
+
+
+class SliceStep:
+    slice_wise = True
+
+
+class WholeStep:
+    slice_wise = False
+
+
+@dataclass(frozen=True)
+class Bake(SliceStep):
+    """Replace each row e by LayerNorm(e) with the given norm's γ, β and eps."""
+
+    gain: str
+    bias: str
+    eps: float
+    axis: int
+
+
+@dataclass(frozen=True)
+class Centre(SliceStep):
+    """Subtract the mean along ``axis``: w ← w - mean(w), which applies C = I - 11ᵀ/d along the
+    hidden dimension (``fold.centre``)."""
+
+    axis: int
+
+
+@dataclass(frozen=True)
+class FoldGain(SliceStep):
+    """Multiply the reader's input ``axis`` by the norm gain ``gain``."""
+
+    gain: str
+    axis: int
+
+
+@dataclass(frozen=True)
+class FoldBias(WholeStep):
+    """Reader bias b ← b + Wβ, with W the original reader weight ``weight`` read along ``axis``."""
+
+    weight: str
+    norm_bias: str
+    axis: int
+
+
+@dataclass(frozen=True)
+class DivideByGain(WholeStep):
+    """Norm bias β ← β ⊘ γ, for a norm whose γ is folded but whose β has nowhere to go."""
+
+    gain: str
+
+
+@dataclass(frozen=True)
+class Fill(WholeStep):
+    """Replace the values by a constant."""
+
+    value: float  # 1.0 for a folded norm's gain, 0.0 for its folded bias
+
+
+@dataclass(frozen=True, eq=False)
+class Rotate:
+    """Contract the stream axis ``axis`` with the orthogonal Q of ``rotation`` (``fold.rotate_axis``).
+
+    ``side`` says which of the ``fold.rotate_*`` identities this is (writer, reader, norm_bias).
+    Slice-wise: every slice across ``axis`` is rotated on its own. A norm bias is rotated after
+    its β ⊘ γ is formed, so that step is whole-tensor (``slice_wise`` False) and keeps its order.
+    """
+
+    axis: int
+    side: str
+    rotation: object = field(repr=False)  # normswap.rotation.Rotation: the matrix and its label
+    slice_wise: bool = True
+
+
+Step = Bake | Centre | FoldGain | FoldBias | DivideByGain | Fill | Rotate
+
+
+@dataclass
+class Structure:
+    """The structural changes the RMSNorm class performs, by module path of the model class.
+
+    Stored as ``config.normswap.structure`` (``to_json``: the non-empty kinds, keyed by these
+    field names), which ``normswap.modeling.remote.apply_structure`` reads; that file is copied
+    into every checkpoint and imports nothing from normswap, so it spells the keys itself (a test
+    keeps the two in step).
+    """
+
+    identity: list[str] = field(default_factory=list)  # replaced by nn.Identity (a baked norm)
+    centre_input: list[str] = field(default_factory=list)  # first input centred explicitly
+    centre_output: list[str] = field(default_factory=list)  # output centred explicitly
+
+    @classmethod
+    def from_json(cls, data: dict[str, list[str]] | None) -> Structure:
+        """From an adapter's ``structure(config)`` or a checkpoint's ``normswap.structure``."""
+        kinds = {f.name for f in fields(cls)}
+        for kind in data or {}:
+            if kind not in kinds:
+                raise NormswapError(f"unknown structural change '{kind}'; normswap knows {', '.join(sorted(kinds))}")
+        return cls(**{kind: list(paths) for kind, paths in (data or {}).items()})
+
+    def to_json(self) -> dict[str, list[str]]:
+        return {f.name: list(paths) for f in fields(self) if (paths := getattr(self, f.name))}
+
+    @property
+    def centres(self) -> bool:
+        """Whether part of the stream is centred at run time (which no rotation commutes with)."""
+        return bool(self.centre_input or self.centre_output)
+
+    def __bool__(self) -> bool:
+        return bool(self.to_json())
+
+    def __str__(self) -> str:
+        return str(self.to_json())

@@ -1,0 +1,118 @@
+"""Rotation matrices Q: how each is made, recorded and stored beside a rotated checkpoint.
+
+Q is ``hadamard`` (diag(±1)·H/√d, H from ``normswap.hadamard``), ``orthogonal`` (seeded Haar),
+or ``pca`` (the principal directions of the stream on calibration text, ``normswap.calibration``).
+The constructions are ``normswap.convert.fold``'s. Q is saved beside the weights
+(``normswap_rotation.safetensors``, through the ``safetensors`` package: one small tensor) so
+that the checkpoint can be verified, its activations mapped back (x = x'·Qᵀ), or the rotation
+undone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from normswap import hadamard
+from normswap.convert import fold
+from normswap.convert.source import read_config
+from normswap.errors import NormswapError
+
+METHODS = ("hadamard", "orthogonal", "pca")
+ROTATION_FILE = "normswap_rotation.safetensors"
+
+
+@dataclass(frozen=True, eq=False)
+class Rotation:
+    """An orthogonal d×d matrix (float64) and how it was made."""
+
+    method: str
+    seed: int | None
+    matrix: torch.Tensor
+    construction: str
+    calibration: dict | None = None
+
+    @property
+    def dimension(self) -> int:
+        return self.matrix.shape[0]
+
+    @property
+    def sha256(self) -> str:
+        """Hash of Q's float64 little-endian bytes, row-major."""
+        return hashlib.sha256(self.matrix.contiguous().numpy().tobytes()).hexdigest()
+
+    def provenance(self) -> dict:
+        block = {"method": self.method, "seed": self.seed, "dimension": self.dimension,
+                 "construction": self.construction, "matrix_sha256": self.sha256, "matrix_file": ROTATION_FILE}
+        if self.calibration is not None:
+            block["calibration"] = self.calibration
+        return block
+
+
+def hadamard_rotation(d: int, seed: int) -> Rotation:
+    """Q = diag(s)·H/√d with a Hadamard H of order d and seeded signs s (``fold.randomised_hadamard``)."""
+    construction = hadamard.describe(d)
+    if construction is None:
+        raise NormswapError(
+            f"no Hadamard matrix of order {d} is constructible here (Sylvester, prime-order Paley and their "
+            "Kronecker products); use --method orthogonal"
+        )
+    matrix = fold.randomised_hadamard(hadamard.hadamard_matrix(d), seed)
+    return Rotation("hadamard", seed, matrix, f"diag(±1)·H/√d, H = {construction}")
+
+
+def orthogonal_rotation(d: int, seed: int) -> Rotation:
+    return Rotation("orthogonal", seed, fold.random_orthogonal(d, seed), "QR of a seeded Gaussian, sign-fixed")
+
+
+def pca_rotation(second_moment: torch.Tensor, calibration: dict) -> Rotation:
+    matrix, values = fold.principal_rotation(second_moment)
+    total = float(values.clamp(min=0).sum())
+    share = values.clamp(min=0).cumsum(0) / total if total > 0 else values
+    kept = {f"top_{k}": float(share[k - 1]) for k in (1, 8, 32) if k <= values.numel()}
+    return Rotation("pca", None, matrix, "eigenvectors of Σ xᵀx over the calibration stream, by decreasing variance",
+                    {**calibration, "energy_share": kept})
+
+
+def save_rotation(path: Path, rotation: Rotation) -> None:
+    from safetensors.torch import save_file
+
+    # no metadata: safetensors writes a metadata map in no fixed order, and the file must be
+    # byte-identical across rebuilds (config.json records the method and the hash)
+    save_file({"rotation": rotation.matrix.contiguous()}, str(path))
+    path.chmod(0o644)  # as the weights: readable like the rest of the checkpoint
+
+
+def load_rotation(checkpoint: Path, dimension: int | None = None) -> torch.Tensor:
+    """Q of a rotated checkpoint, checked before use: a float64 ``dimension``-square matrix,
+    orthogonal (|QᵀQ - I| < 1e-9), whose hash is the one its provenance records."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    block = read_config(checkpoint).get("normswap", {}).get("rotation")
+    if block is None:
+        raise NormswapError(f"{checkpoint} is not a rotated normswap checkpoint")
+    if not isinstance(block, dict) or not isinstance(block.get("matrix_sha256"), str):
+        raise NormswapError(f"{checkpoint}/config.json: normswap.rotation must be a mapping with a matrix_sha256")
+    file = checkpoint / ROTATION_FILE
+    if not file.is_file():
+        raise NormswapError(f"{checkpoint} lacks {ROTATION_FILE}, the rotation it was made with")
+    try:
+        tensors = load_file(str(file))
+    except (SafetensorError, OSError, ValueError) as error:
+        raise NormswapError(f"{file} is not a readable safetensors file ({error})") from None
+    matrix = tensors.get("rotation")
+    if matrix is None or matrix.dim() != 2 or matrix.shape[0] != matrix.shape[1] or not matrix.is_floating_point():
+        raise NormswapError(f"{file} must hold one square floating tensor named 'rotation'")
+    matrix = matrix.double()
+    if dimension is not None and matrix.shape[0] != dimension:
+        raise NormswapError(f"{file} is {matrix.shape[0]}x{matrix.shape[0]}, but the model's stream has {dimension} dimensions")
+    if hashlib.sha256(matrix.contiguous().numpy().tobytes()).hexdigest() != block["matrix_sha256"]:
+        raise NormswapError(f"{file} does not match the rotation hash recorded in config.json")
+    error = float((matrix.T @ matrix - torch.eye(matrix.shape[0], dtype=torch.float64)).abs().max())
+    if not error < 1e-9:
+        raise NormswapError(f"{file} is not orthogonal (max |QᵀQ - I| = {error:.3g}); it is not a rotation")
+    return matrix
