@@ -1,17 +1,32 @@
-"""Calibration for ``rotate --method pca``: the second moment of the residual stream on a text."""
+"""Calibration: the residual stream's second moments on a text, measured block by block.
+
+PCA rotations and slicing need M_n = Σ xᵀx (float64) of the centred stream C·x at the input of
+every norm n, summed over every calibration position. The model is not loaded whole for this:
+it is built on the meta device and dispatched as layer-by-layer verification dispatches it
+(``normswap.verify.offload.dispatched``), so memory holds one block's weights at a time while
+the calibration windows run through it. The statistics are those of the whole model, bit for
+bit: the same forward runs, only where the weights come from differs.
+
+A family whose model cannot be dispatched that way (a parameter beside the block list) is
+measured on the whole model, and the result says so.
+"""
 
 from __future__ import annotations
 
-import gc
 import hashlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from normswap.architectures import Architecture
+from normswap.convert.source import read_config
 from normswap.errors import NormswapError
 from normswap.rotation_matrix import Rotation, pca_rotation
+from normswap.threads import cpu_threads
+from normswap.verify import offload as layerwise
 
 if TYPE_CHECKING:
     from normswap.rotation import RotationPlan
@@ -19,6 +34,8 @@ if TYPE_CHECKING:
 # at most this many tokens, in windows of at most this many positions
 DEFAULT_CALIBRATION_TOKENS = 32768
 CALIBRATION_WINDOW = 512
+# windows of the same length run together, this many at a time
+BATCH_WINDOWS = 8
 
 
 def read_calibration(path: str | Path) -> str:
@@ -34,71 +51,138 @@ def read_calibration(path: str | Path) -> str:
     return text
 
 
+@dataclass
+class StreamMoments:
+    """Per norm, Σ xᵀx of its centred input (float64, on the CPU), and how it was measured."""
+
+    moments: dict[str, torch.Tensor]
+    tokens: int
+    window: int
+    mode: str  # "blockwise" or "whole"
+
+
+def calibration_windows(ids: torch.Tensor, window: int) -> list[torch.Tensor]:
+    """``ids`` (1-D) cut into consecutive windows: [B, window] batches, then the shorter rest."""
+    full = ids.numel() // window
+    batches = [ids[start * window:(start + min(BATCH_WINDOWS, full - start)) * window].view(-1, window)
+               for start in range(0, full, BATCH_WINDOWS)]
+    rest = ids[full * window:]
+    if rest.numel() >= 2:
+        batches.append(rest.unsqueeze(0))
+    return batches
+
+
 @torch.no_grad()
-def stream_second_moment(model: nn.Module, norm_names: list[str], ids: torch.Tensor, window: int) -> torch.Tensor:
-    """M = Σ xᵀx (float64) over every position of ``ids`` and every norm's input x, centred.
+def stream_moments(model: nn.Module, norm_names: list[str], ids: torch.Tensor, window: int,
+                   device: torch.device | None = None) -> dict[str, torch.Tensor]:
+    """Per norm n, M_n = Σ (C·x)ᵀ(C·x) over every position of ``ids``, x the input of n.
 
-    The norms' inputs are the residual stream at every point where it is read; centring gives the
-    stream of the converted model (C·x), which is what Q rotates.
+    Centring makes the statistic that of the converted model's stream whether ``model`` is the
+    original (LayerNorm) or a converted one (whose stream is centred already). The windows run
+    on ``device`` (default: the CPU).
     """
-    moment = None
+    moments: dict[str, torch.Tensor] = {}
 
-    def hook(module, args, kwargs):
-        nonlocal moment
-        x = args[0] if args else kwargs["hidden_states"]
-        x = x.detach().double().reshape(-1, x.shape[-1])
-        x = x - x.mean(-1, keepdim=True)
-        product = x.T @ x
-        moment = product if moment is None else moment + product
+    def accumulate(name: str):
+        def hook(module, args, kwargs):
+            x = args[0] if args else kwargs["hidden_states"]
+            x = x.detach().double().reshape(-1, x.shape[-1])
+            x = x - x.mean(-1, keepdim=True)
+            product = x.T @ x
+            moments[name] = product if name not in moments else moments[name] + product
+        return hook
 
-    handles = [model.get_submodule(name).register_forward_pre_hook(hook, with_kwargs=True) for name in norm_names]
+    handles = [model.get_submodule(name).register_forward_pre_hook(accumulate(name), with_kwargs=True)
+               for name in norm_names]
     try:
-        for start in range(0, ids.numel(), window):
-            piece = ids[start:start + window]
-            if piece.numel() < 2:
-                continue
-            model(input_ids=piece.unsqueeze(0), use_cache=False)
+        for batch in calibration_windows(ids, window):
+            model(input_ids=batch.to(device or torch.device("cpu")), use_cache=False)
     finally:
         for handle in handles:
             handle.remove()
-    if moment is None:
-        raise NormswapError("the calibration text gives no tokens to measure the stream on")
-    return moment
+    missing = [name for name in norm_names if name not in moments]
+    if missing:
+        raise NormswapError(f"the calibration text never reached the norm {missing[0]}")
+    return {name: moments[name].cpu() for name in norm_names}
 
 
-def calibrate(source_dir: Path, rotation_plan: RotationPlan, text_path: str | Path, max_tokens: int) -> Rotation:
-    """The pca rotation of the source's stream on the calibration text (the whole model is loaded once)."""
+def empty_source_model(source_dir: Path, architecture: Architecture) -> nn.Module:
+    """The source on the meta device: the stock class for an original, normswap's RMSNorm class
+    for a normswap conversion (nothing from the checkpoint runs)."""
+    if "normswap" in read_config(source_dir):
+        return layerwise.converted_model(source_dir, architecture, "rmsnorm")
+    return layerwise.original_model(source_dir, architecture)
+
+
+def window_for(model: nn.Module, limit: int) -> int:
     from normswap.analysis.collect import context_length
+
+    return min(limit, context_length(model))
+
+
+def blockwise_moments(source_dir: Path, architecture: Architecture, norm_names: list[str], ids: torch.Tensor,
+                      window_limit: int, device: torch.device | None = None) -> StreamMoments:
+    """``stream_moments`` with one block's weights in memory at a time, run on ``device`` (default:
+    the GPU when there is one); raises ``layerwise.Unsupported`` when the model cannot be
+    dispatched block by block."""
+    model = empty_source_model(source_dir, architecture)
+    found = layerwise.find_blocks(model, architecture.blocks)
+    if found is None:
+        raise layerwise.Unsupported("no list of residual blocks found in the model")
+    window = window_for(model, window_limit)
+    device = device or layerwise.execution_device()
+    with layerwise.dispatched(model, source_dir, found[0], device), cpu_threads(1):
+        moments = stream_moments(model, norm_names, ids, window, device)
+    del model
+    layerwise.release_memory()
+    return StreamMoments(moments, int(ids.numel()), window, "blockwise")
+
+
+def whole_moments(source_dir: Path, architecture: Architecture, norm_names: list[str], ids: torch.Tensor,
+                  window_limit: int) -> StreamMoments:
+    """``stream_moments`` of the whole source model loaded at once (float32, CPU)."""
+    from normswap.verify.rotated import reference_model
+
+    model = reference_model(source_dir, architecture)
+    window = window_for(model, window_limit)
+    with cpu_threads(1):
+        moments = stream_moments(model, norm_names, ids, window)
+    del model
+    layerwise.release_memory()
+    return StreamMoments(moments, int(ids.numel()), window, "whole")
+
+
+def calibration_moments(source_dir: Path, architecture: Architecture, norm_names: list[str], ids: torch.Tensor,
+                        window_limit: int) -> StreamMoments:
+    """Block by block where the model allows it, else on the whole model."""
+    try:
+        return blockwise_moments(source_dir, architecture, norm_names, ids, window_limit)
+    except layerwise.Unsupported:
+        return whole_moments(source_dir, architecture, norm_names, ids, window_limit)
+
+
+def calibration_ids(source_dir: Path, text: str, label: str) -> torch.Tensor:
+    """The calibration text as token ids, with the source's tokenizer."""
     from normswap.evaluation.perplexity import tokenize_text
     from normswap.verify.compare import load_tokenizer
 
-    text = read_calibration(text_path)
     tokenizer = load_tokenizer(source_dir)
     if tokenizer is None:
         raise NormswapError(f"{source_dir} has no tokenizer to read the calibration text with")
-    ids = tokenize_text(tokenizer, text)[:max_tokens]
+    ids = tokenize_text(tokenizer, text)
     if ids.numel() < 2:
-        raise NormswapError(f"calibration text {text_path} gives fewer than 2 tokens")
-    from normswap.verify.rotated import reference_model
+        raise NormswapError(f"calibration text {label} gives fewer than 2 tokens")
+    return ids
 
-    model = reference_model(source_dir, rotation_plan.architecture)
+
+def calibrate(source_dir: Path, rotation_plan: RotationPlan, text_path: str | Path, max_tokens: int) -> Rotation:
+    """The pca rotation of the source's stream on the calibration text: Σ over every norm of its
+    input's second moment, measured block by block."""
+    text = read_calibration(text_path)
+    ids = calibration_ids(source_dir, text, str(text_path))[:max_tokens]
     norms = [norm.name for norm in rotation_plan.plan.norms if norm.baked_into is None]
-    window = min(CALIBRATION_WINDOW, context_length(model))
-    with _threads():
-        moment = stream_second_moment(model, norms, ids, window)
-    del model
-    gc.collect()
+    measured = calibration_moments(source_dir, rotation_plan.architecture, norms, ids, CALIBRATION_WINDOW)
+    moment = sum(measured.moments[name] for name in norms)
     calibration = {"text": Path(text_path).name, "tokens": int(ids.numel()),
-                   "text_sha256": hashlib.sha256(text.encode()).hexdigest(), "window": window}
+                   "text_sha256": hashlib.sha256(text.encode()).hexdigest(), "window": measured.window}
     return pca_rotation(moment, calibration)
-
-
-class _threads:
-    """Fix torch's thread count while calibrating, so the same text gives the same Q bit for bit."""
-
-    def __enter__(self):
-        self.previous = torch.get_num_threads()
-        torch.set_num_threads(1)
-
-    def __exit__(self, *exc):
-        torch.set_num_threads(self.previous)

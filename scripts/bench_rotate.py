@@ -13,7 +13,13 @@ For one model (default: the bundled Austen GPT-2), side by side in one run:
 
 Writes JSON to benchmarks/results/bench_rotate.json and prints Markdown tables.
 
+With ``--slicing``, instead: the perplexity cost of ``rotate --slice`` at each ``--fractions``
+(default 0.1 0.2 0.3), side by side with the unsliced model, plus the mean KL(original ‖ sliced)
+per token and the share of parameters kept; JSON to benchmarks/results/bench_rotate-slicing.json
+(``-synthetic-slicing.json`` with ``--synthetic``).
+
     python3 scripts/bench_rotate.py [--model normswap:austen-gpt2] [--seeds 0 1 2] [--eval-tokens N]
+    python3 scripts/bench_rotate.py --slicing [--synthetic] [--fractions 0.1 0.2 0.3]
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from normswap.convert.source import read_config, resolve_source  # noqa: E402
 from normswap.evaluation.perplexity import strided_perplexity, tokenize_text  # noqa: E402
 from normswap.quantise import quantise_model  # noqa: E402
 from normswap.rotation import rotate_checkpoint  # noqa: E402
+from normswap.slicing_pipeline import slice_checkpoint  # noqa: E402
 
 BUNDLED_TEXT = ROOT / "normswap" / "data" / "text"
 QUANTISATIONS = {"int8": (8, None), "int4": (4, None), "int4-g128": (4, 128)}
@@ -139,6 +146,8 @@ def main() -> int:
     parser.add_argument("--outlier-tokens", type=int, default=4096)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "bench_rotate.json")
     parser.add_argument("--plot", type=Path, default=ROOT / "benchmarks" / "results" / "bench_rotate-outliers.png")
+    parser.add_argument("--slicing", action="store_true", help="measure the perplexity cost of --slice instead")
+    parser.add_argument("--fractions", type=float, nargs="+", default=[0.1, 0.2, 0.3])
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -163,6 +172,8 @@ def main() -> int:
     STRIDE["value"] = args.stride
     outlier_ids = ids[: args.outlier_tokens]
     del model
+    if args.slicing:
+        return slicing_curve(args, source, calibration, ids, outlier_ids, window, architecture.blocks)
     started = time.perf_counter()
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
@@ -220,6 +231,63 @@ def main() -> int:
                    if row["model"] in ("original", "folded (no rotation)", "hadamard seed 0", "orthogonal seed 0", "pca")},
                   args.plot)
     print(f"\nwrote {args.out} and {args.plot} ({elapsed:.0f} s)")
+    return 0
+
+
+def _parameters(path: Path, under: str = "") -> int:
+    """Parameters in the checkpoint (those whose names start with ``under``)."""
+    from normswap.convert.source import CheckpointReader
+
+    with CheckpointReader(path) as reader:
+        return sum(math.prod(info.shape) for name, info in reader.tensors.items() if name.startswith(under))
+
+
+def slicing_curve(args, source: Path, calibration: Path, ids: torch.Tensor, kl_ids: torch.Tensor, window: int,
+                  blocks: str) -> int:
+    """Perplexity and KL(original ‖ sliced) of the original and of each slice fraction, one run.
+
+    Parameters are counted whole (a sliced checkpoint stores its head untied, V×k) and within the
+    residual blocks (shortcut matrices included), which is what slicing shrinks."""
+    started = time.perf_counter()
+    original = normswap.load_model(source)[0]
+    reference = torch.log_softmax(_logits(original, kl_ids, window), -1)
+    rows = [{"model": "original (unsliced)", "fraction": 0.0, "hidden_size": original.config.hidden_size,
+             "perplexity": perplexity(original, ids, window), "kl": 0.0, "parameters": _parameters(source),
+             "block_parameters": _parameters(source, blocks + ".")}]
+    del original
+    print(f"{args.model}: {ids.numel()} evaluation tokens, window {window}; calibration {calibration.name}", flush=True)
+    with tempfile.TemporaryDirectory() as scratch:
+        for fraction in args.fractions:
+            out = Path(scratch) / f"slice-{fraction}"
+            block = slice_checkpoint(source, out, fraction=fraction, calibration=calibration,
+                                     held_out=args.eval_text)["slicing"]
+            model = normswap.load(out).eval()
+            candidate = torch.log_softmax(_logits(model, kl_ids, window), -1)
+            rows.append({"model": f"sliced {fraction}", "fraction": fraction, "hidden_size": block["hidden_size"],
+                         "perplexity": perplexity(model, ids, window),
+                         "kl": float((reference.exp() * (reference - candidate)).sum(-1).mean()),
+                         "parameters": _parameters(out), "block_parameters": _parameters(out, blocks + "."),
+                         "energy_kept": block["energy_kept"],
+                         "command_report": block["perplexity"]})
+            del model
+    elapsed = time.perf_counter() - started
+    print("\n| model | hidden size | parameters | block parameters | ppl | ppl / unsliced | KL(original ‖ sliced) | stream energy kept (mean / min) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        energy = row.get("energy_kept")
+        kept = f"{energy['mean']:.2%} / {energy['min']:.2%}" if energy else "100% / 100%"
+        print(f"| {row['model']} | {row['hidden_size']} | {row['parameters'] / rows[0]['parameters']:.1%} | "
+              f"{row['block_parameters'] / rows[0]['block_parameters']:.1%} | "
+              f"{row['perplexity']:.3f} | {row['perplexity'] / rows[0]['perplexity']:.3f} | {row['kl']:.3g} | {kept} |")
+    out = args.out
+    if out == ROOT / "benchmarks" / "results" / "bench_rotate.json":
+        out = out.with_name("bench_rotate-synthetic-slicing.json" if args.synthetic else "bench_rotate-slicing.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"model": args.model, "eval_text": args.eval_text.name, "eval_tokens": int(ids.numel()),
+               "kl_tokens": int(kl_ids.numel()), "window": window, "calibration": calibration.name,
+               "seconds": elapsed, "torch": torch.__version__, "machine": platform.machine(), "rows": rows}
+    out.write_text(json.dumps(_finite(payload), indent=1) + "\n")
+    print(f"\nwrote {out} ({elapsed:.0f} s)")
     return 0
 
 

@@ -145,12 +145,96 @@ def apply_structure(model: nn.Module, structure: dict | None) -> None:
         model.get_submodule(path).register_forward_hook(_centre_output_hook)
 
 
+class Shortcut(nn.Module):
+    """The residual path of a sliced model: the block adds x·S (S = P_inᵀ·P_out, k×k) instead of x.
+
+    A sliced stream has its own basis at every norm input; where a branch's output joins the
+    residual, the residual must change basis too. The block's forward adds the residual itself, so
+    the branch's output gets x·S - x added (x captured at the norm that reads the residual), which
+    makes the sum branch + x·S. The weight is a parameter so it loads with the checkpoint.
+    """
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size, size))
+        self.residual: torch.Tensor | None = None
+
+    def capture(self, module, args, kwargs):
+        self.residual = args[0] if args else kwargs["hidden_states"]
+
+    def join(self, module, args, output):
+        x, self.residual = self.residual, None
+        if x is None:
+            raise RuntimeError("a sliced block's branch ran without its norm: the residual is unknown")
+        change = (x @ self.weight.to(x.dtype)) - x
+        if isinstance(output, tuple):
+            return (output[0] + change, *output[1:])
+        return output + change
+
+
+def _resize_parameter(model: nn.Module, name: str, axis: int, size: int) -> None:
+    parent_path, _, leaf = name.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    old = getattr(parent, leaf)
+    shape = list(old.shape)
+    shape[axis] = size
+    setattr(parent, leaf, nn.Parameter(torch.empty(shape, device=old.device, dtype=old.dtype),
+                                       requires_grad=old.requires_grad))
+
+
+def _refresh_sizes(module: nn.Module) -> None:
+    """Make a module's size attributes agree with its resized weight."""
+    weight = getattr(module, "weight", None)
+    if weight is None:
+        return
+    if isinstance(module, nn.Linear):
+        module.out_features, module.in_features = weight.shape
+    elif isinstance(module, nn.Embedding):
+        module.embedding_dim = weight.shape[1]
+    elif hasattr(module, "nf") and weight.dim() == 2:  # transformers' Conv1D: weight [in, out]
+        module.nf = weight.shape[1]
+    elif hasattr(module, "normalized_shape"):
+        module.normalized_shape = tuple(weight.shape)
+
+
+def apply_slicing(model: nn.Module, slicing: dict | None) -> None:
+    """Shape a model for a sliced checkpoint (``config.normswap.slicing``), before its weights load.
+
+    ``hidden_size`` is the kept stream width k; every parameter matching a ``stream_axes``
+    pattern has its stream axis cut to k; every block of ``blocks`` gets one ``Shortcut`` per
+    ``branches`` entry (norm, branch), named ``shortcut_<branch>``. The config keeps the original
+    width (attention and MLP inner sizes derive from it) and the norms' eps is already the one for
+    k dimensions.
+    """
+    import re
+
+    if not slicing:
+        return
+    size = int(slicing["hidden_size"])
+    patterns = [(re.compile(pattern), int(axis)) for pattern, axis in slicing["stream_axes"]]
+    resized = set()
+    for name, _ in list(model.named_parameters(remove_duplicate=False)):
+        axis = next((axis for pattern, axis in patterns if pattern.fullmatch(name)), None)
+        if axis is not None:
+            _resize_parameter(model, name, axis, size)
+            resized.add(name.rpartition(".")[0])
+    for path in resized:
+        _refresh_sizes(model.get_submodule(path))
+    for block in model.get_submodule(slicing["blocks"]):
+        for norm_name, branch_name in slicing["branches"]:
+            shortcut = Shortcut(size)
+            block.add_module(f"shortcut_{branch_name}", shortcut)
+            block.get_submodule(norm_name).register_forward_pre_hook(shortcut.capture, with_kwargs=True)
+            block.get_submodule(branch_name).register_forward_hook(shortcut.join)
+
+
 def to_rmsnorm_model(model: nn.Module, config) -> nn.Module:
     """Turn a stock model built from a converted config into its RMSNorm form, in place."""
     block = getattr(config, "normswap", None) or {}
     # swap first: a centring hook registered on a LayerNorm must land on the RMSNorm replacing it
     swap_layer_norms(model)
     apply_structure(model, block.get("structure"))
+    apply_slicing(model, block.get("slicing"))
     return model
 
 

@@ -1,0 +1,250 @@
+"""Sliced checkpoints (SliceGPT): a narrower residual stream, at a measured perplexity cost.
+
+A folded checkpoint (every norm weightless, every write centred) computes the same function in
+any orthonormal basis of its stream, and the basis may change at every point where the stream
+is read. Slicing measures, on calibration text, the second moment M_i of the centred stream at
+the input of every norm i ("signal" i), takes its principal directions Q_i (eigenvectors by
+decreasing eigenvalue) and keeps the first k: P_i = Q_i[:, :k]. Then
+
+* a writer into signal i writes u·W·P_i (the embeddings write signal 0; a block's branch
+  writes the signal after the norm that feeds it);
+* a reader of norm i reads through P_iᵀ·W, and a bias the norm keeps becomes b·P_i;
+* where a branch's output joins the residual, the residual changes basis: x_{i+1} = x_i·S_i +
+  branch, with the shortcut S_i = P_iᵀ·P_{i+1} (k×k), stored as a tensor in the checkpoint;
+* the norms normalise k coordinates but must keep the d-dimensional statistic:
+  y/√(|y|²/d + ε) = √(d/k) · y/√(|y|²/k + ε·d/k), so every norm gets the gain √(d/k) and ε·d/k.
+
+With k = d every P_i is orthogonal and the model computes the original function (tested to
+float64 round-off). With k < d the least-variance directions are gone and the function changes:
+the perplexity on held-out text, before and after, is measured and recorded.
+
+Bases come from the original model's stream (calibrated once, block by block; SliceGPT's
+sequential variant recalibrates on the partly sliced model instead). Families are supported
+where the block layout (which norm feeds which branch) is declared in ``LAYOUTS``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from normswap.architectures import Architecture
+from normswap.convert import fold
+from normswap.convert.source import CheckpointReader
+from normswap.errors import NormswapError
+
+# Held out from the calibration text when no --held-out text is given: this share of its tokens,
+# and at most this many (the perplexity cost is measured on them).
+HELD_OUT_SHARE = 0.1
+HELD_OUT_TOKENS = 8192
+SHARD_BYTES = 2 << 30
+
+
+@dataclass(frozen=True)
+class SliceLayout:
+    """Where a family's residual adds are: each block's (norm, branch) pairs in order."""
+
+    blocks: str
+    branches: tuple[tuple[str, str], ...]
+    final_norm: str
+    embeddings: tuple[str, ...]  # tensors that write the first signal (hidden axis 1)
+    eps_key: str
+
+
+_GPT2_LIKE = SliceLayout("transformer.h", (("ln_1", "attn"), ("ln_2", "mlp")), "transformer.ln_f",
+                         ("transformer.wte.weight", "transformer.wpe.weight"), "layer_norm_epsilon")
+LAYOUTS = {"gpt2": _GPT2_LIKE, "gpt_neo": _GPT2_LIKE}
+
+
+@dataclass
+class Role:
+    """What slicing does to one tensor: ``kind`` writer/reader/norm_weight/norm_bias, along ``axis``,
+    in the basis of signal ``signal``."""
+
+    kind: str
+    axis: int
+    signal: int
+
+
+def check_fraction(fraction: object, *, allow_zero: bool = False) -> float:
+    low = "0 <=" if allow_zero else "0 <"
+    if (not isinstance(fraction, (int, float)) or isinstance(fraction, bool) or math.isnan(fraction)
+            or not (0 <= fraction < 1) or (fraction == 0 and not allow_zero)):
+        raise NormswapError(f"--slice must be a fraction with {low} f < 1 (the share of the stream's dimensions "
+                            f"to delete), not {fraction!r:.30}")
+    return float(fraction)
+
+
+def kept_dimension(d: int, fraction: float) -> int:
+    """k = d - round(fraction·d), at least 1."""
+    return max(1, d - round(fraction * d))
+
+
+def check_sliceable(source_dir: Path, config: dict) -> tuple[Architecture, SliceLayout]:
+    """The adapter and layout of a source that can be sliced; one-line refusals otherwise."""
+    from normswap.rotation import check_source
+
+    block = config.get("normswap") or {}
+    if "slicing" in block:
+        raise NormswapError(f"{source_dir} is already sliced (to {block['slicing'].get('hidden_size')} dimensions); "
+                            "slice the original instead")
+    architecture, family_config, _ = check_source(source_dir, config)
+    model_type = family_config.get("model_type")
+    if model_type not in LAYOUTS:
+        raise NormswapError(f"cannot slice a {model_type} checkpoint: slicing needs the family's block layout (which "
+                            f"norm feeds which branch), declared for {', '.join(sorted(LAYOUTS))}")
+    if family_config.get("add_cross_attention"):
+        raise NormswapError(f"cannot slice this {model_type} checkpoint: its cross-attention adds a third residual "
+                            "branch that the layout does not declare")
+    return architecture, LAYOUTS[model_type]
+
+
+def signal_norms(layout: SliceLayout, n_blocks: int) -> list[str]:
+    """The norms in stream order: signal i is the input of the i-th."""
+    names = [f"{layout.blocks}.{index}.{norm}" for index in range(n_blocks) for norm, _ in layout.branches]
+    return names + [layout.final_norm]
+
+
+def kept_bases(moments: dict[str, torch.Tensor], norms: list[str], k: int) -> tuple[list[torch.Tensor], list[float]]:
+    """P_i = the first k principal directions of signal i (d×k, float64), and the share of the
+    stream's energy each keeps."""
+    bases, kept = [], []
+    for name in norms:
+        matrix, values = fold.principal_rotation(moments[name])
+        values = values.clamp(min=0)
+        total = float(values.sum())
+        bases.append(matrix[:, :k].contiguous())
+        kept.append(float(values[:k].sum()) / total if total > 0 else 1.0)
+    return bases, kept
+
+
+def tensor_roles(names: list[str], architecture: Architecture, layout: SliceLayout,
+                 norms: list[str]) -> dict[str, Role]:
+    """Every tensor that touches the stream, with its role (the rest pass through unchanged)."""
+    roles: dict[str, Role] = {}
+    per_block = len(layout.branches)
+    for name in names:
+        writer = next((w for w in architecture.writers if re.fullmatch(w.pattern, name)), None)
+        if writer is not None:
+            roles[name] = Role("writer", writer.hidden_axis, _written_signal(name, layout, per_block))
+    for signal, norm in enumerate(norms):
+        spec = next(s for s in architecture.norms if re.fullmatch(s.pattern, norm))
+        groups = re.fullmatch(spec.pattern, norm).groupdict()
+        for reader in spec.readers:
+            weight = reader.weight.format(**groups)
+            if weight in names:
+                roles[weight] = Role("reader", reader.input_axis, signal)
+        for kind in ("weight", "bias"):
+            if f"{norm}.{kind}" in names:
+                roles[f"{norm}.{kind}"] = Role(f"norm_{kind}", 0, signal)
+    return roles
+
+
+def _written_signal(name: str, layout: SliceLayout, per_block: int) -> int:
+    if name in layout.embeddings:
+        return 0
+    for position, (_, branch) in enumerate(layout.branches):
+        found = re.fullmatch(rf"{re.escape(layout.blocks)}\.(\d+)\.{re.escape(branch)}\..*", name)
+        if found:
+            return int(found.group(1)) * per_block + position + 1
+    raise NormswapError(f"cannot slice: the writer {name} is in no branch of the declared block layout")
+
+
+def sliced_tensor(name: str, value: torch.Tensor, role: Role | None, bases: list[torch.Tensor], d: int) -> torch.Tensor:
+    """One tensor (float64) in the sliced model: projected onto its signal's kept basis."""
+    if role is None:
+        return value
+    basis = bases[role.signal]
+    if role.kind == "norm_weight":
+        if not bool((value == 1).all()):
+            raise NormswapError(f"cannot slice: the norm weight {name} is not 1 (the norm must be weightless)")
+        k = basis.shape[1]
+        return torch.full((k,), math.sqrt(d / k), dtype=torch.float64)
+    return fold.rotate_axis(value, basis, role.axis)
+
+
+def shortcut_tensors(layout: SliceLayout, bases: list[torch.Tensor], n_blocks: int) -> dict[str, torch.Tensor]:
+    """S = P_iᵀ·P_{i+1} for every residual add, named as ``apply_slicing`` registers it."""
+    shortcuts = {}
+    per_block = len(layout.branches)
+    for index in range(n_blocks):
+        for position, (_, branch) in enumerate(layout.branches):
+            signal = index * per_block + position
+            shortcuts[f"{layout.blocks}.{index}.shortcut_{branch}.weight"] = bases[signal].T @ bases[signal + 1]
+    return shortcuts
+
+
+def stream_axes(roles: dict[str, Role], layout: SliceLayout) -> list[list]:
+    """(pattern, axis) for every parameter whose stream axis is cut, the block index generalised."""
+    block = re.escape(layout.blocks) + r"\.\d+\."
+    found = {}
+    for name, role in roles.items():
+        inside = re.fullmatch(rf"{re.escape(layout.blocks)}\.\d+\.(.*)", name)
+        found[block + re.escape(inside.group(1)) if inside else re.escape(name)] = role.axis
+    return [[pattern, axis] for pattern, axis in sorted(found.items())]
+
+
+def write_sliced(out_dir: Path, plan, reader: CheckpointReader, roles: dict[str, Role], bases: list[torch.Tensor],
+                 extra: dict[str, torch.Tensor], dtype: torch.dtype, d: int) -> None:
+    """The sliced weights, one tensor computed at a time, in shards of at most ``SHARD_BYTES``."""
+    from safetensors.torch import save_file
+
+    from normswap.convert.fold import compute_tensor
+    from normswap.convert.write import write_json
+
+    names = sorted([*plan.tensors, *extra])
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name in names:
+        if name in extra:
+            value = extra[name].to(dtype)
+        else:
+            tensor = plan.tensors[name]
+            folded = compute_tensor(replace(tensor, dtype=torch.float64), reader.get)
+            value = sliced_tensor(name, folded, roles.get(name), bases, d).to(tensor.dtype)
+        if size and size + value.nbytes > SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][name] = value.contiguous()
+        size += value.nbytes
+    files = ["model.safetensors"] if len(shards) == 1 else [
+        f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors" for index in range(len(shards))]
+    for file, tensors in zip(files, shards, strict=True):
+        save_file(tensors, str(out_dir / file), metadata={"format": "pt"})
+        (out_dir / file).chmod(0o644)
+    if len(files) > 1:
+        write_json(out_dir / "model.safetensors.index.json", {
+            "metadata": {"total_size": sum(v.nbytes for shard in shards for v in shard.values())},
+            "weight_map": {name: file for file, shard in zip(files, shards, strict=True) for name in shard}})
+
+
+def split_held_out(ids: torch.Tensor, held_out: torch.Tensor | None, max_calibration: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(calibration ids, held-out ids): the held-out text's, else the calibration text's last tokens."""
+    if held_out is None:
+        count = min(HELD_OUT_TOKENS, max(2, int(ids.numel() * HELD_OUT_SHARE)))
+        if ids.numel() - count < 2:
+            raise NormswapError("the calibration text is too short to hold out text for the perplexity cost; "
+                                "give --held-out TEXT_FILE")
+        ids, held_out = ids[:-count], ids[-count:]
+    return ids[:max_calibration], held_out[:HELD_OUT_TOKENS]
+
+
+def text_sha256(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def slicing_block(layout: SliceLayout, roles: dict[str, Role], fraction: float, d: int, k: int,
+                  kept: list[float]) -> dict:
+    """What ``apply_slicing`` needs to shape the model, and what the slicing kept."""
+    return {
+        "exact": False, "method": "pca per signal (SliceGPT)", "fraction": fraction, "hidden_size": k,
+        "original_hidden_size": d, "norm_gain": math.sqrt(d / k), "stream_axes": stream_axes(roles, layout),
+        "blocks": layout.blocks, "branches": [list(pair) for pair in layout.branches],
+        "energy_kept": {"min": min(kept), "mean": sum(kept) / len(kept)},
+    }
+

@@ -1,0 +1,205 @@
+"""``normswap rotate --slice``: write a sliced checkpoint and measure what slicing cost.
+
+The math is in ``normswap.slicing``; this module plans (fold the source as ``rotate`` does,
+calibrate block by block, choose the kept bases), writes the checkpoint through a claimed output
+like every normswap command, and measures the perplexity of the original and of the written
+sliced model on held-out text. A sliced model is not exact, so nothing is verified against a
+tolerance: the perplexity cost is the figure, printed and recorded in the provenance.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from normswap import card, output, slicing
+from normswap.architectures import Architecture
+from normswap.calibration import CALIBRATION_WINDOW, DEFAULT_CALIBRATION_TOKENS, read_calibration
+from normswap.convert.source import CheckpointReader, read_config, resolve_source, source_inputs
+from normswap.errors import NormswapError
+from normswap.rotation import RotationPlan, hidden_size, plan_rotation
+
+
+@dataclass
+class SlicePlan:
+    """Everything the write needs: the folded plan, the kept bases and each tensor's role."""
+
+    rotation_plan: RotationPlan
+    layout: slicing.SliceLayout
+    d: int
+    k: int
+    bases: list[torch.Tensor]
+    roles: dict[str, slicing.Role]
+    shortcuts: dict[str, torch.Tensor]
+    block: dict  # provenance["slicing"]
+
+
+@dataclass
+class SliceTexts:
+    """Calibration and held-out token ids, and what to record about them."""
+
+    calibration: torch.Tensor
+    held_out: torch.Tensor
+    record: dict
+
+
+def slice_texts(source_dir: Path, calibration: str | Path, held_out: str | Path | None, max_tokens: int) -> SliceTexts:
+    from normswap.calibration import calibration_ids
+
+    text = read_calibration(calibration)
+    ids = calibration_ids(source_dir, text, str(calibration))
+    held_text = None if held_out is None else read_calibration(held_out)
+    held_ids = None if held_text is None else calibration_ids(source_dir, held_text, str(held_out))
+    calibration_part, held_part = slicing.split_held_out(ids, held_ids, max_tokens)
+    record = {
+        "calibration": {"text": Path(calibration).name, "text_sha256": slicing.text_sha256(text),
+                        "tokens": int(calibration_part.numel())},
+        "held_out": ({"text": Path(held_out).name, "text_sha256": slicing.text_sha256(held_text)}
+                     if held_text is not None else {"text": f"the last tokens of {Path(calibration).name}"}),
+    }
+    record["held_out"]["tokens"] = int(held_part.numel())
+    return SliceTexts(calibration_part, held_part, record)
+
+
+def plan_slicing(source_dir: Path, rotation_plan: RotationPlan, architecture: Architecture,
+                 layout: slicing.SliceLayout, fraction: float, texts: SliceTexts) -> SlicePlan:
+    """Calibrate every signal block by block, keep k principal directions of each, assign roles."""
+    from normswap.calibration import calibration_moments
+
+    d = hidden_size(rotation_plan.meta)
+    k = slicing.kept_dimension(d, fraction)
+    n_blocks = len(rotation_plan.meta.get_submodule(layout.blocks))
+    norms = slicing.signal_norms(layout, n_blocks)
+    measured = calibration_moments(source_dir, architecture, norms, texts.calibration, CALIBRATION_WINDOW)
+    bases, kept = slicing.kept_bases(measured.moments, norms, k)
+    for head, embedding in architecture.tied:
+        if head not in rotation_plan.plan.tensors:  # a tied head would read the last signal in the first's basis
+            raise NormswapError(f"cannot slice: {head} stays tied to {embedding}, and slicing gives them different bases")
+    roles = slicing.tensor_roles(list(rotation_plan.plan.tensors), architecture, layout, norms)
+    block = slicing.slicing_block(layout, roles, fraction, d, k, kept)
+    block.update(texts.record)
+    block["calibration"].update(window=measured.window, measured=measured.mode)
+    shortcuts = slicing.shortcut_tensors(layout, bases, n_blocks)
+    return SlicePlan(rotation_plan, layout, d, k, bases, roles, shortcuts, block)
+
+
+def perplexity_cost(source_dir: Path, sliced_dir: Path, architecture: Architecture, ids: torch.Tensor,
+                    window: int) -> dict:
+    """Perplexity of the original and of the sliced model on ``ids`` (windows of ``window``, no overlap)."""
+    from normswap.evaluation.perplexity import strided_perplexity
+    from normswap.threads import cpu_threads
+    from normswap.verify.checkpoint import load_converted
+    from normswap.verify.rotated import reference_model
+
+    figures: dict = {}
+    loaders = (("original", lambda: reference_model(source_dir, architecture)),
+               ("sliced", lambda: load_converted(sliced_dir, "rmsnorm")))
+    for label, load in loaders:
+        model = load()
+        with cpu_threads(1):  # one thread: the same inputs give the same figures, bit for bit
+            result = strided_perplexity(model, ids, max_length=window, stride=window)
+        figures[label] = result.token_perplexity
+        del model
+    figures.update(tokens=int(ids.numel()), window=window, increase=figures["sliced"] / figures["original"] - 1)
+    return figures
+
+
+def sliced_config(slice_plan: SlicePlan, provenance: dict) -> dict:
+    """config.json: the rotated-checkpoint config, with ε·d/k for the norms over k dimensions."""
+    rotation_plan = slice_plan.rotation_plan
+    config = card.converted_config(rotation_plan.config, rotation_plan.plan, rotation_plan.meta,
+                                   rotation_plan.architecture, provenance)
+    key = slice_plan.layout.eps_key
+    config[key] = float(config[key]) * slice_plan.d / slice_plan.k
+    return config
+
+
+def model_card(provenance: dict) -> str:
+    block = provenance["slicing"]
+    cost = block.get("perplexity", {})
+    figures = (f" Perplexity on {cost['tokens']} held-out tokens: {cost['original']:.4g} (original) → "
+               f"{cost['sliced']:.4g} (sliced)." if cost else "")
+    return card.model_card(provenance) + (
+        "\n## Slicing\n\n"
+        f"The residual stream was cut from {block['original_hidden_size']} to {block['hidden_size']} dimensions "
+        f"(fraction {block['fraction']}): at every norm input the least-variance principal directions of the "
+        "stream on the calibration text were deleted, and every residual path carries a shortcut matrix "
+        "(`shortcut_<branch>.weight`) that changes basis between norm inputs. The model is NOT exact: it "
+        f"approximates the original.{figures} Load it with `trust_remote_code=True` or `normswap.load`.\n"
+    )
+
+
+def slice_checkpoint(
+    src: str | Path,
+    out: str | Path,
+    *,
+    fraction: float,
+    calibration: str | Path | None,
+    held_out: str | Path | None = None,
+    calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS,
+    dtype: str | torch.dtype | None = None,
+    overwrite: bool = False,
+    trust_remote_code: bool = False,
+    allow_zero: bool = False,
+) -> dict:
+    """Write ``src`` sliced by ``fraction`` (0 < f < 1; ``allow_zero`` admits 0, which keeps every
+    dimension and is exact) to ``out``; returns the provenance block, perplexity cost included."""
+    from normswap.convert import pipeline
+    from normswap.dtypes import parse_dtype
+
+    fraction = slicing.check_fraction(fraction, allow_zero=allow_zero)
+    if calibration is None:
+        raise NormswapError("--slice needs --calibration TEXT_FILE: the stream's principal directions are measured on it")
+    if calibration_tokens < 2:
+        raise NormswapError("--calibration-tokens must be at least 2")
+    out_dtype = parse_dtype(dtype)
+    source_dir = resolve_source(src, trust_remote_code=trust_remote_code)
+    out = output.absolute(out)
+    inputs = [*source_inputs(source_dir), Path(calibration), *([Path(held_out)] if held_out else [])]
+    output.check_out(out, inputs, overwrite)
+    config = read_config(source_dir)
+    architecture, layout = slicing.check_sliceable(source_dir, config)
+    texts = slice_texts(source_dir, calibration, held_out, calibration_tokens)
+    with CheckpointReader(source_dir) as reader:
+        rotation_plan = plan_rotation(source_dir, config, reader, dtype=out_dtype)
+        slice_plan = plan_slicing(source_dir, rotation_plan, architecture, layout, fraction, texts)
+        plan = rotation_plan.plan
+        dtype_out = pipeline.main_dtype(plan)
+        provenance = card.rotation_provenance(str(src), plan, architecture.auto_class, dtype_out, {},
+                                              rotation_plan.source_block)
+        del provenance["rotation"]  # the source's block for a checkpoint in a new basis; the basis is sliced
+        provenance["slicing"] = slice_plan.block
+        output.check_free_space(out, sum(tensor.nbytes for tensor in plan.tensors.values()))
+        with output.claimed_output(out, inputs=inputs, overwrite=overwrite, kind="checkpoint") as claim:
+            write_checkpoint(claim.tmp, source_dir, slice_plan, reader, provenance, dtype_out)
+            provenance["slicing"]["perplexity"] = perplexity_cost(
+                source_dir, claim.tmp, architecture, texts.held_out, slice_plan.block["calibration"]["window"])
+            finish(claim.tmp, slice_plan, provenance)
+            claim.install()
+    return provenance
+
+
+def write_checkpoint(tmp: Path, source_dir: Path, slice_plan: SlicePlan, reader: CheckpointReader,
+                     provenance: dict, dtype: torch.dtype) -> None:
+    from normswap.convert.write import copy_side_files, write_json
+    from normswap.modeling import MODELING_FILE, modeling_source
+
+    slicing.write_sliced(tmp, slice_plan.rotation_plan.plan, reader, slice_plan.roles, slice_plan.bases,
+                         slice_plan.shortcuts, dtype, slice_plan.d)
+    (tmp / MODELING_FILE).write_bytes(modeling_source())
+    copy_side_files(source_dir, tmp)
+    write_json(tmp / "config.json", sliced_config(slice_plan, provenance))
+
+
+def finish(tmp: Path, slice_plan: SlicePlan, provenance: dict) -> None:
+    """config.json with the perplexity cost, and the card."""
+    from normswap.convert.write import write_json
+
+    cost = provenance["slicing"]["perplexity"]
+    if not all(math.isfinite(cost[label]) for label in ("original", "sliced")):
+        raise NormswapError(f"the sliced model's perplexity is not finite ({cost['sliced']}); nothing was written")
+    write_json(tmp / "config.json", sliced_config(slice_plan, provenance))
+    (tmp / "README.md").write_text(model_card(provenance))
