@@ -91,7 +91,7 @@ def perplexity_cost(source_dir: Path, sliced_dir: Path, architecture: Architectu
     """Perplexity of the original and of the sliced model on ``ids`` (windows of ``window``, no overlap)."""
     from normswap.evaluation.perplexity import strided_perplexity
     from normswap.threads import cpu_threads
-    from normswap.verify.checkpoint import load_converted
+    from normswap.verify.loaders import load_converted
     from normswap.verify.rotated import reference_model
 
     figures: dict = {}
