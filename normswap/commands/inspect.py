@@ -26,9 +26,10 @@ def run(args: argparse.Namespace) -> int:
     from normswap.convert.pipeline import check_convertible, plan_conversion
 
     # a refusal is one line on stderr and exit 2, as for every command
-    check_convertible(path, config)  # before opening any weight file
+    architecture = check_convertible(path, config)  # before opening any weight file
     with CheckpointReader(path) as reader:
-        _, plan, _ = plan_conversion(path, config, reader, method="exact", fold_gains=args.fold_gains, dtype=None)
+        _, plan, _ = plan_conversion(path, config, reader, method="exact", fold_gains=args.fold_gains, dtype=None,
+                                     architecture=architecture)
     if args.json:
         emit_json(args, plan_as_dict(plan))
         return 0

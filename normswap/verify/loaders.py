@@ -33,7 +33,8 @@ def rmsnorm_class(path: Path, architecture: Architecture) -> type:
     if base.__name__.startswith("Auto"):
         raise NormswapError(f"{path / 'config.json'}: 'architectures' names no model class this transformers has")
     own_type = str(config.get("model_type", "")).startswith(remote.MODEL_TYPE_PREFIX)
-    return remote._lookup((remote.OWN_TYPE_PREFIX if own_type else remote.CLASS_PREFIX) + base.__name__)
+    # remote's module __getattr__ is how transformers resolves auto_map names; use the same door
+    return getattr(remote, (remote.OWN_TYPE_PREFIX if own_type else remote.CLASS_PREFIX) + base.__name__)
 
 
 def load_converted(path: Path, how: str, *, dtype: torch.dtype = torch.float32) -> nn.Module:
