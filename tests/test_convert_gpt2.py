@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from helpers import causal_logits, check_exact, load, make_hard, save, token_ids
+from helpers import causal_logits, check_exact, load, make_hard, safetensors_dtypes, save, token_ids
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import normswap
@@ -95,6 +95,10 @@ def test_output_dtype_option(tmp_path):
     normswap.convert_checkpoint(src, tmp_path / "half", dtype="float16")
     config = json.loads((tmp_path / "half" / "config.json").read_text())
     assert config["dtype"] == "float16"
+    # the tensors themselves are written as float16, as the file's own header records them
+    written = safetensors_dtypes(tmp_path / "half" / "model.safetensors")
+    assert written and set(written.values()) == {"F16"}
+    assert set(safetensors_dtypes(src / "model.safetensors").values()) == {"F32"}
 
 
 def test_convert_model_in_memory():

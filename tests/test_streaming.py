@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import causal_logits, load, make_hard, save, token_ids
+from helpers import causal_logits, leftovers, load, make_hard, save, token_ids
 from safetensors.torch import load_file, save_file
 from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -40,11 +40,6 @@ def tiny_gpt2(path: Path, *, n_layer: int = 3, n_embd: int = 32, shard_size: str
         return save(model, path)
     model.save_pretrained(path, max_shard_size=shard_size)
     return path
-
-
-def leftovers(parent: Path) -> list[str]:
-    """Temporary or partial outputs normswap might have left in ``parent``."""
-    return sorted(p.name for p in parent.iterdir() if "normswap-tmp" in p.name or "normswap-old" in p.name)
 
 
 def tree_hash(path: Path) -> dict[str, str]:
