@@ -175,14 +175,20 @@ def test_whisper_geometry_on_audio(models, two_utterances, tmp_path, capsys):
     assert converted["overall"]["mean_at_noise"]
 
 
-def test_vit_eval_and_geometry(models, tmp_path, capsys):
-    src, out = models["vit"]
+def _image_eval(models, family: str, tmp_path, capsys) -> tuple:
+    """``eval`` of the converted image model against its original on the bundled images: the
+    original's path, the report, and the report's agreement rows by key."""
+    src, out = models[family]
     code = main(["eval", str(out), "--baseline", str(src), "--images", "bundled", "--device", "cpu",
-                              "--out", str(tmp_path)])
+                 "--out", str(tmp_path)])
     capsys.readouterr()
     assert code == 0
     report = _report(tmp_path)
-    agreement = {row["key"]: row["value"] for row in report["agreement"]}
+    return src, report, {row["key"]: row["value"] for row in report["agreement"]}
+
+
+def test_vit_eval_and_geometry(models, tmp_path, capsys):
+    src, report, agreement = _image_eval(models, "vit", tmp_path, capsys)
     assert agreement["vit/top1_agreement"] == 1.0 and agreement["vit/max_abs_delta_logit"] < 1e-4
     assert "vit/accuracy" in report["models"]["original"]["metrics"]
     code = main(["geometry", str(src), "--images", str(BUNDLED_IMAGES)])
@@ -190,13 +196,7 @@ def test_vit_eval_and_geometry(models, tmp_path, capsys):
 
 
 def test_clip_eval_and_geometry(models, tmp_path, capsys):
-    src, out = models["clip"]
-    code = main(["eval", str(out), "--baseline", str(src), "--images", "bundled", "--device", "cpu",
-                              "--out", str(tmp_path)])
-    capsys.readouterr()
-    assert code == 0
-    report = _report(tmp_path)
-    agreement = {row["key"]: row["value"] for row in report["agreement"]}
+    src, report, agreement = _image_eval(models, "clip", tmp_path, capsys)
     assert agreement["clip/similarity_agreement"] == 1.0
     assert agreement["clip/min_cosine_image_embedding"] > 0.9999
     assert agreement["clip/min_cosine_text_embedding"] > 0.9999
