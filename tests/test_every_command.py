@@ -70,7 +70,7 @@ def build(family: str, path):
     return path
 
 
-# One text family of each kind of adapter runs by default; every family with --run-slow.
+# One text family of each kind of adapter is in the quick loop (-m "not slow"); the others are slow.
 QUICK = {"gpt2", "bloom", "whisper", "vit", "clip"}
 
 

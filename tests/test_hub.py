@@ -184,7 +184,7 @@ def test_gpt2_recipe_runs_literally_against_the_local_hub(hub, tmp_path):
 HUB_RECIPES = sorted(p for p in RECIPES_DIR.glob("*.yaml") if not load_recipe(p).source.startswith("normswap:"))
 
 
-# gpt2.yaml runs literally above; these run with --run-slow
+# gpt2.yaml runs literally above; these are slow
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe_path", HUB_RECIPES, ids=[p.stem for p in HUB_RECIPES])
 def test_hub_recipes_convert_and_evaluate_through_the_local_hub(recipe_path, tmp_path):
