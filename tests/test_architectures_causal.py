@@ -10,6 +10,7 @@ refuses it (tested separately), so only the RMSNorm loaders run.
 
 Every variant runs with ``--fold-gains`` (where the adapter's reader wiring matters); the first
 variant of each family also runs without it (where only the writers matter, shared by variants).
+Four cases are in the quick loop (``QUICK``); the others are marked slow.
 """
 
 from __future__ import annotations
@@ -98,13 +99,19 @@ def _family(case: str) -> str:
     return case.split("-")[0]
 
 
+# in the quick loop (-m "not slow"): a β kept as β/γ (no bias slot), a variant's wiring, a baked
+# embedding norm, a parallel block; the other cases are slow
+QUICK = {"gpt_neox-sequential-tied-nobias", "opt-projected", "bloom-baked", "falcon-parallel-alibi"}
+
+
 def _params():
     seen = set()
     for case in CASES:
-        yield pytest.param(case, True, id=f"{case}-fold")
+        quick = () if case in QUICK else (pytest.mark.slow,)
+        yield pytest.param(case, True, id=f"{case}-fold", marks=quick)
         if _family(case) not in seen:
             seen.add(_family(case))
-            yield pytest.param(case, False, id=f"{case}-plain")
+            yield pytest.param(case, False, id=f"{case}-plain", marks=pytest.mark.slow)
 
 
 def make_source(tmp_path, case: str, dtype: torch.dtype = torch.float32):
@@ -139,6 +146,7 @@ def test_causal_family_is_exact(tmp_path, case, fold_gains):
         assert set(provenance["norms_folded"]) == with_gain - baked
 
 
+@pytest.mark.slow
 def test_bloom_embedding_norm_is_baked_and_stock_refuses(tmp_path):
     """The baked checkpoint has no embedding norm; stock transformers (whose BloomModel would
     apply one again) must refuse it, and the RMSNorm class replaces that norm by an identity."""

@@ -63,6 +63,7 @@ def test_already_converted(gpt2_dir, tmp_path, capsys):
     assert not (tmp_path / "again").exists()
 
 
+@pytest.mark.slow
 def test_out_not_empty_needs_overwrite(gpt2_dir, tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()

@@ -23,8 +23,9 @@ def tiny_gpt2(tmp_path, *, tied: bool = True, dtype: torch.dtype = torch.float32
     return save(model.to(dtype), tmp_path / name)
 
 
-@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
-@pytest.mark.parametrize("fold_gains", [False, True], ids=["plain", "fold"])
+@pytest.mark.parametrize(("fold_gains", "tied"), [
+    pytest.param(False, True, marks=pytest.mark.slow), pytest.param(False, False, marks=pytest.mark.slow),
+    pytest.param(True, True, marks=pytest.mark.slow), (True, False)], ids=["plain-tied", "plain-untied", "fold-tied", "fold-untied"])
 def test_gpt2_is_exact(tmp_path, tied, fold_gains):
     src = tiny_gpt2(tmp_path, tied=tied)
     errors = check_exact(src, tmp_path, inputs=token_ids(VOCAB), fold_gains=fold_gains,
@@ -127,6 +128,7 @@ def test_naive_method_needs_allow_inexact(tmp_path):
     assert getattr(model.transformer.ln_f, "is_normswap_rmsnorm", False)
 
 
+@pytest.mark.slow
 def test_bundled_model_perplexity_is_unchanged(tmp_path):
     """The shipped Austen model: converted held-out perplexity equals the original's to 1e-4 (fp32)."""
     from normswap.convert.source import EXAMPLE_MODEL, example_model_path

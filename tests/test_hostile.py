@@ -768,6 +768,7 @@ def test_stale_temporary_folder_is_removed(source, tmp_path, capsys):
     assert not stale.exists() and live.exists() and other.exists()
 
 
+@pytest.mark.slow
 def test_concurrent_conversions_one_wins(source, tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -783,6 +784,7 @@ def test_concurrent_conversions_one_wins(source, tmp_path):
     assert (out / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_killed_conversion_is_cleaned_by_the_next(source, tmp_path):
     """SIGKILL leaves the temporary folder (and a claimed, empty --out); the next run cleans up."""
     out = tmp_path / "out"
@@ -806,6 +808,7 @@ def test_killed_conversion_is_cleaned_by_the_next(source, tmp_path):
     assert sorted(path.name for path in tmp_path.iterdir()) == ["out"]
 
 
+@pytest.mark.slow
 def test_sigterm_leaves_nothing(source, tmp_path):
     out = tmp_path / "deep" / "out"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
