@@ -12,6 +12,7 @@ import struct
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 import transformers
 from torch import nn
@@ -90,6 +91,12 @@ def assert_no_layer_norm(model: nn.Module) -> None:
     layer_norms = [name for name, module in model.named_modules() if isinstance(module, nn.LayerNorm)]
     assert not layer_norms, f"LayerNorm modules left: {layer_norms[:3]}"
     assert any(getattr(module, "is_normswap_rmsnorm", False) for module in model.modules())
+
+
+def quick_first(values: list) -> list:
+    """Parametrize values of one argument of which only the first is in the quick loop (-m "not
+    slow"): the others prove the same property on another input, so they are marked slow."""
+    return [values[0], *(pytest.param(value, marks=pytest.mark.slow) for value in values[1:])]
 
 
 def leftovers(parent: Path) -> list[str]:

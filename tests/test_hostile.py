@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import make_hard, save
+from helpers import make_hard, quick_first, save
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from normswap import output
@@ -482,7 +482,7 @@ def test_missing_tensor(source, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("value", [math.nan, math.inf])
+@pytest.mark.parametrize("value", quick_first([math.nan, math.inf]))
 def test_non_finite_weights_name_the_tensor(source, tmp_path, capsys, value):
     from safetensors.torch import load_file, save_file
 
@@ -616,7 +616,7 @@ def test_created_parents_are_removed_on_failure(source, tmp_path, capsys):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("umask", [0o022, 0o002, 0o077])
+@pytest.mark.parametrize("umask", quick_first([0o022, 0o002, 0o077]))
 def test_output_follows_the_umask(source, tmp_path, umask):
     old = os.umask(umask)
     try:
@@ -658,7 +658,7 @@ OS_ERROR_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(OS_ERROR_CASES))
+@pytest.mark.parametrize("case", quick_first(list(OS_ERROR_CASES)))
 def test_os_errors_while_writing(source, tmp_path, capsys, monkeypatch, case):
     method, code_, file_name, needle = OS_ERROR_CASES[case]
     real = getattr(Path, method)
@@ -682,7 +682,7 @@ def test_os_errors_creating_out(source, tmp_path, capsys, monkeypatch, code_):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("code_", [errno.EBUSY, errno.EXDEV, errno.EACCES])
+@pytest.mark.parametrize("code_", quick_first([errno.EBUSY, errno.EXDEV, errno.EACCES]))
 def test_os_errors_at_install(source, tmp_path, capsys, monkeypatch, code_):
     _fail_on(monkeypatch, os, "rename", code_)
     code, _, err = run_cli(capsys, "convert", source, "--out", tmp_path / "out", "--quiet")
@@ -718,7 +718,7 @@ def test_second_claimant_is_refused(source, tmp_path, capsys):
     assert sorted(path.name for path in tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("how", ["file-added", "folder-replaced", "folder-removed"])
+@pytest.mark.parametrize("how", quick_first(["file-added", "folder-replaced", "folder-removed"]))
 def test_something_appears_at_out_during_conversion(source, tmp_path, capsys, monkeypatch, how):
     from normswap.convert import pipeline
 

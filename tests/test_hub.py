@@ -27,6 +27,9 @@ from transformers import GPT2Config, GPT2Model
 from normswap.convert.source import example_model_path
 from normswap.evaluation.recipe import RECIPES_DIR, load_recipe
 
+# every test starts the CLI in a fresh interpreter (torch and transformers imported each time)
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 NOT_NEEDED = ("tf_model.h5", "flax_model.msgpack", "rust_model.ot", "onnx/decoder_model.onnx", "onnx/config.json",
               "64-8bits.tflite", "pytorch_model.bin")
@@ -184,8 +187,7 @@ def test_gpt2_recipe_runs_literally_against_the_local_hub(hub, tmp_path):
 HUB_RECIPES = sorted(p for p in RECIPES_DIR.glob("*.yaml") if not load_recipe(p).source.startswith("normswap:"))
 
 
-# gpt2.yaml runs literally above; these are slow
-@pytest.mark.slow
+# gpt2.yaml runs literally above
 @pytest.mark.parametrize("recipe_path", HUB_RECIPES, ids=[p.stem for p in HUB_RECIPES])
 def test_hub_recipes_convert_and_evaluate_through_the_local_hub(recipe_path, tmp_path):
     """Each hub recipe's source, conversion and verification settings, run against a tiny model of

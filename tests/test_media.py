@@ -131,6 +131,7 @@ def _report(tmp_path):
     return json.loads((tmp_path / "report.json").read_text())
 
 
+@pytest.mark.slow
 def test_whisper_eval_side_by_side(models, two_utterances, tmp_path, capsys):
     src, out = models["whisper"]
     code = main(["eval", str(out), "--baseline", str(src), "--audio", str(two_utterances),
@@ -147,6 +148,7 @@ def test_whisper_eval_side_by_side(models, two_utterances, tmp_path, capsys):
     assert "speech/identical_decodes" in printed and "## Samples" in printed
 
 
+@pytest.mark.slow
 def test_whisper_eval_catches_a_broken_conversion(models, two_utterances, tmp_path, capsys):
     """A naive swap (no centring) must fail the speech comparison."""
     src, _ = models["whisper"]

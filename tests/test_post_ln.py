@@ -61,6 +61,7 @@ def test_cli_refuses_post_ln(checkpoints, tmp_path, capsys, model_type):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_cli_process_refuses_post_ln(checkpoints, tmp_path):
     """The real entry point: ``python -m normswap convert`` exits non-zero with one stderr line."""
     result = subprocess.run(
