@@ -111,13 +111,21 @@ def check_layer_count(config: dict, tensor_names: Iterable[str], where: str) -> 
                             f"{'s' if present != 1 else ''}")
 
 
-# the type each key of a converted config's ``normswap`` block must have, and how an error names it
-PROVENANCE_KEYS: dict[str, type] = {
-    **dict.fromkeys(("version", "source", "original_model_type", "auto_class", "modeling_sha256"), str),
-    **dict.fromkeys(("norms_swapped", "norms_folded", "untied"), list),
-    "options": dict, "structure": dict, "stock_loadable": bool, "writers_centred": int,
+# key -> (accepted types, description) of a converted config's ``normswap`` block
+PROVENANCE_KEYS: dict[str, tuple[tuple[type, ...], str]] = {
+    "version": ((str,), "a string"),
+    "source": ((str,), "a string"),
+    "options": ((dict,), "a mapping"),
+    "original_model_type": ((str,), "a string"),
+    "norms_swapped": ((list,), "a list"),
+    "norms_folded": ((list,), "a list"),
+    "untied": ((list,), "a list"),
+    "stock_loadable": ((bool,), "true or false"),
+    "structure": ((dict,), "a mapping of lists of module names"),
+    "auto_class": ((str,), "a string"),
+    "modeling_sha256": ((str,), "a string"),
+    "writers_centred": ((int,), "a number"),
 }
-_DESCRIPTIONS = {str: "a string", list: "a list", dict: "a mapping", bool: "true or false", int: "a number"}
 
 
 def check_structure(path: Path, config: dict) -> None:
@@ -135,9 +143,9 @@ def check_provenance(block: object, path: Path) -> None:
     where = f"{path / 'config.json'}: the normswap block"
     if not isinstance(block, dict):
         raise NormswapError(f"{where} is not a mapping")
-    for key, kind in PROVENANCE_KEYS.items():
-        if key in block and not isinstance(block[key], kind):
-            raise NormswapError(f"{where}: '{key}' must be {_DESCRIPTIONS[kind]} (got {block[key]!r:.60})")
+    for key, (types, description) in PROVENANCE_KEYS.items():
+        if key in block and not isinstance(block[key], types):
+            raise NormswapError(f"{where}: '{key}' must be {description} (got {block[key]!r:.60})")
     options = block.get("options", {})
     if options.get("method", "exact") not in ("exact", "naive"):
         raise NormswapError(f"{where}: options.method must be exact or naive (got {options.get('method')!r:.60})")
