@@ -114,17 +114,19 @@ def test_convert_gpt2_downloads_only_what_it_needs_then_uses_the_cache(hub, tmp_
     assert [s.name for s in snapshots] == [hub.repos[("model", "gpt2")].refs["main"]]
 
     hub.log.clear()
-    again = normswap_cli("convert", "gpt2", "--out", "gpt2-rms-2", hub=hub, home=home, cwd=tmp_path)
+    # the repeats prove where the files come from; the first run has verified the conversion
+    again = normswap_cli("convert", "gpt2", "--out", "gpt2-rms-2", "--verify", "none", hub=hub, home=home, cwd=tmp_path)
     assert again.returncode == 0, again.stderr
     assert hub.downloads("gpt2") == []  # every file came from the cache
 
-    offline = normswap_cli("convert", "gpt2", "--out", "gpt2-rms-3", hub=None, home=home, cwd=tmp_path, offline=True)
+    offline = normswap_cli("convert", "gpt2", "--out", "gpt2-rms-3", "--verify", "none", hub=None, home=home,
+                           cwd=tmp_path, offline=True)
     assert offline.returncode == 0, offline.stderr  # offline mode reads the cache
 
 
 def test_revision_pins_a_commit(hub, tmp_path):
-    result = normswap_cli("convert", "gpt2", "--revision", hub.first_commit, "--out", "pinned", hub=hub,
-                          home=tmp_path / "hf", cwd=tmp_path)
+    result = normswap_cli("convert", "gpt2", "--revision", hub.first_commit, "--out", "pinned", "--verify", "none",
+                          hub=hub, home=tmp_path / "hf", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     snapshots = [p.name for p in (tmp_path / "hf" / "hub" / "models--gpt2" / "snapshots").iterdir()]
     assert snapshots == [hub.first_commit]
