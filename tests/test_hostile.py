@@ -597,6 +597,7 @@ def test_symlinked_out_is_refused(source, tmp_path, capsys, converted, target):
                               needle="symbolic link")
 
 
+@pytest.mark.slow
 def test_overwrite_replaces_only_normswap_folders(source, tmp_path, capsys):
     out = tmp_path / "out"
     assert main(["convert", str(source), "--out", str(out), "--quiet"]) == 0

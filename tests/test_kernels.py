@@ -231,6 +231,7 @@ def test_custom_op_registration():
     torch.library.opcheck(torch.ops.normswap.rms_norm_fwd, (x, None, None, None, 1e-5))
 
 
+@pytest.mark.slow
 def test_torch_compile_fullgraph():
     x, w, b, r = make((2, 3, 40), torch.float32, residual=True)
 

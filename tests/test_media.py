@@ -161,6 +161,7 @@ def test_whisper_eval_catches_a_broken_conversion(models, two_utterances, tmp_pa
     assert "FAIL" in captured.out
 
 
+@pytest.mark.slow
 def test_whisper_geometry_on_audio(models, two_utterances, tmp_path, capsys):
     src, out = models["whisper"]
     code = main(["geometry", str(src), "--compare", str(out), "--audio", str(two_utterances),

@@ -73,7 +73,7 @@ def test_rotations_are_one_contraction_in_every_storage_layout():
 HADAMARD_ORDERS = [1, 2, 4, 12, 20, 24, 28, 36, 40, 44, 60, 64, 96, 128, 768, 1024, 1280, 1536, 1600, 2048]
 
 
-@pytest.mark.parametrize("d", HADAMARD_ORDERS)
+@pytest.mark.parametrize("d", [pytest.param(d, marks=pytest.mark.slow) if d >= 2048 else d for d in HADAMARD_ORDERS])
 def test_hadamard_is_orthogonal_for_each_supported_order(d):
     h = hadamard.hadamard_matrix(d).double()
     assert set(h.unique().tolist()) <= {-1.0, 1.0}
@@ -279,6 +279,7 @@ def _files(path: Path) -> dict[str, bytes]:
     return {file.name: file.read_bytes() for file in sorted(path.iterdir())}
 
 
+@pytest.mark.slow
 def test_same_seed_gives_byte_identical_checkpoints(tmp_path):
     src = make_source(tmp_path, "gpt_neox-parallel-untied")
     first, second, other = tmp_path / "a", tmp_path / "b", tmp_path / "c"

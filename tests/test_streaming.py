@@ -255,6 +255,7 @@ def test_peak_memory_does_not_grow_with_depth(tmp_path):
 # Layer-by-layer verification
 
 
+@pytest.mark.slow
 def test_layerwise_agrees_with_whole_model(tmp_path, monkeypatch, capsys):
     src = tiny_gpt2(tmp_path / "src", shard_size="40KB")
     out = tmp_path / "rms"
