@@ -26,15 +26,24 @@ BUNDLED_SPEECH = media._data_dir("speech")
 BUNDLED_IMAGES = media._data_dir("images")
 
 
+class _Converted(dict):
+    """family -> (source, converted) folders, each built and converted once, on first use."""
+
+    def __init__(self, root) -> None:
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, family: str) -> tuple:
+        build = {"whisper": tiny_whisper, "vit": tiny_vit, "clip": tiny_clip}[family]
+        src = build(self.root / family)
+        normswap.convert_checkpoint(src, self.root / f"{family}-rms", quiet=True)
+        self[family] = (src, self.root / f"{family}-rms")
+        return self[family]
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("media")
-    built = {}
-    for name, build in (("whisper", tiny_whisper), ("vit", tiny_vit), ("clip", tiny_clip)):
-        src = build(root / name)
-        normswap.convert_checkpoint(src, root / f"{name}-rms", quiet=True)
-        built[name] = (src, root / f"{name}-rms")
-    return built
+    return _Converted(tmp_path_factory.mktemp("media"))
 
 
 @pytest.fixture(scope="module")
