@@ -1,5 +1,8 @@
 """Suite-wide settings.
 
+``python3 -m pytest -q`` runs every test; ``-m "not slow"`` leaves out the long end-to-end runs
+(the ``slow`` marker, registered in pyproject.toml) for a quick loop.
+
 The test models are tiny: one torch thread runs them fastest, and avoids oversubscribing the
 2-core CI machine when torch's thread pool would otherwise spin on every small op.
 """
@@ -23,17 +26,3 @@ if not torch.cuda.is_available():
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-
-def pytest_addoption(parser):
-    parser.addoption("--run-slow", action="store_true", help="also run tests marked slow")
-
-
-def pytest_collection_modifyitems(config, items):
-    if config.getoption("--run-slow"):
-        return
-    import pytest
-
-    skip = pytest.mark.skip(reason="slow: run with --run-slow")
-    for item in items:
-        if "slow" in item.keywords:
-            item.add_marker(skip)

@@ -7,8 +7,12 @@ a large mean, and adds one "massive" residual dimension, as trained GPT-2 has.
 
 from __future__ import annotations
 
+import json
+import struct
+from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 import transformers
 from torch import nn
@@ -89,6 +93,31 @@ def assert_no_layer_norm(model: nn.Module) -> None:
     assert any(getattr(module, "is_normswap_rmsnorm", False) for module in model.modules())
 
 
+def quick_first(values: list) -> list:
+    """Parametrize values of one argument of which only the first is in the quick loop (-m "not
+    slow"): the others prove the same property on another input, so they are marked slow."""
+    return [values[0], *(pytest.param(value, marks=pytest.mark.slow) for value in values[1:])]
+
+
+def leftovers(parent: Path) -> list[str]:
+    """Temporary or partial outputs normswap might have left in ``parent``."""
+    return sorted(p.name for p in Path(parent).iterdir() if "normswap-tmp" in p.name or "normswap-old" in p.name)
+
+
+def safetensors_dtypes(path: Path) -> dict[str, str]:
+    """Each tensor's dtype as a safetensors file's own header records it (``F16``, ``F32``...)."""
+    with open(path, "rb") as file:
+        (length,) = struct.unpack("<Q", file.read(8))
+        header = json.loads(file.read(length))
+    return {name: entry["dtype"] for name, entry in header.items() if name != "__metadata__"}
+
+
+def converted_dir(src: Path, tmp: Path, dtype: torch.dtype, fold_gains: bool) -> Path:
+    """Where ``check_exact`` writes the conversion of ``src`` with ``dtype`` weights."""
+    name = str(dtype).removeprefix("torch.")
+    return tmp / f"{src.name}-{name}-{'fold' if fold_gains else 'plain'}"
+
+
 def check_exact(
     src: Path,
     tmp: Path,
@@ -100,21 +129,31 @@ def check_exact(
     loaders: tuple[str, ...] = ("stock", "remote"),
     fp32_tol: float = 1e-4,
     fp64_tol: float = 1e-9,
+    check_model: Callable[[Path, str, nn.Module], None] | None = None,
 ) -> dict:
-    """Convert ``src`` twice (float64 and float32 weights) and compare every loader with the
-    original run in float64. Returns the max |Δ| found per (dtype, loader)."""
+    """Convert ``src`` twice and compare every loader with the original run in float64.
+
+    float64 weights (built-in verification off) must match to ``fp64_tol``; float32 weights
+    (built-in verification on, and it must pass) to ``fp32_tol``, both relative to max(1, max
+    |reference|). The outputs are at ``converted_dir``. ``check_model(out, loader, model)`` runs on
+    every loaded model. Returns the max |Δ| found per (dtype, loader)."""
     reference = forward(load(src, "original", torch.float64, auto), inputs)
+    scale = max(1.0, float(reference.abs().max()))
     errors = {}
     for dtype, tolerance in ((torch.float64, fp64_tol), (torch.float32, fp32_tol)):
         name = str(dtype).removeprefix("torch.")
-        out = tmp / f"{src.name}-{name}-{'fold' if fold_gains else 'plain'}"
-        normswap.convert_checkpoint(src, out, fold_gains=fold_gains, dtype=dtype if dtype == torch.float64 else None)
+        out = converted_dir(src, tmp, dtype, fold_gains)
+        block = normswap.convert_checkpoint(src, out, fold_gains=fold_gains, dtype=dtype,
+                                            verification="auto" if dtype == torch.float32 else "none")
+        if dtype == torch.float32:
+            assert block["verification"]["passed"], block["verification"]
         for how in loaders:
             model = load(out, how, dtype, auto)
             if how != "stock":
                 assert_no_layer_norm(model)
+            if check_model is not None:
+                check_model(out, how, model)
             error = float((forward(model, inputs) - reference).abs().max())
             errors[(name, how)] = error
-            scale = max(1.0, float(reference.abs().max()))
             assert error <= tolerance * scale, f"{name} {how}: max |Δ| = {error:.3g} > {tolerance * scale:.3g}"
     return errors

@@ -171,15 +171,22 @@ class FakeHub:
                     return
                 self._error(404, "EntryNotFound", f"no route for {path}", head)
 
-            def _api(self, kind: str, repo_id: str, what: str | None, revision: str, sub: str, head: bool) -> None:
+            def _commit(self, kind: str, repo_id: str, revision: str, head: bool) -> tuple[str, dict] | None:
+                """The commit ``revision`` names and its files; None once a 404 has been sent."""
                 repo = self._repo(kind, repo_id, head)
                 if repo is None:
-                    return
+                    return None
                 sha = repo.resolve(revision)
                 if sha is None:
                     self._error(404, "RevisionNotFound", f"Invalid rev id: {revision}", head)
+                    return None
+                return sha, repo.commits[sha]
+
+            def _api(self, kind: str, repo_id: str, what: str | None, revision: str, sub: str, head: bool) -> None:
+                found = self._commit(kind, repo_id, revision, head)
+                if found is None:
                     return
-                files = repo.commits[sha]
+                sha, files = found
                 if what == "tree":
                     prefix = f"{sub}/" if sub else ""
                     entries, folders = [], set()
@@ -211,14 +218,11 @@ class FakeHub:
                 return entry
 
             def _resolve(self, kind: str, repo_id: str, revision: str, file: str, head: bool) -> None:
-                repo = self._repo(kind, repo_id, head)
-                if repo is None:
+                found = self._commit(kind, repo_id, revision, head)
+                if found is None:
                     return
-                sha = repo.resolve(revision)
-                if sha is None:
-                    self._error(404, "RevisionNotFound", f"Invalid rev id: {revision}", head)
-                    return
-                data = repo.commits[sha].get(file)
+                sha, files = found
+                data = files.get(file)
                 if data is None:
                     self._error(404, "EntryNotFound", f"{file} does not exist on {revision}", head)
                     return

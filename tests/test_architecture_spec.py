@@ -16,10 +16,16 @@ from normswap.architectures.spec import (
     LINEAR_IN_AXIS,
     LINEAR_OUT_AXIS,
     Norm,
+    Writer,
+    assemble,
     attention_readers,
+    conv1d_reader,
+    embeddings,
     linear_reader,
     linear_writers,
+    lm_head,
     pattern,
+    pre_ln_blocks,
     refuse_if,
 )
 from normswap.modeling import remote
@@ -61,6 +67,31 @@ def test_linear_helpers():
     q, k, v = attention_readers("l.{layer}.attn", key_bias=False)
     assert k.bias is None and k.constant_cancels and not q.constant_cancels and q.bias == "l.{layer}.attn.q_proj.bias"
     assert v.input_axis == LINEAR_IN_AXIS != CONV1D_IN_AXIS
+
+
+def test_block_helpers_name_readers_within_the_block():
+    blocks = pre_ln_blocks("t.h", writes="{attn|mlp}.c_proj", conv1d=True, ln_1=conv1d_reader("attn.c_attn"),
+                           ln_2=(linear_reader("mlp.a"), linear_reader("mlp.b", bias=False)))
+    assert blocks.writers == linear_writers("t.h.{layer}.{attn|mlp}.c_proj", conv1d=True)
+    assert blocks.norms == (
+        Norm("t.h.{layer}.ln_1", (conv1d_reader("t.h.{layer}.attn.c_attn"),)),
+        Norm("t.h.{layer}.ln_2", (linear_reader("t.h.{layer}.mlp.a"), linear_reader("t.h.{layer}.mlp.b", bias=False))),
+    )
+    head = lm_head("t.ln_f", tied_to="t.wte.weight")
+    assert head.norms == (Norm("t.ln_f", (linear_reader("lm_head", bias=False),)),)
+    assert head.tied == (("lm_head.weight", "t.wte.weight"),)
+    assert lm_head("t.ln_f", head="out", bias=True).tied == ()
+
+
+def test_assemble_joins_parts_in_order():
+    final = Norm("t.ln_f", output_is_model_output=True)
+    position = Writer("t.wpe.weight", hidden_axis=1)
+    blocks = pre_ln_blocks("t.h", writes="mlp.fc2", ln=linear_reader("mlp.fc1"))
+    architecture = assemble("toy", "AutoModel", embeddings("t.wte.weight"), position, blocks, final, blocks="t.h")
+    assert architecture.model_types == ("toy",) and architecture.auto_class == "AutoModel"
+    assert architecture.writers == (Writer("t.wte.weight", 1), position, *blocks.writers)
+    assert architecture.norms == (*blocks.norms, final)
+    assert architecture.tied == () and architecture.blocks == "t.h"
 
 
 def test_refuse_if():

@@ -76,7 +76,7 @@ def whisper_logits(model, inputs):
                  decoder_input_ids=inputs["decoder_input_ids"]).logits.double()
 
 
-@pytest.mark.parametrize("fold_gains", [False, True], ids=["plain", "fold"])
+@pytest.mark.parametrize("fold_gains", [pytest.param(False, marks=pytest.mark.slow), True], ids=["plain", "fold"])
 def test_whisper_is_exact(tmp_path, fold_gains):
     src = tiny(tmp_path, T.WhisperForConditionalGeneration, T.WhisperConfig(**WHISPER), "whisper")
     inputs = whisper_inputs()
@@ -132,7 +132,8 @@ def vit_outputs(model, inputs):
 
 @pytest.mark.parametrize(
     ("model_class", "auto", "fold_gains"),
-    [(T.ViTModel, "AutoModel", False), (T.ViTModel, "AutoModel", True),
+    [pytest.param(T.ViTModel, "AutoModel", False, marks=pytest.mark.slow),
+     pytest.param(T.ViTModel, "AutoModel", True, marks=pytest.mark.slow),
      (T.ViTForImageClassification, "AutoModelForImageClassification", True)],
     ids=["model-plain", "model-fold", "classifier-fold"],
 )
@@ -198,7 +199,8 @@ CLIP_CASES = {
 
 @pytest.mark.parametrize(
     ("case", "fold_gains"),
-    [("model", False), ("model", True), ("text", True), ("vision", True)],
+    [pytest.param("model", False, marks=pytest.mark.slow), ("model", True),
+     pytest.param("text", True, marks=pytest.mark.slow), pytest.param("vision", True, marks=pytest.mark.slow)],
     ids=["model-plain", "model-fold", "text-fold", "vision-fold"],
 )
 def test_clip_is_exact(tmp_path, case, fold_gains):
@@ -226,6 +228,7 @@ def test_clip_is_exact(tmp_path, case, fold_gains):
         assert (before - before.mean(-1, keepdim=True) - after).abs().max() < 1e-9
 
 
+@pytest.mark.slow
 def test_clip_vision_with_projection_builtin_verification(tmp_path):
     """The class in config.architectures is used (AutoModel would build CLIPVisionModel)."""
     src = tiny(tmp_path, T.CLIPVisionModelWithProjection, T.CLIPVisionConfig(**CLIP_VISION), "clip-vision-proj")
@@ -240,6 +243,7 @@ def test_clip_image_classification_refused():
         architecture_for(config)
 
 
+@pytest.mark.slow
 def test_clip_vision_legacy_layout(tmp_path):
     """Older CLIPVisionModel checkpoints carry a ``vision_model.`` prefix and position-id buffers;
     the plan renames keys as transformers does on load, and drops the buffers."""

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 
 import pytest
 import torch
-from helpers import make_hard, save
+from helpers import leftovers, make_hard, save
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from normswap.cli import main
@@ -34,10 +33,6 @@ def assert_one_line_error(code: int, err: str, *needles: str) -> None:
     assert "Traceback" not in err
     for needle in needles:
         assert needle in lines[0], lines[0]
-
-
-def leftovers(directory) -> list[str]:
-    return [name for name in os.listdir(directory) if "normswap-tmp" in name or "normswap-old" in name]
 
 
 def test_unsupported_architecture_lists_supported(tmp_path, capsys):
@@ -68,6 +63,7 @@ def test_already_converted(gpt2_dir, tmp_path, capsys):
     assert not (tmp_path / "again").exists()
 
 
+@pytest.mark.slow
 def test_out_not_empty_needs_overwrite(gpt2_dir, tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()

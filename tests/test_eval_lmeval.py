@@ -91,6 +91,7 @@ def test_eval_user_errors_are_one_line(capsys, model_src, small_text, argv, mess
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_local_tasks_run_on_the_model(capsys, tmp_path, model_src, small_text):
     out = tmp_path / "report"
     code, stdout, _err = run_cli(

@@ -70,8 +70,8 @@ def build(family: str, path):
     return path
 
 
-# One text family of each kind of adapter runs by default; every family with --run-slow.
-QUICK = {"gpt2", "bloom", "whisper", "vit", "clip"}
+# GPT-2 is in the quick loop (-m "not slow"); the other families are slow.
+QUICK = {"gpt2"}
 
 
 @pytest.mark.parametrize("family", [f if f in QUICK else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES])
@@ -86,7 +86,8 @@ def test_every_command(family, tmp_path, short_text, capsys):
         assert "Traceback" not in captured.err
         return captured.out
 
-    ok("convert", str(src), "--out", str(plain), "--quiet")
+    # the plain conversion feeds geometry's comparison; the folded one is verified, twice
+    ok("convert", str(src), "--out", str(plain), "--quiet", "--verify", "none")
     ok("convert", str(src), "--out", str(folded), "--fold-gains", "--quiet")
     assert "norm" in ok("inspect", str(src)).lower()
     ok("verify", str(src), str(folded))

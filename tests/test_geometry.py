@@ -270,6 +270,7 @@ def save_with_tokenizer(model: GPT2LMHeadModel, path) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>").save_pretrained(path)
 
 
+@pytest.mark.slow
 def test_command_compares_original_and_converted(tmp_path, capsys):
     save_with_tokenizer(tiny_gpt2(mean=0.7, dtype=torch.float32), tmp_path / "src")
     normswap.convert_checkpoint(tmp_path / "src", tmp_path / "rms")

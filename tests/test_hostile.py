@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import make_hard, save
+from helpers import make_hard, quick_first, save
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from normswap import output, temporaries
@@ -97,6 +97,16 @@ class Guard:
         after = [tree_hashes(path) if path.exists() else None for path in self.watched]
         for path, old, new in zip(self.watched, self.before, after, strict=True):
             assert old == new, f"{path} changed"
+
+
+def refused_leaving_unchanged(watched: list[Path], capsys, *args, needle: str = "") -> str:
+    """Run the CLI with ``args``: it must refuse in one line that names ``needle`` (exit 2) and
+    leave every ``watched`` folder as it found it. Returns the line."""
+    guard = Guard(*watched)
+    code, _, err = run_cli(capsys, *args)
+    line = assert_refused(code, err, needle)
+    guard.unchanged()
+    return line
 
 
 def copy_source(source: Path, tmp_path: Path, name: str = "src") -> Path:
@@ -314,10 +324,7 @@ def test_garbage_safetensors(source, tmp_path, capsys, case):
     content, needle = RAW_WEIGHT_CASES[case]
     src = copy_source(source, tmp_path)
     (src / "model.safetensors").write_bytes(content)
-    guard = Guard(src)
-    code, _, err = run_cli(capsys, "convert", src, "--out", tmp_path / "out")
-    assert_refused(code, err, needle)
-    guard.unchanged()
+    refused_leaving_unchanged([src], capsys, "convert", src, "--out", tmp_path / "out", needle=needle)
     assert not (tmp_path / "out").exists()
 
 
@@ -383,10 +390,7 @@ def test_bad_index(source, tmp_path, capsys, case):
     change, needle = INDEX_CASES[case]
     src = _sharded(source, tmp_path)
     change(src)
-    guard = Guard(src)
-    code, _, err = run_cli(capsys, "convert", src, "--out", tmp_path / "out")
-    assert_refused(code, err, needle)
-    guard.unchanged()
+    refused_leaving_unchanged([src], capsys, "convert", src, "--out", tmp_path / "out", needle=needle)
     assert not (tmp_path / "out").exists()
 
 
@@ -478,7 +482,7 @@ def test_missing_tensor(source, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("value", [math.nan, math.inf])
+@pytest.mark.parametrize("value", quick_first([math.nan, math.inf]))
 def test_non_finite_weights_name_the_tensor(source, tmp_path, capsys, value):
     from safetensors.torch import load_file, save_file
 
@@ -514,20 +518,15 @@ def test_mixed_float16_float32_converts(source, tmp_path, capsys):
 def test_out_parent_of_source_with_overwrite(source, tmp_path, capsys):
     parent = tmp_path / "models"
     src = copy_source(source, parent)
-    guard = Guard(parent)
-    code, _, err = run_cli(capsys, "convert", src, "--out", parent, "--overwrite")
-    assert_refused(code, err, "contains the input")
-    guard.unchanged()
+    refused_leaving_unchanged([parent], capsys, "convert", src, "--out", parent, "--overwrite",
+                              needle="contains the input")
 
 
 @pytest.mark.parametrize("where", ["source", "inside", "deep-inside"])
 def test_out_overlapping_source(source, tmp_path, capsys, where):
     src = copy_source(source, tmp_path)
     out = {"source": src, "inside": src / "out", "deep-inside": src / "a" / "b"}[where]
-    guard = Guard(src)
-    code, _, err = run_cli(capsys, "convert", src, "--out", out, "--overwrite")
-    assert_refused(code, err, "input")
-    guard.unchanged()
+    refused_leaving_unchanged([src], capsys, "convert", src, "--out", out, "--overwrite", needle="input")
 
 
 def test_out_is_current_folder(source, tmp_path, capsys, monkeypatch):
@@ -564,10 +563,8 @@ def test_marker_that_is_a_link_does_not_count(source, tmp_path, capsys, converte
     out.mkdir()
     (out / "data.txt").write_text("mine")
     (out / output.MARKER).symlink_to(converted / output.MARKER)
-    guard = Guard(out)
-    code, _, err = run_cli(capsys, "convert", source, "--out", out, "--overwrite")
-    assert_refused(code, err, "not written by normswap")
-    guard.unchanged()
+    refused_leaving_unchanged([out], capsys, "convert", source, "--out", out, "--overwrite",
+                              needle="not written by normswap")
 
 
 def test_out_is_a_file(source, tmp_path, capsys):
@@ -596,12 +593,11 @@ def test_symlinked_out_is_refused(source, tmp_path, capsys, converted, target):
         (real / "keep.txt").write_text("keep")
     link = tmp_path / "link"
     link.symlink_to(real)
-    guard = Guard(tmp_path)
-    code, _, err = run_cli(capsys, "convert", source, "--out", link, "--overwrite")
-    assert_refused(code, err, "symbolic link")
-    guard.unchanged()
+    refused_leaving_unchanged([tmp_path], capsys, "convert", source, "--out", link, "--overwrite",
+                              needle="symbolic link")
 
 
+@pytest.mark.slow
 def test_overwrite_replaces_only_normswap_folders(source, tmp_path, capsys):
     out = tmp_path / "out"
     assert main(["convert", str(source), "--out", str(out), "--quiet"]) == 0
@@ -621,7 +617,7 @@ def test_created_parents_are_removed_on_failure(source, tmp_path, capsys):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("umask", [0o022, 0o002, 0o077])
+@pytest.mark.parametrize("umask", quick_first([0o022, 0o002, 0o077]))
 def test_output_follows_the_umask(source, tmp_path, umask):
     old = os.umask(umask)
     try:
@@ -663,7 +659,7 @@ OS_ERROR_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(OS_ERROR_CASES))
+@pytest.mark.parametrize("case", quick_first(list(OS_ERROR_CASES)))
 def test_os_errors_while_writing(source, tmp_path, capsys, monkeypatch, case):
     method, code_, file_name, needle = OS_ERROR_CASES[case]
     real = getattr(Path, method)
@@ -687,7 +683,7 @@ def test_os_errors_creating_out(source, tmp_path, capsys, monkeypatch, code_):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("code_", [errno.EBUSY, errno.EXDEV, errno.EACCES])
+@pytest.mark.parametrize("code_", quick_first([errno.EBUSY, errno.EXDEV, errno.EACCES]))
 def test_os_errors_at_install(source, tmp_path, capsys, monkeypatch, code_):
     _fail_on(monkeypatch, os, "rename", code_)
     code, _, err = run_cli(capsys, "convert", source, "--out", tmp_path / "out", "--quiet")
@@ -723,7 +719,7 @@ def test_second_claimant_is_refused(source, tmp_path, capsys):
     assert sorted(path.name for path in tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("how", ["file-added", "folder-replaced", "folder-removed"])
+@pytest.mark.parametrize("how", quick_first(["file-added", "folder-replaced", "folder-removed"]))
 def test_something_appears_at_out_during_conversion(source, tmp_path, capsys, monkeypatch, how):
     from normswap.convert import pipeline
 
@@ -773,6 +769,7 @@ def test_stale_temporary_folder_is_removed(source, tmp_path, capsys):
     assert not stale.exists() and live.exists() and other.exists()
 
 
+@pytest.mark.slow
 def test_concurrent_conversions_one_wins(source, tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -788,6 +785,7 @@ def test_concurrent_conversions_one_wins(source, tmp_path):
     assert (out / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_killed_conversion_is_cleaned_by_the_next(source, tmp_path):
     """SIGKILL leaves the temporary folder (and a claimed, empty --out); the next run cleans up."""
     out = tmp_path / "out"
@@ -811,6 +809,7 @@ def test_killed_conversion_is_cleaned_by_the_next(source, tmp_path):
     assert sorted(path.name for path in tmp_path.iterdir()) == ["out"]
 
 
+@pytest.mark.slow
 def test_sigterm_leaves_nothing(source, tmp_path):
     out = tmp_path / "deep" / "out"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -904,10 +903,7 @@ def test_verify_malformed_block(source, converted, tmp_path, capsys, case):
     change, needle = BLOCK_CASES[case]
     conv = _converted_copy(converted, tmp_path)
     edit_config(conv, lambda config: config.update(normswap=change(config["normswap"])) and None)
-    guard = Guard(conv)
-    code, _, err = run_cli(capsys, "verify", source, conv, "--quiet")
-    assert_refused(code, err, needle)
-    guard.unchanged()
+    refused_leaving_unchanged([conv], capsys, "verify", source, conv, "--quiet", needle=needle)
 
 
 @pytest.mark.parametrize("role", ["original", "converted"])
@@ -916,10 +912,7 @@ def test_verify_bad_config(source, converted, tmp_path, capsys, role, case):
     change, needle = CONFIG_CASES[case]
     src, conv = copy_source(source, tmp_path), _converted_copy(converted, tmp_path)
     edit_config(src if role == "original" else conv, change)
-    guard = Guard(tmp_path)
-    code, _, err = run_cli(capsys, "verify", src, conv, "--quiet")
-    assert_refused(code, err, needle)
-    guard.unchanged()
+    refused_leaving_unchanged([tmp_path], capsys, "verify", src, conv, "--quiet", needle=needle)
 
 
 def test_verify_without_modeling_file(source, converted, tmp_path, capsys):
@@ -970,10 +963,8 @@ def test_eval_and_geometry_bad_config(source, tmp_path, capsys, command, case):
     change, needle = CONFIG_CASES[case]
     src = copy_source(source, tmp_path)
     edit_config(src, change)
-    guard = Guard(tmp_path)
-    code, _, err = run_cli(capsys, command, src, "--no-progress" if command == "eval" else "--random-tokens")
-    assert_refused(code, err, needle)
-    guard.unchanged()
+    refused_leaving_unchanged([tmp_path], capsys, command, src, "--no-progress" if command == "eval" else "--random-tokens",
+                              needle=needle)
 
 
 def test_inspect_refusal_is_stderr_exit_2(tmp_path, capsys):
@@ -1015,20 +1006,16 @@ def test_run_out_parent_of_source(source, tmp_path, capsys):
     parent = tmp_path / "models"
     src = copy_source(source, parent)
     recipe = _recipe(tmp_path, src)
-    guard = Guard(tmp_path)
-    code, _, err = run_cli(capsys, "run", recipe, "--out", parent, "--overwrite")
-    assert_refused(code, err, "contains the input")
-    guard.unchanged()
+    refused_leaving_unchanged([tmp_path], capsys, "run", recipe, "--out", parent, "--overwrite",
+                              needle="contains the input")
 
 
 def test_run_out_containing_the_recipe(source, tmp_path, capsys):
     folder = tmp_path / "recipes"
     folder.mkdir()
     recipe = _recipe(folder, source)
-    guard = Guard(tmp_path)
-    code, _, err = run_cli(capsys, "run", recipe, "--out", folder, "--overwrite")
-    assert_refused(code, err, "input")
-    guard.unchanged()
+    refused_leaving_unchanged([tmp_path], capsys, "run", recipe, "--out", folder, "--overwrite",
+                              needle="input")
 
 
 def test_run_user_folder_never_replaced(source, tmp_path, capsys):
@@ -1036,10 +1023,8 @@ def test_run_user_folder_never_replaced(source, tmp_path, capsys):
     out = tmp_path / "mine"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
-    guard = Guard(tmp_path)
-    code, _, err = run_cli(capsys, "run", recipe, "--out", out, "--overwrite")
-    assert_refused(code, err, "not written by normswap")
-    guard.unchanged()
+    refused_leaving_unchanged([tmp_path], capsys, "run", recipe, "--out", out, "--overwrite",
+                              needle="not written by normswap")
 
 
 def test_failed_run_leaves_nothing(source, tmp_path, capsys):

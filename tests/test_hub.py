@@ -27,6 +27,9 @@ from transformers import GPT2Config, GPT2Model
 from normswap.convert.source import example_model_path
 from normswap.evaluation.recipe import RECIPES_DIR, load_recipe
 
+# every test starts the CLI in a fresh interpreter (torch and transformers imported each time)
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 NOT_NEEDED = ("tf_model.h5", "flax_model.msgpack", "rust_model.ot", "onnx/decoder_model.onnx", "onnx/config.json",
               "64-8bits.tflite", "pytorch_model.bin")
@@ -111,17 +114,19 @@ def test_convert_gpt2_downloads_only_what_it_needs_then_uses_the_cache(hub, tmp_
     assert [s.name for s in snapshots] == [hub.repos[("model", "gpt2")].refs["main"]]
 
     hub.log.clear()
-    again = normswap_cli("convert", "gpt2", "--out", "gpt2-rms-2", hub=hub, home=home, cwd=tmp_path)
+    # the repeats prove where the files come from; the first run has verified the conversion
+    again = normswap_cli("convert", "gpt2", "--out", "gpt2-rms-2", "--verify", "none", hub=hub, home=home, cwd=tmp_path)
     assert again.returncode == 0, again.stderr
     assert hub.downloads("gpt2") == []  # every file came from the cache
 
-    offline = normswap_cli("convert", "gpt2", "--out", "gpt2-rms-3", hub=None, home=home, cwd=tmp_path, offline=True)
+    offline = normswap_cli("convert", "gpt2", "--out", "gpt2-rms-3", "--verify", "none", hub=None, home=home,
+                           cwd=tmp_path, offline=True)
     assert offline.returncode == 0, offline.stderr  # offline mode reads the cache
 
 
 def test_revision_pins_a_commit(hub, tmp_path):
-    result = normswap_cli("convert", "gpt2", "--revision", hub.first_commit, "--out", "pinned", hub=hub,
-                          home=tmp_path / "hf", cwd=tmp_path)
+    result = normswap_cli("convert", "gpt2", "--revision", hub.first_commit, "--out", "pinned", "--verify", "none",
+                          hub=hub, home=tmp_path / "hf", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     snapshots = [p.name for p in (tmp_path / "hf" / "hub" / "models--gpt2" / "snapshots").iterdir()]
     assert snapshots == [hub.first_commit]
@@ -184,8 +189,7 @@ def test_gpt2_recipe_runs_literally_against_the_local_hub(hub, tmp_path):
 HUB_RECIPES = sorted(p for p in RECIPES_DIR.glob("*.yaml") if not load_recipe(p).source.startswith("normswap:"))
 
 
-# gpt2.yaml runs literally above; these run with --run-slow
-@pytest.mark.slow
+# gpt2.yaml runs literally above
 @pytest.mark.parametrize("recipe_path", HUB_RECIPES, ids=[p.stem for p in HUB_RECIPES])
 def test_hub_recipes_convert_and_evaluate_through_the_local_hub(recipe_path, tmp_path):
     """Each hub recipe's source, conversion and verification settings, run against a tiny model of

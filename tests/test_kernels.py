@@ -223,6 +223,7 @@ def test_backward_of_sliced_input():
         torch.testing.assert_close(g.double(), ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_custom_op_registration():
     x, w, b, r = make((2, 3, 40), torch.float32, residual=True)
     w.requires_grad_()
@@ -230,6 +231,7 @@ def test_custom_op_registration():
     torch.library.opcheck(torch.ops.normswap.rms_norm_fwd, (x, None, None, None, 1e-5))
 
 
+@pytest.mark.slow
 def test_torch_compile_fullgraph():
     x, w, b, r = make((2, 3, 40), torch.float32, residual=True)
 

@@ -26,15 +26,24 @@ BUNDLED_SPEECH = media._data_dir("speech")
 BUNDLED_IMAGES = media._data_dir("images")
 
 
+class _Converted(dict):
+    """family -> (source, converted) folders, each built and converted once, on first use."""
+
+    def __init__(self, root) -> None:
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, family: str) -> tuple:
+        build = {"whisper": tiny_whisper, "vit": tiny_vit, "clip": tiny_clip}[family]
+        src = build(self.root / family)
+        normswap.convert_checkpoint(src, self.root / f"{family}-rms", quiet=True)
+        self[family] = (src, self.root / f"{family}-rms")
+        return self[family]
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("media")
-    built = {}
-    for name, build in (("whisper", tiny_whisper), ("vit", tiny_vit), ("clip", tiny_clip)):
-        src = build(root / name)
-        normswap.convert_checkpoint(src, root / f"{name}-rms", quiet=True)
-        built[name] = (src, root / f"{name}-rms")
-    return built
+    return _Converted(tmp_path_factory.mktemp("media"))
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +140,7 @@ def _report(tmp_path):
     return json.loads((tmp_path / "report.json").read_text())
 
 
+@pytest.mark.slow
 def test_whisper_eval_side_by_side(models, two_utterances, tmp_path, capsys):
     src, out = models["whisper"]
     code = main(["eval", str(out), "--baseline", str(src), "--audio", str(two_utterances),
@@ -147,6 +157,7 @@ def test_whisper_eval_side_by_side(models, two_utterances, tmp_path, capsys):
     assert "speech/identical_decodes" in printed and "## Samples" in printed
 
 
+@pytest.mark.slow
 def test_whisper_eval_catches_a_broken_conversion(models, two_utterances, tmp_path, capsys):
     """A naive swap (no centring) must fail the speech comparison."""
     src, _ = models["whisper"]
@@ -159,6 +170,7 @@ def test_whisper_eval_catches_a_broken_conversion(models, two_utterances, tmp_pa
     assert "FAIL" in captured.out
 
 
+@pytest.mark.slow
 def test_whisper_geometry_on_audio(models, two_utterances, tmp_path, capsys):
     src, out = models["whisper"]
     code = main(["geometry", str(src), "--compare", str(out), "--audio", str(two_utterances),
@@ -175,14 +187,20 @@ def test_whisper_geometry_on_audio(models, two_utterances, tmp_path, capsys):
     assert converted["overall"]["mean_at_noise"]
 
 
-def test_vit_eval_and_geometry(models, tmp_path, capsys):
-    src, out = models["vit"]
+def _image_eval(models, family: str, tmp_path, capsys) -> tuple:
+    """``eval`` of the converted image model against its original on the bundled images: the
+    original's path, the report, and the report's agreement rows by key."""
+    src, out = models[family]
     code = main(["eval", str(out), "--baseline", str(src), "--images", "bundled", "--device", "cpu",
-                              "--out", str(tmp_path)])
+                 "--out", str(tmp_path)])
     capsys.readouterr()
     assert code == 0
     report = _report(tmp_path)
-    agreement = {row["key"]: row["value"] for row in report["agreement"]}
+    return src, report, {row["key"]: row["value"] for row in report["agreement"]}
+
+
+def test_vit_eval_and_geometry(models, tmp_path, capsys):
+    src, report, agreement = _image_eval(models, "vit", tmp_path, capsys)
     assert agreement["vit/top1_agreement"] == 1.0 and agreement["vit/max_abs_delta_logit"] < 1e-4
     assert "vit/accuracy" in report["models"]["original"]["metrics"]
     code = main(["geometry", str(src), "--images", str(BUNDLED_IMAGES)])
@@ -190,13 +208,7 @@ def test_vit_eval_and_geometry(models, tmp_path, capsys):
 
 
 def test_clip_eval_and_geometry(models, tmp_path, capsys):
-    src, out = models["clip"]
-    code = main(["eval", str(out), "--baseline", str(src), "--images", "bundled", "--device", "cpu",
-                              "--out", str(tmp_path)])
-    capsys.readouterr()
-    assert code == 0
-    report = _report(tmp_path)
-    agreement = {row["key"]: row["value"] for row in report["agreement"]}
+    src, report, agreement = _image_eval(models, "clip", tmp_path, capsys)
     assert agreement["clip/similarity_agreement"] == 1.0
     assert agreement["clip/min_cosine_image_embedding"] > 0.9999
     assert agreement["clip/min_cosine_text_embedding"] > 0.9999

@@ -66,6 +66,7 @@ def test_shipped_recipes_are_valid():
     assert anchors["lambada_openai/acc"] == 0.3256 and anchors["winogrande/acc"] == 0.5162
 
 
+@pytest.mark.slow
 def test_offline_recipe_end_to_end(capsys, tmp_path, offline_recipe):
     out = tmp_path / "run"
     code, stdout, err = run_cli(capsys, "run", str(offline_recipe), "--out", str(out), "--limit", "3",
@@ -87,6 +88,7 @@ def test_offline_recipe_end_to_end(capsys, tmp_path, offline_recipe):
     assert code == 2 and "--overwrite" in err
 
 
+@pytest.mark.slow
 def test_eval_fails_when_models_differ(capsys, tmp_path):
     if not SHARED_TOKENIZER.is_dir():
         pytest.skip("../shared/data/gpt2-tokenizer is not available")

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from helpers import assert_no_layer_norm, causal_logits, load, make_hard, save, token_ids
-from test_architectures_causal import CASES, FP64_TOL, VOCAB, _family
+from helpers import assert_no_layer_norm, causal_logits, leftovers, load, make_hard, save, token_ids
+from test_architectures_causal import CASES, FP64_TOL, QUICK, VOCAB, _family
 from test_architectures_encoders import CLIP_TEXT, CLIP_VISION, WHISPER
-from test_bad_input import assert_one_line_error, leftovers, run_cli
+from test_bad_input import assert_one_line_error, run_cli
 
 import normswap
 from normswap import hadamard
@@ -73,7 +73,7 @@ def test_rotations_are_one_contraction_in_every_storage_layout():
 HADAMARD_ORDERS = [1, 2, 4, 12, 20, 24, 28, 36, 40, 44, 60, 64, 96, 128, 768, 1024, 1280, 1536, 1600, 2048]
 
 
-@pytest.mark.parametrize("d", HADAMARD_ORDERS)
+@pytest.mark.parametrize("d", [pytest.param(d, marks=pytest.mark.slow) if d >= 2048 else d for d in HADAMARD_ORDERS])
 def test_hadamard_is_orthogonal_for_each_supported_order(d):
     h = hadamard.hadamard_matrix(d).double()
     assert set(h.unique().tolist()) <= {-1.0, 1.0}
@@ -160,10 +160,11 @@ def _first_of_each_family() -> list[str]:
 
 
 def _method_params():
-    first = set(_first_of_each_family())
+    # the quick loop (-m "not slow") rotates the causal tests' quick cases with Hadamard and BLOOM
+    # with the other methods; the rest is slow
     for case in CASES:
-        yield pytest.param(case, "hadamard", id=f"{case}-hadamard")
-        marks = () if case in first else (pytest.mark.slow,)
+        yield pytest.param(case, "hadamard", id=f"{case}-hadamard", marks=() if case in QUICK else pytest.mark.slow)
+        marks = () if case == "bloom-baked" else pytest.mark.slow
         yield pytest.param(case, "orthogonal", id=f"{case}-orthogonal", marks=marks)
         yield pytest.param(case, "pca", id=f"{case}-pca", marks=marks)
 
@@ -222,6 +223,7 @@ def test_hadamard_of_a_paley_order_is_exact(tmp_path):
     assert error <= 1e-9 * max(1.0, float(reference.abs().max()))
 
 
+@pytest.mark.slow
 def test_bundled_model_from_original_and_from_folded_conversion(tmp_path):
     """An original and its --fold-gains conversion rotate to the same weights; both verified,
     the second layer by layer (the stream compared block by block with C·h·Q)."""
@@ -277,6 +279,7 @@ def _files(path: Path) -> dict[str, bytes]:
     return {file.name: file.read_bytes() for file in sorted(path.iterdir())}
 
 
+@pytest.mark.slow
 def test_same_seed_gives_byte_identical_checkpoints(tmp_path):
     src = make_source(tmp_path, "gpt_neox-parallel-untied")
     first, second, other = tmp_path / "a", tmp_path / "b", tmp_path / "c"

@@ -71,12 +71,14 @@ def test_bad_flag_fails_before_heavy_imports(args):
     assert not _imported(result.stderr) & set(HEAVY)
 
 
+@pytest.mark.slow
 def test_transformers_imported_after_normswap_knows_the_normswap_model_types():
     result = _run(code="import normswap, transformers; print('normswap_bloom' in transformers.CONFIG_MAPPING)")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "True"
 
 
+@pytest.mark.slow
 def test_normswap_imported_after_transformers_registers_at_once():
     result = _run(code="import transformers, normswap; print('normswap_bloom' in transformers.CONFIG_MAPPING)")
     assert result.returncode == 0, result.stderr
@@ -143,6 +145,7 @@ def test_recipe_with_a_bad_source_fails_before_heavy_imports(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_public_api_use_registers_the_normswap_model_types():
     result = _run(code="from normswap import convert_checkpoint; import transformers; "
                        "print('normswap_bloom' in transformers.CONFIG_MAPPING)")

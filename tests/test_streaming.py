@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import causal_logits, load, make_hard, save, token_ids
+from helpers import causal_logits, leftovers, load, make_hard, save, token_ids
 from safetensors.torch import load_file, save_file
 from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -40,11 +40,6 @@ def tiny_gpt2(path: Path, *, n_layer: int = 3, n_embd: int = 32, shard_size: str
         return save(model, path)
     model.save_pretrained(path, max_shard_size=shard_size)
     return path
-
-
-def leftovers(parent: Path) -> list[str]:
-    """Temporary or partial outputs normswap might have left in ``parent``."""
-    return sorted(p.name for p in parent.iterdir() if "normswap-tmp" in p.name or "normswap-old" in p.name)
 
 
 def tree_hash(path: Path) -> dict[str, str]:
@@ -81,6 +76,7 @@ def test_sharded_safetensors_in_and_out(tmp_path):
     assert max_logit_diff(src, out) < 1e-4
 
 
+@pytest.mark.slow
 def test_sharded_bin_input(tmp_path):
     """pytorch_model-0000k-of-0000N.bin with an index: mapped shard by shard, written as safetensors."""
     src = tiny_gpt2(tmp_path / "src")
@@ -186,6 +182,7 @@ _INTERRUPTED = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_kill_signal_leaves_nothing(tmp_path, signum):
     src = tiny_gpt2(tmp_path / "src", n_layer=6)
@@ -206,6 +203,7 @@ def test_kill_signal_leaves_nothing(tmp_path, signum):
 # Determinism and memory
 
 
+@pytest.mark.slow
 def test_same_input_gives_byte_identical_output(tmp_path):
     src = tiny_gpt2(tmp_path / "src", shard_size="40KB")
     hashes = []
@@ -230,6 +228,7 @@ def _peak_rss_growth(function) -> int:
     return status("VmHWM") - before
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc peak-RSS reset")
 def test_peak_memory_does_not_grow_with_depth(tmp_path):
     """A 24-layer checkpoint converts, and verifies layer by layer, within about the memory of a
@@ -256,6 +255,7 @@ def test_peak_memory_does_not_grow_with_depth(tmp_path):
 # Layer-by-layer verification
 
 
+@pytest.mark.slow
 def test_layerwise_agrees_with_whole_model(tmp_path, monkeypatch, capsys):
     src = tiny_gpt2(tmp_path / "src", shard_size="40KB")
     out = tmp_path / "rms"

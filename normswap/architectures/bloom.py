@@ -14,31 +14,22 @@ are writers) and is refused.
 """
 
 from normswap.architectures.spec import (
-    Architecture,
     EmbeddingNormBake,
-    Norm,
-    Writer,
+    assemble,
+    embeddings,
     linear_reader,
-    linear_writers,
+    lm_head,
+    pre_ln_blocks,
     refuse_if,
 )
 
-H = "transformer.h.{layer}"
-
-
-BLOOM = Architecture(
-    model_types=("bloom",),
-    auto_class="AutoModelForCausalLM",
-    writers=(
-        Writer("transformer.word_embeddings.weight", hidden_axis=1),
-        *linear_writers(H + ".{self_attention.dense|mlp.dense_4h_to_h}"),
-    ),
-    norms=(
-        Norm(H + ".input_layernorm", (linear_reader(H + ".self_attention.query_key_value"),)),
-        Norm(H + ".post_attention_layernorm", (linear_reader(H + ".mlp.dense_h_to_4h"),)),
-        Norm("transformer.ln_f", (linear_reader("lm_head", bias=False),)),
-    ),
-    tied=(("lm_head.weight", "transformer.word_embeddings.weight"),),
+BLOOM = assemble(
+    "bloom", "AutoModelForCausalLM",
+    embeddings("transformer.word_embeddings.weight"),
+    pre_ln_blocks("transformer.h", writes="{self_attention.dense|mlp.dense_4h_to_h}",
+                  input_layernorm=linear_reader("self_attention.query_key_value"),
+                  post_attention_layernorm=linear_reader("mlp.dense_h_to_4h")),
+    lm_head("transformer.ln_f", tied_to="transformer.word_embeddings.weight"),
     bake=(EmbeddingNormBake("transformer.word_embeddings.weight", "transformer.word_embeddings_layernorm"),),
     refuse=refuse_if(apply_residual_connection_post_layernorm=(
         "apply_residual_connection_post_layernorm makes each norm's output the residual, so the norms "

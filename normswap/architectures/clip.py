@@ -28,17 +28,17 @@ vision ``last_hidden_state`` is exact only up to its per-token mean.
 
 from normswap.architectures.spec import (
     CENTRE_OUTPUT,
-    Architecture,
     Norm,
     Writer,
+    assemble,
     attention_readers,
+    embeddings,
     linear_reader,
-    linear_writers,
     pattern,
+    pre_ln_blocks,
 )
 
 P = "{tower=text_model.|vision_model.|}"  # CLIPModel nests each tower under its prefix
-L = P + "encoder.layers.{layer}"
 UNSUPPORTED_CLASSES = {
     "CLIPForImageClassification": "its classifier reads the vision tower's raw residual stream, whose "
     "per-token mean an RMSNorm conversion must remove",
@@ -58,23 +58,17 @@ def _structure(config: dict) -> dict[str, list[str]]:
     return {CENTRE_OUTPUT: [pattern("{vision_model.|}pre_layrnorm")]}
 
 
-CLIP = Architecture(
-    model_types=("clip", "clip_text_model", "clip_vision_model"),
-    auto_class="AutoModel",
-    writers=(
-        Writer(P + "embeddings.{token_embedding|position_embedding}.weight", hidden_axis=1),
-        Writer(P + "embeddings.class_embedding", hidden_axis=0),
-        Writer(P + "embeddings.patch_embedding.{weight|bias}", hidden_axis=0),
-        *linear_writers(L + ".{self_attn.out_proj|mlp.fc2}"),
-    ),
-    norms=(
-        Norm(L + ".layer_norm1", attention_readers(L + ".self_attn")),
-        Norm(L + ".layer_norm2", (linear_reader(L + ".mlp.fc1"),)),
-        Norm(P + "final_layer_norm", output_is_model_output=True),
-        # its output is the residual stream: no reader to fold into; centred in the RMSNorm class
-        Norm(P + "pre_layrnorm"),
-        Norm(P + "post_layernorm", output_is_model_output=True),
-    ),
+CLIP = assemble(
+    ("clip", "clip_text_model", "clip_vision_model"), "AutoModel",
+    embeddings(P + "embeddings.{token_embedding|position_embedding}.weight"),
+    Writer(P + "embeddings.class_embedding", hidden_axis=0),
+    Writer(P + "embeddings.patch_embedding.{weight|bias}", hidden_axis=0),
+    pre_ln_blocks(P + "encoder.layers", writes="{self_attn.out_proj|mlp.fc2}",
+                  layer_norm1=attention_readers("self_attn"), layer_norm2=linear_reader("mlp.fc1")),
+    Norm(P + "final_layer_norm", output_is_model_output=True),
+    # its output is the residual stream: no reader to fold into; centred in the RMSNorm class
+    Norm(P + "pre_layrnorm"),
+    Norm(P + "post_layernorm", output_is_model_output=True),
     # older checkpoints store the position-id buffers, which current classes rebuild
     ignore=(pattern(P + "embeddings.position_ids"),),
     refuse=_refuse,

@@ -6,24 +6,14 @@ Writers: token and position tables, ``attn.c_proj`` and ``mlp.c_proj`` (weights 
 biases); cross-attention (when configured) reads the stream through ``q_attn`` only.
 """
 
-from normswap.architectures.spec import Architecture, Norm, Writer, linear_reader, linear_writers, pattern
+from normswap.architectures.spec import assemble, embeddings, linear_reader, lm_head, pattern, pre_ln_blocks
 
-H = "transformer.h.{layer}"
-
-GPT_BIGCODE = Architecture(
-    model_types=("gpt_bigcode",),
-    auto_class="AutoModelForCausalLM",
-    writers=(
-        Writer("transformer.{wte|wpe}.weight", hidden_axis=1),
-        *linear_writers(H + ".{attn|crossattention|mlp}.c_proj"),
-    ),
-    norms=(
-        Norm(H + ".ln_1", (linear_reader(H + ".attn.c_attn"),)),
-        Norm(H + ".ln_cross_attn", (linear_reader(H + ".crossattention.q_attn"),)),
-        Norm(H + ".ln_2", (linear_reader(H + ".mlp.c_fc"),)),
-        Norm("transformer.ln_f", (linear_reader("lm_head", bias=False),)),
-    ),
-    tied=(("lm_head.weight", "transformer.wte.weight"),),
+GPT_BIGCODE = assemble(
+    "gpt_bigcode", "AutoModelForCausalLM",
+    embeddings("transformer.{wte|wpe}.weight"),
+    pre_ln_blocks("transformer.h", writes="{attn|crossattention|mlp}.c_proj", ln_1=linear_reader("attn.c_attn"),
+                  ln_cross_attn=linear_reader("crossattention.q_attn"), ln_2=linear_reader("mlp.c_fc")),
+    lm_head("transformer.ln_f", tied_to="transformer.wte.weight"),
     blocks="transformer.h",
-    ignore=(pattern("transformer.bias"), pattern(H + ".attn.{bias|masked_bias}")),
+    ignore=(pattern("transformer.bias"), pattern("transformer.h.{layer}.attn.{bias|masked_bias}")),
 )

@@ -6,24 +6,18 @@ folds into them and β stays in the norm as β/γ (the plan's policy when a read
 slot). The local attention window changes which positions are mixed, not what is written.
 """
 
-from normswap.architectures.spec import Architecture, Norm, Writer, linear_reader, linear_writers, pattern
+from normswap.architectures.spec import assemble, embeddings, linear_reader, lm_head, pattern, pre_ln_blocks
 
-H = "transformer.h.{layer}"
-
-GPT_NEO = Architecture(
-    model_types=("gpt_neo",),
-    auto_class="AutoModelForCausalLM",
-    writers=(
-        Writer("transformer.{wte|wpe}.weight", hidden_axis=1),
-        *linear_writers(H + ".{attn.attention.out_proj|mlp.c_proj}"),
+GPT_NEO = assemble(
+    "gpt_neo", "AutoModelForCausalLM",
+    embeddings("transformer.{wte|wpe}.weight"),
+    pre_ln_blocks(
+        "transformer.h", writes="{attn.attention.out_proj|mlp.c_proj}",
+        ln_1=tuple(linear_reader(f"attn.attention.{p}_proj", bias=False) for p in "qkv"),
+        ln_2=linear_reader("mlp.c_fc"),
     ),
-    norms=(
-        Norm(H + ".ln_1", tuple(linear_reader(f"{H}.attn.attention.{p}_proj", bias=False) for p in "qkv")),
-        Norm(H + ".ln_2", (linear_reader(H + ".mlp.c_fc"),)),
-        Norm("transformer.ln_f", (linear_reader("lm_head", bias=False),)),
-    ),
-    tied=(("lm_head.weight", "transformer.wte.weight"),),
+    lm_head("transformer.ln_f", tied_to="transformer.wte.weight"),
     blocks="transformer.h",
     # causal-mask buffers that old checkpoints carry; the current class rebuilds them
-    ignore=(pattern(H + ".attn.attention.{bias|masked_bias}"),),
+    ignore=(pattern("transformer.h.{layer}.attn.attention.{bias|masked_bias}"),),
 )

@@ -8,23 +8,17 @@ head ``embed_out``; transformers renames it to ``lm_head`` on load and the plan 
 With ``attention_bias=False`` the input norm keeps β/γ (``query_key_value`` has no bias slot).
 """
 
-from normswap.architectures.spec import Architecture, Norm, Writer, linear_reader, linear_writers, pattern
+from normswap.architectures.spec import assemble, embeddings, linear_reader, lm_head, pattern, pre_ln_blocks
 
-H = "gpt_neox.layers.{layer}"
-
-GPT_NEOX = Architecture(
-    model_types=("gpt_neox",),
-    auto_class="AutoModelForCausalLM",
-    writers=(
-        Writer("gpt_neox.embed_in.weight", hidden_axis=1),
-        *linear_writers(H + ".{attention.dense|mlp.dense_4h_to_h}"),
+GPT_NEOX = assemble(
+    "gpt_neox", "AutoModelForCausalLM",
+    embeddings("gpt_neox.embed_in.weight"),
+    pre_ln_blocks(
+        "gpt_neox.layers", writes="{attention.dense|mlp.dense_4h_to_h}",
+        input_layernorm=linear_reader("attention.query_key_value"),
+        post_attention_layernorm=linear_reader("mlp.dense_h_to_4h"),
     ),
-    norms=(
-        Norm(H + ".input_layernorm", (linear_reader(H + ".attention.query_key_value"),)),
-        Norm(H + ".post_attention_layernorm", (linear_reader(H + ".mlp.dense_h_to_4h"),)),
-        Norm("gpt_neox.final_layer_norm", (linear_reader("lm_head", bias=False),)),
-    ),
-    tied=(("lm_head.weight", "gpt_neox.embed_in.weight"),),
+    lm_head("gpt_neox.final_layer_norm", tied_to="gpt_neox.embed_in.weight"),
     blocks="gpt_neox.layers",
-    ignore=(pattern(H + ".attention.{bias|masked_bias|rotary_emb.inv_freq}"),),
+    ignore=(pattern("gpt_neox.layers.{layer}.attention.{bias|masked_bias|rotary_emb.inv_freq}"),),
 )

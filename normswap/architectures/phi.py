@@ -10,25 +10,15 @@ vectors, which are not residual-stream writes; those norms cannot become RMSNorm
 the stream, so such checkpoints are refused.
 """
 
-from normswap.architectures.spec import Architecture, Norm, Writer, linear_reader, linear_writers, refuse_if
+from normswap.architectures.spec import assemble, embeddings, linear_reader, lm_head, pre_ln_blocks, refuse_if
 
-H = "model.layers.{layer}"
-
-
-PHI = Architecture(
-    model_types=("phi",),
-    auto_class="AutoModelForCausalLM",
-    writers=(
-        Writer("model.embed_tokens.weight", hidden_axis=1),
-        *linear_writers(H + ".{self_attn.dense|mlp.fc2}"),
-    ),
-    norms=(
-        Norm(H + ".input_layernorm", (
-            *(linear_reader(f"{H}.self_attn.{p}_proj") for p in "qkv"), linear_reader(H + ".mlp.fc1"),
-        )),
-        Norm("model.final_layernorm", (linear_reader("lm_head"),)),
-    ),
-    tied=(("lm_head.weight", "model.embed_tokens.weight"),),
+PHI = assemble(
+    "phi", "AutoModelForCausalLM",
+    embeddings("model.embed_tokens.weight"),
+    # one norm feeds the attention and the MLP, which run side by side
+    pre_ln_blocks("model.layers", writes="{self_attn.dense|mlp.fc2}", input_layernorm=(
+        *(linear_reader(f"self_attn.{p}_proj") for p in "qkv"), linear_reader("mlp.fc1"))),
+    lm_head("model.final_layernorm", bias=True, tied_to="model.embed_tokens.weight"),
     refuse=refuse_if(qk_layernorm="qk_layernorm normalises per-head queries and keys, which are not centred "
                      "by centring the residual stream; those LayerNorms cannot become RMSNorms exactly"),
     blocks="model.layers",

@@ -164,6 +164,70 @@ def attention_readers(attention: str, *, key_bias: bool = True) -> tuple[Reader,
 
 
 @dataclass(frozen=True)
+class Wiring:
+    """A piece of a model's residual stream: the tensors that write it, its norms with the layers
+    that read them, and the (head, table) pairs that may be tied. ``assemble`` joins pieces, in
+    the order of the architecture diagram, into an ``Architecture``."""
+
+    writers: tuple[Writer, ...] = ()
+    norms: tuple[Norm, ...] = ()
+    tied: tuple[tuple[str, str], ...] = ()
+
+
+def embeddings(tables: str, *, hidden_axis: int = 1) -> Wiring:
+    """Tables (token, position) whose rows are added into the stream; rows are [vocab, hidden]."""
+    return Wiring(writers=(Writer(tables, hidden_axis),))
+
+
+def pre_ln_blocks(layers: str, *, writes: str, conv1d: bool = False, **norms: Reader | tuple[Reader, ...]) -> Wiring:
+    """The stack of residual blocks ``{layers}.{layer}``: each keyword names a norm of the block and
+    the layers that read it; ``writes`` names the layers whose output adds back into the stream.
+
+    Names are relative to the block, as in the block's diagram::
+
+        pre_ln_blocks("transformer.h", writes="{attn|mlp}.c_proj", conv1d=True,
+                      ln_1=conv1d_reader("attn.c_attn"), ln_2=conv1d_reader("mlp.c_fc"))
+    """
+    block = layers + ".{layer}"
+
+    def read_by(readers: Reader | tuple[Reader, ...]) -> tuple[Reader, ...]:
+        readers = readers if isinstance(readers, tuple) else (readers,)
+        return tuple(replace(reader, module=f"{block}.{reader.module}") for reader in readers)
+
+    return Wiring(
+        writers=linear_writers(f"{block}.{writes}", conv1d=conv1d),
+        norms=tuple(Norm(f"{block}.{name}", read_by(readers)) for name, readers in norms.items()),
+    )
+
+
+def lm_head(final_norm: str, *, head: str = "lm_head", bias: bool = False, tied_to: str | None = None) -> Wiring:
+    """The final norm, read by the output head (a Linear, ``bias`` saying whether it has a bias
+    slot), whose weight may be tied to the token table ``tied_to``."""
+    return Wiring(norms=(Norm(final_norm, (linear_reader(head, bias=bias),)),),
+                  tied=((f"{head}.weight", tied_to),) if tied_to else ())
+
+
+def assemble(model_types: str | tuple[str, ...], auto_class: str, *parts: Wiring | Writer | Norm,
+             **fields: Any) -> Architecture:
+    """The ``Architecture`` whose writers, norms and tied pairs are those of ``parts`` in order (a
+    bare ``Writer`` or ``Norm`` is a part of its own); ``fields`` sets the other fields."""
+    writers: list[Writer] = []
+    norms: list[Norm] = []
+    tied: list[tuple[str, str]] = []
+    for part in parts:
+        if isinstance(part, Writer):
+            part = Wiring(writers=(part,))
+        elif isinstance(part, Norm):
+            part = Wiring(norms=(part,))
+        writers += part.writers
+        norms += part.norms
+        tied += part.tied
+    model_types = (model_types,) if isinstance(model_types, str) else model_types
+    return Architecture(model_types=model_types, auto_class=auto_class, writers=tuple(writers),
+                        norms=tuple(norms), tied=tuple(tied), **fields)
+
+
+@dataclass(frozen=True)
 class EmbeddingNormBake:
     """A norm applied to an embedding lookup (BLOOM): LN(E[i]) is a table, so bake it per row."""
 

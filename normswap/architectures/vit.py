@@ -13,35 +13,28 @@ pooler), a model output, so its gains stay; in ``ViTForImageClassification`` onl
 """
 
 from normswap.architectures.spec import (
-    Architecture,
     Norm,
     Writer,
+    assemble,
     attention_readers,
     linear_reader,
-    linear_writers,
     only_classes,
+    pre_ln_blocks,
 )
 
 P = "{base=vit.|}"  # ViTForImageClassification nests the encoder under ``vit.``
-L = P + "layers.{layer}"
 SUPPORTED_CLASSES = ("ViTModel", "ViTForImageClassification")
 
-VIT = Architecture(
-    model_types=("vit",),
-    auto_class="AutoModel",
-    writers=(
-        Writer(P + "embeddings.{cls_token|mask_token|position_embeddings}", hidden_axis=2),
-        Writer(P + "embeddings.patch_embeddings.projection.{weight|bias}", hidden_axis=0),
-        *linear_writers(L + ".{attention.o_proj|mlp.fc2}"),
-    ),
-    norms=(
-        Norm(L + ".layernorm_before", attention_readers(L + ".attention")),
-        Norm(L + ".layernorm_after", (linear_reader(L + ".mlp.fc1"),)),
-        # ViTModel: last_hidden_state itself
-        Norm("layernorm", output_is_model_output=True),
-        # ViTForImageClassification: read only by the classifier (on the class token)
-        Norm("vit.layernorm", (linear_reader("classifier"),)),
-    ),
+VIT = assemble(
+    "vit", "AutoModel",
+    Writer(P + "embeddings.{cls_token|mask_token|position_embeddings}", hidden_axis=2),
+    Writer(P + "embeddings.patch_embeddings.projection.{weight|bias}", hidden_axis=0),
+    pre_ln_blocks(P + "layers", writes="{attention.o_proj|mlp.fc2}",
+                  layernorm_before=attention_readers("attention"), layernorm_after=linear_reader("mlp.fc1")),
+    # ViTModel: last_hidden_state itself
+    Norm("layernorm", output_is_model_output=True),
+    # ViTForImageClassification: read only by the classifier (on the class token)
+    Norm("vit.layernorm", (linear_reader("classifier"),)),
     refuse=only_classes(*SUPPORTED_CLASSES),
     probe="vision",
 )

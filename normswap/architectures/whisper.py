@@ -32,39 +32,32 @@ encoder-only and decoder-only classes read these norms differently.
 
 from normswap.architectures.spec import (
     CENTRE_INPUT,
-    Architecture,
     Norm,
-    Writer,
+    assemble,
     attention_readers,
+    embeddings,
     linear_reader,
-    linear_writers,
+    lm_head,
     only_classes,
     pattern,
+    pre_ln_blocks,
 )
 
 M = "{base=model.|}"  # WhisperForConditionalGeneration nests the encoder-decoder under ``model.``
-ENC = M + "encoder.layers.{layer}"
-DEC = M + "decoder.layers.{layer}"
 SUPPORTED_CLASSES = ("WhisperForConditionalGeneration",)
+SELF_ATTENTION = attention_readers("self_attn", key_bias=False)
 
-WHISPER = Architecture(
-    model_types=("whisper",),
-    auto_class="AutoModelForSpeechSeq2Seq",
-    writers=(
-        Writer(M + "decoder.{embed_tokens|embed_positions}.weight", hidden_axis=1),
-        *linear_writers(M + "{encoder|decoder}.layers.{layer}.{self_attn.out_proj|encoder_attn.out_proj|fc2}"),
-    ),
-    norms=(
-        Norm(ENC + ".self_attn_layer_norm", attention_readers(ENC + ".self_attn", key_bias=False)),
-        Norm(ENC + ".final_layer_norm", (linear_reader(ENC + ".fc1"),)),
-        # read by k_proj/v_proj of every decoder layer's encoder_attn, and returned to the user
-        Norm(M + "encoder.layer_norm", output_is_model_output=True),
-        Norm(DEC + ".self_attn_layer_norm", attention_readers(DEC + ".self_attn", key_bias=False)),
-        Norm(DEC + ".encoder_attn_layer_norm", (linear_reader(DEC + ".encoder_attn.q_proj"),)),
-        Norm(DEC + ".final_layer_norm", (linear_reader(DEC + ".fc1"),)),
-        Norm(M + "decoder.layer_norm", (linear_reader("proj_out", bias=False),)),
-    ),
-    tied=(("proj_out.weight", "model.decoder.embed_tokens.weight"),),
+WHISPER = assemble(
+    "whisper", "AutoModelForSpeechSeq2Seq",
+    pre_ln_blocks(M + "encoder.layers", writes="{self_attn.out_proj|fc2}",
+                  self_attn_layer_norm=SELF_ATTENTION, final_layer_norm=linear_reader("fc1")),
+    # read by k_proj/v_proj of every decoder layer's encoder_attn, and returned to the user
+    Norm(M + "encoder.layer_norm", output_is_model_output=True),
+    embeddings(M + "decoder.{embed_tokens|embed_positions}.weight"),
+    pre_ln_blocks(M + "decoder.layers", writes="{self_attn.out_proj|encoder_attn.out_proj|fc2}",
+                  self_attn_layer_norm=SELF_ATTENTION, encoder_attn_layer_norm=linear_reader("encoder_attn.q_proj"),
+                  final_layer_norm=linear_reader("fc1")),
+    lm_head(M + "decoder.layer_norm", head="proj_out", tied_to="model.decoder.embed_tokens.weight"),
     refuse=only_classes(*SUPPORTED_CLASSES),
     # the encoder stream starts as gelu(conv(...)) + positions: centre it once, explicitly
     structure=lambda config: {CENTRE_INPUT: [pattern("{model.|}encoder.layers.0")]},

@@ -14,10 +14,12 @@ Every problem is one ``NormswapError`` line, raised before any model is loaded.
 
 from __future__ import annotations
 
+import importlib
 import json
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
+from types import ModuleType
 
 from normswap.errors import NormswapError
 
@@ -139,6 +141,14 @@ def _manifest(path: Path) -> list[tuple[Path, str]]:
     return pairs
 
 
+def _needs(module: str, purpose: str, package: str) -> ModuleType:
+    """``module``, from the eval extra; without it, one line saying what to install."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise NormswapError(f"{purpose} needs {package}: pip install 'normswap[eval]'") from None
+
+
 def check_audio(spec: str) -> None:
     """Validate ``--audio`` cheaply (paths and transcripts) before any model is loaded."""
     _audio_pairs(spec)
@@ -148,10 +158,7 @@ def read_audio(spec: str, rate: int) -> AudioSet:
     """Every utterance of ``spec``, mono float32 resampled to ``rate`` Hz."""
     import numpy as np
 
-    try:
-        import soundfile
-    except ImportError:
-        raise NormswapError("reading audio needs soundfile: pip install 'normswap[eval]'") from None
+    soundfile = _needs("soundfile", "reading audio", "soundfile")
     name, pairs = _audio_pairs(spec)
     result = AudioSet(name)
     for file, text in pairs:
@@ -173,13 +180,9 @@ def resample(audio, rate_in: int, rate_out: int):
         return audio
     from math import gcd
 
-    try:
-        from scipy.signal import resample_poly
-    except ImportError:
-        raise NormswapError("resampling audio needs scipy: pip install 'normswap[eval]'") from None
-
+    signal = _needs("scipy.signal", "resampling audio", "scipy")
     common = gcd(int(rate_in), int(rate_out))
-    return resample_poly(audio, rate_out // common, rate_in // common).astype("float32")
+    return signal.resample_poly(audio, rate_out // common, rate_in // common).astype("float32")
 
 
 @dataclass
@@ -233,18 +236,14 @@ def check_images(spec: str) -> None:
 
 def read_images(spec: str) -> ImageSet:
     """Every image of ``spec`` as RGB, with its class subfolder's name as label where it has one."""
-    try:
-        from PIL import Image, UnidentifiedImageError
-    except ImportError:
-        raise NormswapError("reading images needs Pillow: pip install 'normswap[eval]'") from None
-
+    Image = _needs("PIL.Image", "reading images", "Pillow")
     name, files = _image_files(spec)
     result = ImageSet(name)
     for file, label in files:
         try:
             with Image.open(file) as handle:
                 image = handle.convert("RGB")
-        except (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError) as error:
+        except (OSError, Image.UnidentifiedImageError, ValueError, Image.DecompressionBombError) as error:
             # a decompression bomb (Pillow's pixel limit) is refused like any unreadable file
             raise NormswapError(f"cannot read image file {file}: {str(error).splitlines()[0]}") from None
         result.images.append(LabelledImage(file.stem, image, label))

@@ -10,7 +10,6 @@ needs both.
 
 from __future__ import annotations
 
-import gc
 import time
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from normswap.errors import NormswapError
 from normswap.evaluation import media
 from normswap.evaluation.compare import Tolerances, compare, default_tolerances
 from normswap.evaluation.report import build_report
-from normswap.evaluation.runner import EvalSettings, ModelEval, parse_dtype
+from normswap.evaluation.runner import EvalSettings, ModelEval, parse_dtype, release_memory
 
 
 def media_kind(settings: EvalSettings) -> str | None:
@@ -99,9 +98,7 @@ def evaluate_media(
             raw.append(task.score(loaded, tokenizer or load_tokenizer(paths[0]), data, result, settings.batch_size))
         finally:
             del loaded
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            release_memory()
         result.details["seconds"] = round(time.perf_counter() - started, 2)
         results.append(result)
 

@@ -64,6 +64,13 @@ class ModelEval:
     details: dict[str, Any] = field(default_factory=dict)
 
 
+def release_memory() -> None:
+    """Return a model's memory once the caller has dropped it: collect cycles, empty CUDA's cache."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def data_parallel_world() -> int:
     """Number of processes when started by ``accelerate launch`` / torchrun, else 1."""
     return int(os.environ.get("WORLD_SIZE", "1"))
@@ -162,9 +169,7 @@ class Evaluator:
                 self._score(result, model, tokenizer)
         finally:
             del model
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            release_memory()
         result.details["seconds"] = round(time.perf_counter() - started, 2)
         return result
 
