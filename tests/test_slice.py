@@ -122,6 +122,7 @@ def test_fraction_zero_matches_the_rotated_model_in_float32(gpt2_src, tmp_path):
     assert float((got - expected).abs().max()) < 1e-4 * max(1.0, float(expected.abs().max()))
 
 
+@pytest.mark.slow
 def test_gpt_neo_slices_exactly_at_fraction_zero(tmp_path):
     torch.manual_seed(0)
     config = transformers.GPTNeoConfig(num_layers=2, hidden_size=32, num_heads=4, intermediate_size=64,
@@ -167,6 +168,7 @@ def test_sliced_checkpoint_loads_both_ways(sliced):
     assert stock_refuses(out)  # the own model type: stock transformers refuses it
 
 
+@pytest.mark.slow
 def test_folded_source_slices_like_the_original(gpt2_src, sliced, tmp_path):
     folded, out = tmp_path / "folded", tmp_path / "from-folded"
     normswap.convert_checkpoint(gpt2_src, folded, fold_gains=True, verification="none")
