@@ -25,6 +25,12 @@ REPORT_COMMANDS = ("verify", "eval", "run", "geometry")
 ALL_COMMANDS = ("convert", "rotate", "inspect", *REPORT_COMMANDS)
 
 
+def quick_but_evaluation(commands: tuple[str, ...]) -> list:
+    """eval and run load lm-eval and score two models; in the quick loop the other commands prove
+    the same option handling, so those two run only in the full suite."""
+    return [pytest.param(c, marks=pytest.mark.slow) if c in ("eval", "run") else c for c in commands]
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A tiny GPT-2 with the bundled tokenizer, a short text, its conversion, and a recipe for it."""
@@ -65,7 +71,7 @@ def argv(command: str, tiny: dict, out) -> list[str]:
     }[command]
 
 
-@pytest.mark.parametrize("command", ALL_COMMANDS)
+@pytest.mark.parametrize("command", quick_but_evaluation(ALL_COMMANDS))
 def test_json_prints_only_json_on_stdout(command, tiny, tmp_path, capsys):
     args = argv(command, tiny, tmp_path / "out")
     assert main([*args, "--json"]) == 0
@@ -82,7 +88,7 @@ def test_json_prints_only_json_on_stdout(command, tiny, tmp_path, capsys):
         assert set(data) == {"original", "converted"}
 
 
-@pytest.mark.parametrize("command", REPORT_COMMANDS)
+@pytest.mark.parametrize("command", quick_but_evaluation(REPORT_COMMANDS))
 def test_report_commands_write_reports_into_out(command, tiny, tmp_path, capsys):
     out = tmp_path / "reports"
     args = argv(command, tiny, out)

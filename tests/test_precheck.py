@@ -76,6 +76,7 @@ def test_a_wrong_folded_reader_is_named(tmp_path):
         precheck(src, out)
 
 
+@pytest.mark.slow
 def test_verification_records_the_precheck(tmp_path):
     src = _tiny(tmp_path / "src")
     out = tmp_path / "rms"
