@@ -43,9 +43,11 @@ def read_calibration(path: str | Path) -> str:
     if not path.is_file():
         raise NormswapError(f"calibration text not found: {path}")
     try:
-        text = path.read_text(encoding="utf-8", errors="replace")
+        text = path.read_text(encoding="utf-8")
     except OSError as error:
         raise NormswapError(f"cannot read calibration text {path}: {error.strerror or error}") from None
+    except UnicodeDecodeError as error:
+        raise NormswapError(f"calibration text {path} is not UTF-8 (byte {error.start}: {error.reason})") from None
     if not text.strip():
         raise NormswapError(f"calibration text is empty: {path}")
     return text

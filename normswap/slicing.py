@@ -85,6 +85,23 @@ def kept_dimension(d: int, fraction: float) -> int:
     return max(1, d - round(fraction * d))
 
 
+MIN_HELD_OUT_TOKENS = 16
+
+
+def check_slice_inputs(fraction: float, d: int, k: int, calibration_tokens: int, held_out_tokens: int) -> None:
+    """Refuse a slicing that deletes nothing, a basis measured on fewer tokens than the stream has
+    dimensions (its principal directions past the token count are arbitrary), and a perplexity
+    cost measured on too few tokens to mean anything."""
+    if fraction > 0 and k == d:
+        raise NormswapError(f"--slice {fraction:g} deletes 0 of the stream's {d} dimensions; use a larger fraction")
+    if calibration_tokens < d:
+        raise NormswapError(f"the calibration text gives {calibration_tokens} tokens, fewer than the stream's {d} "
+                            "dimensions: the principal directions would be arbitrary; give a longer text")
+    if held_out_tokens < MIN_HELD_OUT_TOKENS:
+        raise NormswapError(f"only {held_out_tokens} held-out tokens to measure the perplexity cost on (at least "
+                            f"{MIN_HELD_OUT_TOKENS}); give --held-out TEXT_FILE or a longer calibration text")
+
+
 def check_sliceable(source_dir: Path, config: dict) -> tuple[Architecture, SliceLayout]:
     """The adapter and layout of a source that can be sliced; one-line refusals otherwise."""
     from normswap.rotation import check_source

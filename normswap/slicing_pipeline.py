@@ -71,6 +71,7 @@ def plan_slicing(source_dir: Path, rotation_plan: RotationPlan, architecture: Ar
 
     d = hidden_size(rotation_plan.meta)
     k = slicing.kept_dimension(d, fraction)
+    slicing.check_slice_inputs(fraction, d, k, texts.calibration.numel(), texts.held_out.numel())
     n_blocks = len(rotation_plan.meta.get_submodule(layout.blocks))
     norms = slicing.signal_norms(layout, n_blocks)
     measured = calibration_moments(source_dir, architecture, norms, texts.calibration, CALIBRATION_WINDOW)

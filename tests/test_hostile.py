@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import make_hard, quick_first, save
+from helpers import leftovers, make_hard, quick_first, save
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from normswap import output, temporaries
@@ -1121,3 +1121,18 @@ def test_argument_errors_are_one_line(capsys, args):
 def test_geometry_compare_of_another_shape_is_refused(source, tmp_path, capsys):
     code, _, err = run_cli(capsys, "geometry", "normswap:austen-gpt2", "--compare", source, "--random-tokens")
     assert_refused(code, err, "was not converted from")
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1", "1e400", "tight"])
+@pytest.mark.parametrize("command", ["convert", "rotate", "verify"])
+def test_tolerance_must_be_a_finite_non_negative_number(tmp_path, capsys, command, value):
+    out = tmp_path / "out"
+    args = {"convert": ("convert", "normswap:austen-gpt2", "--out", str(out)),
+            "rotate": ("rotate", "normswap:austen-gpt2", "--out", str(out)),
+            "verify": ("verify", "normswap:austen-gpt2", str(tmp_path))}[command]
+    for option in ("--atol", "--rtol"):
+        with pytest.raises(SystemExit) as exit_info:  # argparse's own refusal, in normswap's one-line form
+            main([*args, option, value])
+        line = assert_refused(exit_info.value.code, capsys.readouterr().err, option, "tolerance")
+        assert value in line
+    assert not out.exists() and not leftovers(tmp_path)

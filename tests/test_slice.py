@@ -224,10 +224,31 @@ def test_slicing_is_deterministic(gpt2_src, sliced, tmp_path):
         (("--held-out", str(CALIBRATION)), ("only used with --slice",)),
         (("--slice", "0.2", "--calibration", str(CALIBRATION), "--verify", "full"), ("not exact",)),
         (("--slice", "0.2", "--calibration", "/nonexistent.txt"), ("calibration text not found",)),
+        (("--slice", "0.001", "--calibration", str(CALIBRATION)), ("deletes 0 of the stream's 32 dimensions",)),
     ],
 )
 def test_refuses_bad_slice_options(tmp_path, capsys, gpt2_src, args, needles):
     _refused(tmp_path, capsys, str(gpt2_src), *args, needles=needles)
+
+
+@pytest.mark.parametrize(
+    ("text", "needles"),
+    [
+        (b"\xff\xfe\x00 not utf-8", ("is not UTF-8",)),
+        (b"one two three four five six seven eight nine ten " * 2, ("fewer than the stream's 32 dimensions",)),
+    ],
+)
+def test_refuses_unusable_calibration_text(tmp_path, capsys, gpt2_src, text, needles):
+    calibration_file = tmp_path / "calibration.txt"
+    calibration_file.write_bytes(text)
+    _refused(tmp_path, capsys, str(gpt2_src), "--slice", "0.2", "--calibration", str(calibration_file), needles=needles)
+
+
+def test_refuses_too_few_held_out_tokens(tmp_path, capsys, gpt2_src):
+    held_out = tmp_path / "held-out.txt"
+    held_out.write_text("the end")
+    _refused(tmp_path, capsys, str(gpt2_src), "--slice", "0.2", "--calibration", str(CALIBRATION),
+             "--held-out", str(held_out), needles=("held-out tokens",))
 
 
 def test_refuses_unsupported_family(tmp_path, capsys):

@@ -73,10 +73,28 @@ def add_checkpoint_out(parser: argparse.ArgumentParser) -> None:
                         help="replace an --out that normswap wrote earlier (never any other folder)")
 
 
+def tolerance(text: str) -> float:
+    """An ``--atol``/``--rtol`` value: a finite number >= 0 (``--verify none`` turns checking off)."""
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a tolerance is a number, not {text!r:.30}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"a tolerance is a finite number >= 0, not {text!r:.30}")
+    return value
+
+
+def add_tolerance_options(parser: argparse.ArgumentParser, what: str = "logit") -> None:
+    """``--atol`` and ``--rtol``, the same in ``convert``, ``rotate`` and ``verify``."""
+    parser.add_argument("--atol", type=tolerance, help=f"verification tolerance on max |Δ{what}| (default by dtype)")
+    parser.add_argument("--rtol", type=tolerance, help=f"relative part of the tolerance, times max |{what}|")
+
+
 def add_verification_options(parser: argparse.ArgumentParser) -> None:
     """The built-in verification's options, shared by ``convert`` and ``rotate``."""
-    parser.add_argument("--atol", type=float, help="verification tolerance on max |Δlogit| (default by dtype)")
-    parser.add_argument("--rtol", type=float, help="relative part of the tolerance, times max |logit|")
+    add_tolerance_options(parser)
     parser.add_argument("--verify", dest="verification", choices=["auto", "layerwise", "full", "none"], default="auto",
                         help="layerwise: block by block within bounded memory; full: whole models; "
                              "auto (default): layerwise for models above 1 GiB of float32 weights")

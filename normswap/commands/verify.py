@@ -5,15 +5,21 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from normswap.commands import add_report_options, check_report_out, check_source, emit_json, local_inputs
+from normswap.commands import (
+    add_report_options,
+    add_tolerance_options,
+    check_report_out,
+    check_source,
+    emit_json,
+    local_inputs,
+)
 from normswap.errors import VerificationError
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("original", help="the original checkpoint (hub id or directory)")
     parser.add_argument("converted", help="the converted checkpoint directory")
-    parser.add_argument("--atol", type=float, help="tolerance on max |Δ| (default by dtype)")
-    parser.add_argument("--rtol", type=float, help="relative part of the tolerance, times max |output|")
+    add_tolerance_options(parser, what="output")
     add_report_options(parser, plot=False)
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--layerwise", action="store_const", const=True, dest="layerwise",
