@@ -1,27 +1,44 @@
-"""Floating dtypes by the names users type (``--dtype bf16``) and the names normswap records."""
+"""Floating dtypes by the names users type (``--dtype bf16``) and the names normswap records.
+
+Names are checked without importing torch, so a recipe or an option with a typo is refused before
+any heavy import.
+"""
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from normswap.errors import NormswapError
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "float64": torch.float64, "fp64": torch.float64,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16,
+if TYPE_CHECKING:
+    import torch
+
+# every accepted spelling → the name config.json and provenance record
+DTYPE_NAMES: dict[str, str] = {
+    "float32": "float32", "fp32": "float32",
+    "float64": "float64", "fp64": "float64",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "fp16": "float16",
 }
+
+
+def canonical_name(name: str) -> str:
+    """``bf16`` → ``bfloat16`` (case ignored); one line naming the choices for anything else."""
+    canonical = DTYPE_NAMES.get(str(name).lower())
+    if canonical is None:
+        raise NormswapError(f"unknown dtype '{name}'; use one of {', '.join(DTYPE_NAMES)}")
+    return canonical
 
 
 def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
     """The ``torch.dtype`` for a name (case ignored); a dtype or None is returned as it is."""
-    if name is None or isinstance(name, torch.dtype):
+    if name is None:
+        return None
+    import torch
+
+    if isinstance(name, torch.dtype):
         return name
-    dtype = DTYPES.get(str(name).lower())
-    if dtype is None:
-        raise NormswapError(f"unknown dtype '{name}'; use one of {', '.join(DTYPES)}")
-    return dtype
+    return getattr(torch, canonical_name(name))
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -142,9 +142,9 @@ def check_provenance(block: object, path: Path) -> None:
     if options.get("method", "exact") not in ("exact", "naive"):
         raise NormswapError(f"{where}: options.method must be exact or naive (got {options.get('method')!r:.60})")
     dtype = options.get("dtype")
-    from normswap.dtypes import DTYPES
+    from normswap.dtypes import DTYPE_NAMES
 
-    if dtype is not None and dtype not in DTYPES:
+    if dtype is not None and dtype not in DTYPE_NAMES:
         raise NormswapError(f"{where}: options.dtype {dtype!r:.60} is not a dtype normswap writes")
     for kind, paths in block.get("structure", {}).items():
         if not isinstance(paths, list) or not all(isinstance(item, str) for item in paths):

@@ -110,6 +110,17 @@ BAD_RECIPES = [
     ("source: gpt2\neval:\n  batch_size: four\n", "eval.batch_size must be int"),
     ("source: gpt2\ntolerances:\n  ppl_rtol: tight\n", "tolerances.ppl_rtol must be float"),
     ("source: gpt2\nreference:\n  figures:\n    perplexity: 3\n", "must be named task/metric"),
+    ("source: gpt2\ntolerances:\n  ppl_rtol: .nan\n", "tolerances.ppl_rtol must be a finite number >= 0"),
+    ("source: gpt2\ntolerances:\n  acc_atol: -1\n", "tolerances.acc_atol must be a finite number >= 0"),
+    ("source: gpt2\nverify:\n  atol: .inf\n", "verify.atol must be a finite number >= 0"),
+    ("source: gpt2\nverify:\n  verification: none\n", "a recipe always verifies"),
+    ("source: gpt2\nverify:\n  verification: fast\n", "verify.verification must be auto, layerwise or full"),
+    ("source: gpt2\neval:\n  batch_size: 0\n", "eval.batch_size must be at least 1"),
+    ("source: gpt2\neval:\n  stride: 0\n", "eval.stride must be at least 1"),
+    ("source: gpt2\neval:\n  dtype: float8\n", "eval.dtype: unknown dtype 'float8'"),
+    ("source: gpt2\nconvert:\n  dtype: int4\n", "convert.dtype: unknown dtype 'int4'"),
+    ("source: gpt2\nconvert:\n  method: foo\n", "convert.method must be exact or naive"),
+    ("source: gpt2\neval:\n  text: /nonexistent/text.txt\n", "eval.text /nonexistent/text.txt does not exist"),
 ]
 
 

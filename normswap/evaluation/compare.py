@@ -48,9 +48,9 @@ DEFAULT_TOLERANCES: dict[str, Tolerances] = {
 
 def default_tolerances(dtype: str) -> Tolerances:
     """Default tolerances for evaluating both models in ``dtype``."""
-    from normswap.evaluation.runner import DTYPES
+    from normswap.dtypes import canonical_name
 
-    canonical = str(DTYPES[dtype.lower()]).removeprefix("torch.")
+    canonical = canonical_name(dtype)
     return Tolerances(**asdict(DEFAULT_TOLERANCES[canonical]))
 
 

@@ -39,6 +39,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 from dataclasses import dataclass, field
@@ -168,7 +169,40 @@ def load_recipe(spec: str | Path) -> Recipe:
     for key in recipe.reference:
         if "/" not in key:
             raise NormswapError(f"{origin}: reference figure '{key}' must be named task/metric")
+    _check_values(recipe, origin)
     return recipe
+
+
+def _check_values(recipe: Recipe, origin: str) -> None:
+    """Refuse, when the recipe is read, every value a later step of ``run`` would refuse."""
+    from normswap.dtypes import canonical_name
+
+    limits = {**{f"tolerances.{k}": v for k, v in recipe.tolerances.items()},
+              **{f"verify.{k}": recipe.verify.get(k) for k in ("atol", "rtol")}}
+    for where, value in limits.items():
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise NormswapError(f"{origin}: {where} must be a finite number >= 0 (got {value!r})")
+    for where, value in (("eval.batch_size", recipe.eval.get("batch_size")),
+                         ("eval.max_length", recipe.eval.get("max_length")), ("eval.stride", recipe.eval.get("stride"))):
+        if value is not None and value < 1:
+            raise NormswapError(f"{origin}: {where} must be at least 1 (got {value})")
+    for where, value in (("convert.dtype", recipe.convert.get("dtype")), ("eval.dtype", recipe.eval.get("dtype"))):
+        if value is not None:
+            try:
+                canonical_name(value)
+            except NormswapError as error:
+                raise NormswapError(f"{origin}: {where}: {error}") from None
+    if recipe.convert.get("method", "exact") not in ("exact", "naive"):
+        raise NormswapError(f"{origin}: convert.method must be exact or naive (got {recipe.convert['method']!r:.40})")
+    if recipe.verify.get("verification") == "none":
+        raise NormswapError(f"{origin}: a recipe always verifies; remove verification: none")
+    if recipe.verify.get("verification", "auto") not in ("auto", "layerwise", "full"):
+        raise NormswapError(f"{origin}: verify.verification must be auto, layerwise or full "
+                            f"(got {recipe.verify['verification']!r:.40})")
+    for key in ("text", "audio", "images"):
+        value = recipe.eval.get(key)
+        if value and value.startswith(("/", "./", "../", "~")) and not Path(value).expanduser().exists():
+            raise NormswapError(f"{origin}: eval.{key} {value} does not exist")
 
 
 def hub_needs(recipe: Recipe, settings) -> list[str]:

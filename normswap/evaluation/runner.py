@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from normswap.dtypes import DTYPES, parse_dtype  # noqa: F401 (DTYPES: evaluation.compare)
+from normswap.dtypes import parse_dtype
 from normswap.errors import NormswapError
 from normswap.evaluation import lmeval
 from normswap.evaluation.hub import require_hub
