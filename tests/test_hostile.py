@@ -1136,3 +1136,39 @@ def test_tolerance_must_be_a_finite_non_negative_number(tmp_path, capsys, comman
         line = assert_refused(exit_info.value.code, capsys.readouterr().err, option, "tolerance")
         assert value in line
     assert not out.exists() and not leftovers(tmp_path)
+
+
+@pytest.mark.parametrize(("option", "value"), [("--out", ""), ("--out", "  "), ("--revision", "")])
+def test_empty_names_are_refused(tmp_path, capsys, option, value):
+    args = ["convert", "some-org/some-model", "--out", str(tmp_path / "out"), option, value]
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert_refused(exit_info.value.code, capsys.readouterr().err, option, "must not be empty")
+    assert not (tmp_path / "out").exists()
+
+
+BUNDLED = Path(__file__).resolve().parents[1] / "normswap" / "data" / "austen-gpt2"
+
+
+def test_side_files_drop_code_they_would_name(tmp_path, capsys):
+    source = copy_source(BUNDLED, tmp_path)
+    tokenizer_config = json.loads((source / "tokenizer_config.json").read_text())
+    (source / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "auto_map": {"AutoTokenizer": ["evil.T", None]}}))
+    (source / "evil.py").write_text("raise SystemExit('ran')\n")
+    out = tmp_path / "out"
+    code, _, err = run_cli(capsys, "convert", str(source), "--out", str(out), "--verify", "none", "--quiet")
+    assert code == 0, err
+    assert json.loads((out / "tokenizer_config.json").read_text()) == tokenizer_config
+    assert not (out / "evil.py").exists()
+
+
+def test_save_never_writes_into_the_original(tmp_path):
+    import normswap
+    from normswap.errors import NormswapError
+
+    source = copy_source(BUNDLED, tmp_path)
+    before = tree_hashes(source)
+    model = GPT2LMHeadModel.from_pretrained(source)
+    with pytest.raises(NormswapError, match="input"):
+        normswap.save(normswap.convert_model(model), source / "converted")
+    assert tree_hashes(source) == before

@@ -65,9 +65,20 @@ def resolve_device(name: str | None) -> str:
     return name
 
 
+def non_empty(text: str) -> str:
+    """An option value that names something: an empty string is refused, not read as '.' or 'main'."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
+def folder(text: str) -> Path:
+    return Path(non_empty(text))
+
+
 def add_checkpoint_out(parser: argparse.ArgumentParser) -> None:
     """``--out DIR`` (required) and ``--overwrite`` for the commands that write a checkpoint."""
-    parser.add_argument("--out", required=True, metavar="DIR",
+    parser.add_argument("--out", required=True, metavar="DIR", type=non_empty,
                         help="output checkpoint folder: absent or empty, or with --overwrite one that normswap wrote")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an --out that normswap wrote earlier (never any other folder)")
@@ -108,7 +119,7 @@ def add_json_option(parser: argparse.ArgumentParser) -> None:
 
 def add_report_options(parser: argparse.ArgumentParser, *, plot: bool = True, out_help: str | None = None) -> None:
     """``--out DIR`` for report.json and report.md (and plots with ``--plot``), ``--overwrite``, ``--json``."""
-    parser.add_argument("--out", type=Path, metavar="DIR",
+    parser.add_argument("--out", type=folder, metavar="DIR",
                         help=out_help or "write report.json and report.md here: a folder that is absent or empty, "
                                          "or with --overwrite one that normswap wrote")
     parser.add_argument("--overwrite", action="store_true", help="replace an --out folder that normswap wrote")

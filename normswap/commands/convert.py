@@ -11,12 +11,13 @@ from normswap.commands import (
     add_verification_options,
     check_source,
     emit_json,
+    non_empty,
 )
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("src", help="hub id (gpt2), local checkpoint directory, or normswap:austen-gpt2")
-    parser.add_argument("--revision", help="hub ids: the branch, tag or commit to download (default: main)")
+    parser.add_argument("--revision", type=non_empty, help="hub ids: the branch, tag or commit to download (default: main)")
     add_checkpoint_out(parser)
     parser.add_argument("--fold-gains", action="store_true",
                         help="fold each norm's gain and bias into the layers that read it")

@@ -176,13 +176,29 @@ def _one_thread() -> Iterator[None]:
 
 
 def copy_side_files(source_dir: Path, out_dir: Path) -> list[str]:
-    """Copy tokenizer, processor and generation files; returns their names."""
+    """Copy tokenizer, processor and generation files; returns their names.
+
+    A JSON file's ``auto_map`` (custom tokenizer or processor code) is dropped: normswap never
+    copies a checkpoint's code, so the entry would name a file the output does not have.
+    """
     copied = []
     for name in COPIED_FILES:
         if (source_dir / name).is_file():
             shutil.copyfile(source_dir / name, out_dir / name)
+            if name.endswith(".json"):
+                _drop_auto_map(out_dir / name)
             copied.append(name)
     return copied
+
+
+def _drop_auto_map(path: Path) -> None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return  # copied as it is; transformers reports it when it loads the file
+    if isinstance(data, dict) and "auto_map" in data:
+        del data["auto_map"]
+        write_json(path, data)
 
 
 def write_json(path: Path, data: dict) -> None:
