@@ -137,7 +137,7 @@ def test_bad_dtype(gpt2_dir, tmp_path, capsys):
 
 def test_failed_verification_leaves_nothing(gpt2_dir, tmp_path, capsys):
     out = tmp_path / "out"
-    code, err = run_cli(capsys, "convert", str(gpt2_dir), "--out", str(out), "--atol", "-1", "--rtol", "0", "--quiet")
+    code, err = run_cli(capsys, "convert", str(gpt2_dir), "--out", str(out), "--atol", "0", "--rtol", "0", "--quiet")
     assert_one_line_error(code, err, "verification failed")
     assert code == 3
     assert not out.exists()

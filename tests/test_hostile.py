@@ -612,7 +612,7 @@ def test_overwrite_replaces_only_normswap_folders(source, tmp_path, capsys):
 
 def test_created_parents_are_removed_on_failure(source, tmp_path, capsys):
     out = tmp_path / "a" / "b" / "c" / "out"
-    code, _, err = run_cli(capsys, "convert", source, "--out", out, "--atol", "-1", "--rtol", "0", "--quiet")
+    code, _, err = run_cli(capsys, "convert", source, "--out", out, "--atol", "0", "--rtol", "0", "--quiet")
     assert_refused(code, err, "verification failed", exit_code=3)
     assert list(tmp_path.iterdir()) == []
 
@@ -1028,7 +1028,7 @@ def test_run_user_folder_never_replaced(source, tmp_path, capsys):
 
 
 def test_failed_run_leaves_nothing(source, tmp_path, capsys):
-    recipe = _recipe(tmp_path, source, verify={"atol": -1.0, "rtol": 0.0})
+    recipe = _recipe(tmp_path, source, verify={"atol": 0.0, "rtol": 0.0})
     guard = Guard(tmp_path)
     code, _, err = run_cli(capsys, "run", recipe, "--out", tmp_path / "runs" / "x", "--no-progress")
     lines = [line for line in err.splitlines() if "error" in line]
@@ -1123,7 +1123,7 @@ def test_geometry_compare_of_another_shape_is_refused(source, tmp_path, capsys):
     assert_refused(code, err, "was not converted from")
 
 
-@pytest.mark.parametrize("value", ["nan", "inf", "-1", "1e400", "tight"])
+@pytest.mark.parametrize("value", quick_first(["nan", "inf", "-1", "1e400", "tight"]))
 @pytest.mark.parametrize("command", ["convert", "rotate", "verify"])
 def test_tolerance_must_be_a_finite_non_negative_number(tmp_path, capsys, command, value):
     out = tmp_path / "out"
