@@ -157,6 +157,9 @@ def check_source(source_dir: Path, config: dict) -> tuple[Architecture, dict, di
     block = config.get("normswap")
     if block is not None:
         options = block.get("options", {})
+        if "slicing" in block:
+            raise NormswapError(f"{source_dir} is already sliced (to {block['slicing'].get('hidden_size')} "
+                                "dimensions); rotate or slice the original instead")
         if "rotation" in block:
             raise NormswapError(f"{source_dir} is already rotated ({block['rotation'].get('method')}); "
                                 "rotate the original or its folded conversion instead")

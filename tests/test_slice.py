@@ -269,6 +269,14 @@ def test_refuses_cross_attention(tmp_path, capsys):
 def test_refuses_already_sliced_source(tmp_path, capsys, sliced):
     _refused(tmp_path, capsys, str(sliced[0]), "--slice", "0.2", "--calibration", str(CALIBRATION),
              needles=("already sliced",))
+    _refused(tmp_path, capsys, str(sliced[0]), needles=("already sliced",))
+
+
+def test_verify_says_a_sliced_checkpoint_is_not_exact(capsys, gpt2_src, sliced):
+    code, err = run_cli(capsys, "verify", str(gpt2_src), str(sliced[0]))
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err
+    assert "is sliced (32 → 24 dimensions), which is not exact" in lines[0]
 
 
 def test_refuses_rotated_source(tmp_path, capsys, gpt2_src):

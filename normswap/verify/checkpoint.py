@@ -85,6 +85,11 @@ def _check_pair(original_dir: Path, converted_dir: Path, converted: str | Path) 
                             f"normswap verify ORIGINAL CONVERTED{swapped}")
     if block is None:
         raise NormswapError(f"{converted_dir} is not a normswap checkpoint (its config.json has no normswap block)")
+    if isinstance(block, dict) and isinstance(block.get("slicing"), dict):
+        sliced = block["slicing"]
+        raise NormswapError(f"{converted_dir} is sliced ({sliced.get('original_hidden_size')} → "
+                            f"{sliced.get('hidden_size')} dimensions), which is not exact, so there is nothing to "
+                            "verify; its perplexity cost is in config.json under normswap.slicing.perplexity")
     validation.check_provenance(block, converted_dir)
     check_modeling_file(block, converted_dir)
     for path, config in ((original_dir, original_config), (converted_dir, converted_config)):
