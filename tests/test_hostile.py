@@ -1172,3 +1172,24 @@ def test_save_never_writes_into_the_original(tmp_path):
     with pytest.raises(NormswapError, match="input"):
         normswap.save(normswap.convert_model(model), source / "converted")
     assert tree_hashes(source) == before
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (("eval", "normswap:austen-gpt2", "--tasks", "local", "--limit", "inf"), "--limit"),
+        (("eval", "normswap:austen-gpt2", "--tasks", "local", "--limit", "nan"), "--limit"),
+        (("eval", "normswap:austen-gpt2", "--ppl-rtol", "nan"), "--ppl-rtol"),
+        (("eval", "normswap:austen-gpt2", "--acc-atol", "-1"), "--acc-atol"),
+        (("eval", "normswap:austen-gpt2", "--doc-ll-atol", "inf"), "--doc-ll-atol"),
+        (("geometry", "normswap:austen-gpt2", "--batch-size", "0"), "--batch-size"),
+        (("geometry", "normswap:austen-gpt2", "--seq-len", "0"), "--seq-len"),
+        (("geometry", "normswap:austen-gpt2", "--top-dims", "-1"), "--top-dims"),
+    ],
+)
+def test_impossible_numbers_are_refused_before_any_work(capsys, args, needle):
+    try:
+        code = main(list(args))
+    except SystemExit as exit_info:  # argparse's refusal, in normswap's one-line form
+        code = exit_info.code
+    assert_refused(code, capsys.readouterr().err, needle)

@@ -117,6 +117,7 @@ BAD_RECIPES = [
     ("source: gpt2\nverify:\n  verification: fast\n", "verify.verification must be auto, layerwise or full"),
     ("source: gpt2\neval:\n  batch_size: 0\n", "eval.batch_size must be at least 1"),
     ("source: gpt2\neval:\n  stride: 0\n", "eval.stride must be at least 1"),
+    ("source: gpt2\neval:\n  limit: .nan\n", "eval.limit must be a positive number"),
     ("source: gpt2\neval:\n  dtype: float8\n", "eval.dtype: unknown dtype 'float8'"),
     ("source: gpt2\nconvert:\n  dtype: int4\n", "convert.dtype: unknown dtype 'int4'"),
     ("source: gpt2\nconvert:\n  method: foo\n", "convert.method must be exact or naive"),

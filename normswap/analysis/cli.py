@@ -11,6 +11,7 @@ from normswap.analysis import DEFAULT_TEXT
 from normswap.commands import (
     add_device_option,
     add_report_options,
+    at_least,
     check_report_out,
     emit_json,
     local_inputs,
@@ -41,16 +42,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--images", metavar="PATH",
                         help="vision models (ViT, CLIP): image folder (class subfolders as labels) or 'bundled'")
     parser.add_argument("--max-tokens", type=int, default=4096, help="number of tokens to measure (default 4096)")
-    parser.add_argument("--seq-len", type=int, default=None,
+    parser.add_argument("--seq-len", type=at_least(2), default=None,
                         help="window length (default: the model's context length, at most 1024)")
-    parser.add_argument("--batch-size", type=int, default=4, help="windows per forward pass (default 4)")
+    parser.add_argument("--batch-size", type=at_least(1), default=4, help="windows per forward pass (default 4)")
     parser.add_argument("--dtype", choices=DTYPE_NAMES, default="float32",
                         help="dtype to run the model in; statistics are always float64 (default float32)")
     add_device_option(parser)
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="load a model whose type transformers lacks with its own code (auto_map); "
                              "converted checkpoints always load with normswap's classes, never their code")
-    parser.add_argument("--top-dims", type=int, default=5, help="dimensions listed per norm as carrying the mean")
+    parser.add_argument("--top-dims", type=at_least(1), default=5, help="dimensions listed per norm as carrying the mean")
     parser.add_argument("--seed", type=int, default=0, help="seed for --random-tokens")
     add_report_options(parser)
     parser.add_argument("--outliers", action="store_true",

@@ -65,6 +65,21 @@ def resolve_device(name: str | None) -> str:
     return name
 
 
+def at_least(low: int):
+    """An argparse type: an integer >= ``low`` (a batch size, a length, a count)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"an integer, not {text!r:.30}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, not {value}")
+        return value
+
+    return parse
+
+
 def non_empty(text: str) -> str:
     """An option value that names something: an empty string is refused, not read as '.' or 'main'."""
     if not text.strip():

@@ -7,12 +7,20 @@ Exit status: 0 when the comparison passes (or there is none), 3 when a tolerance
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from normswap.commands import add_device_option, add_report_options, check_report_out, emit_json, local_inputs
+from normswap.commands import (
+    add_device_option,
+    add_report_options,
+    check_report_out,
+    emit_json,
+    local_inputs,
+    tolerance,
+)
 from normswap.errors import NormswapError, VerificationError
 
 if TYPE_CHECKING:  # torch and lm-eval are imported once the arguments are checked
@@ -56,9 +64,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated lm-eval tasks: local ones from evals/ ('local' = all of them) "
                              "or standard ones (lambada_openai, hellaswag, ...; need the hub)")
     add_report_options(parser)
-    parser.add_argument("--ppl-rtol", type=float, help="relative tolerance for perplexities (default by dtype)")
-    parser.add_argument("--acc-atol", type=float, help="absolute tolerance for accuracies (default by dtype)")
-    parser.add_argument("--doc-ll-atol", type=float,
+    parser.add_argument("--ppl-rtol", type=tolerance, help="relative tolerance for perplexities (default by dtype)")
+    parser.add_argument("--acc-atol", type=tolerance, help="absolute tolerance for accuracies (default by dtype)")
+    parser.add_argument("--doc-ll-atol", type=tolerance,
                         help="tolerance for the max per-document |Δ loglikelihood| in nats (default by dtype)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     add_eval_options(parser)
@@ -69,8 +77,8 @@ def _limit(value: float | None) -> int | float | None:
     # lm-eval reads a limit below 1 as a fraction of the task and 1 or more as a count.
     if value is None:
         return None
-    if value <= 0:
-        raise NormswapError("--limit must be positive")
+    if not math.isfinite(value) or value <= 0:
+        raise NormswapError(f"--limit must be a positive number (a count, or a fraction below 1), not {value}")
     return int(value) if value >= 1 else value
 
 

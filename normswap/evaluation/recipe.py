@@ -182,6 +182,9 @@ def _check_values(recipe: Recipe, origin: str) -> None:
     for where, value in limits.items():
         if value is not None and not (math.isfinite(value) and value >= 0):
             raise NormswapError(f"{origin}: {where} must be a finite number >= 0 (got {value!r})")
+    limit = recipe.eval.get("limit")
+    if limit is not None and not (math.isfinite(limit) and limit > 0):
+        raise NormswapError(f"{origin}: eval.limit must be a positive number (got {limit!r})")
     for where, value in (("eval.batch_size", recipe.eval.get("batch_size")),
                          ("eval.max_length", recipe.eval.get("max_length")), ("eval.stride", recipe.eval.get("stride"))):
         if value is not None and value < 1:
