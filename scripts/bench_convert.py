@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         "started": started,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                     "torch": torch.__version__,
-                    "note": "shared machine: other processes (other engineers' jobs) may have been running; "
+                    "note": "other processes may have been running; "
                             "load_before is the 1-minute load average before each step"},
         "method": "each step a fresh process under /usr/bin/time after sync, the steps of a round in turn; "
                   "peak RSS = max resident set size; cp = cp of the same weight files; streaming = median "
