@@ -61,6 +61,7 @@ def test_converted_config_and_files(tmp_path):
     assert state["transformer.h.1.mlp.c_proj.weight"].double().mean(-1).abs().max() < 1e-6
 
 
+@pytest.mark.slow
 def test_hub_layout_without_prefix_and_bin(tmp_path):
     """Hub GPT-2 stores base-model names (h.0...) in a pickle; the output uses canonical names."""
     src = tiny_gpt2(tmp_path)

@@ -394,6 +394,7 @@ def test_bad_index(source, tmp_path, capsys, case):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_sharded_through_symlinks_converts(source, tmp_path, capsys):
     """Shards reached through links (as in the hub cache) are read; the blobs are inputs too."""
     src = _sharded(source, tmp_path)
@@ -498,6 +499,7 @@ def test_non_finite_weights_name_the_tensor(source, tmp_path, capsys, value):
     assert sorted(path.name for path in tmp_path.iterdir()) == ["src"]
 
 
+@pytest.mark.slow
 def test_mixed_float16_float32_converts(source, tmp_path, capsys):
     from safetensors.torch import load_file, save_file
 
@@ -755,6 +757,7 @@ def _dead_pid() -> int:
     return process.pid
 
 
+@pytest.mark.slow
 def test_stale_temporary_folder_is_removed(source, tmp_path, capsys):
     stale = tmp_path / f"out{temporaries.TMP_TAG}{_dead_pid()}-0-deadbeef"
     stale.mkdir()

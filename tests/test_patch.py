@@ -167,6 +167,7 @@ def test_patched_model_under_the_interpreter():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_patched_model_compiles_without_graph_breaks():
     model = patch(tiny_gpt2())
     compiled = torch.compile(model.transformer.h[0], fullgraph=True, backend="aot_eager")

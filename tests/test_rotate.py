@@ -293,6 +293,7 @@ def test_same_seed_gives_byte_identical_checkpoints(tmp_path):
     assert (first / "model.safetensors").read_bytes() != (other / "model.safetensors").read_bytes()
 
 
+@pytest.mark.slow
 def test_pca_is_deterministic(tmp_path):
     first, second = tmp_path / "a", tmp_path / "b"
     for out in (first, second):

@@ -112,6 +112,7 @@ def test_fraction_zero_is_exact_in_float64(gpt2_src, tmp_path):
         assert error < 1e-9 * scale, f"{how}: max |Δ| = {error:.3g}"
 
 
+@pytest.mark.slow
 def test_fraction_zero_matches_the_rotated_model_in_float32(gpt2_src, tmp_path):
     rotated, zero = tmp_path / "rotated", tmp_path / "zero"
     rotate_checkpoint(gpt2_src, rotated, method="pca", calibration=CALIBRATION, verification="none")
