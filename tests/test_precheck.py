@@ -84,3 +84,12 @@ def test_verification_records_the_precheck(tmp_path):
     result = normswap.verify_checkpoint(src, out)
     assert result["passed"] and result["precheck"]["centred"] == 10
     assert "precheck" not in normswap.verify_checkpoint(src, out, precheck=False)
+
+
+def test_a_tensor_of_the_wrong_shape_is_named(tmp_path):
+    src = _tiny(tmp_path / "src")
+    out = tmp_path / "rms"
+    normswap.convert_checkpoint(src, out, verification="none")
+    _edit(out, "transformer.h.0.mlp.c_fc.bias", lambda b: b[:-1].clone())
+    with pytest.raises(VerificationError, match=r"transformer\.h\.0\.mlp\.c_fc\.bias has shape \[127\]"):
+        precheck(src, out)

@@ -47,6 +47,9 @@ def precheck(original_dir: Path, converted_dir: Path) -> dict:
             if name not in output.tensors or tensor.source is None:
                 counts["left_to_models"] += 1
                 continue
+            if tuple(output.tensors[name].shape) != tuple(tensor.shape):
+                raise VerificationError(f"{converted_dir}: {name} has shape {list(output.tensors[name].shape)}; "
+                                        f"the conversion makes it {list(tensor.shape)}")
             kinds = [type(step) for step in tensor.steps]
             if not kinds:
                 _check_untouched(source, output, tensor.source, name)
