@@ -52,9 +52,11 @@ def build_parser(only: str | None = None) -> tuple[argparse.ArgumentParser, dict
     )
     parser.add_argument("--version", action="version", version=f"normswap {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    parser.subcommand_parsers = {}  # so that a stray option is reported by its own command
     modules: dict[str, object] = {}
     for name, module_name, help_text in SUBCOMMANDS:
         sub_parser = sub.add_parser(name, help=help_text, description=help_text)
+        parser.subcommand_parsers[name] = sub_parser
         if only is None or name == only:
             module = importlib.import_module(module_name)
             module.configure(sub_parser)
@@ -69,7 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     chosen = next((arg for arg in argv if not arg.startswith("-")), "")
     parser, modules = build_parser(chosen)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        parser.subcommand_parsers[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         if not getattr(args, "json", False):
             return int(modules[args.command].run(args) or 0)

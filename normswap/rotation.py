@@ -240,6 +240,7 @@ def rotate_checkpoint(
     input and ``VerificationError`` when the output does not match, leaving nothing at ``out``.
     """
     check_options(method, seed, calibration, calibration_tokens, verification)
+    pipeline.check_verification_mode(verification, atol, rtol)
     out_dtype = parse_dtype(dtype)
     source_dir = resolve_source(src, trust_remote_code=trust_remote_code)
     out = output.absolute(out)

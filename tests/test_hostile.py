@@ -30,6 +30,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from normswap import output, temporaries
 from normswap.cli import main
+from normswap.errors import NormswapError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -459,6 +460,39 @@ def test_bin_garbage(source, tmp_path, capsys):
     (src / "pytorch_model.bin").write_bytes(b"not a pickle at all")
     code, _, err = run_cli(capsys, "convert", src, "--out", tmp_path / "out")
     assert_refused(code, err, "pytorch_model.bin")
+
+
+@pytest.mark.parametrize("command", ["convert", "inspect"])
+def test_truncated_bin(source, tmp_path, capsys, command):
+    from safetensors.torch import load_file
+
+    src = tmp_path / "bin"
+    src.mkdir()
+    shutil.copyfile(source / "config.json", src / "config.json")
+    torch.save(load_file(source / "model.safetensors"), src / "pytorch_model.bin")
+    data = (src / "pytorch_model.bin").read_bytes()
+    (src / "pytorch_model.bin").write_bytes(data[: len(data) // 2])
+    code, _, err = run_cli(capsys, command, src, *(["--out", tmp_path / "out"] if command == "convert" else []))
+    line = assert_refused(code, err, "pytorch_model.bin is truncated or corrupt")
+    assert "advice" not in line and "high likelihood" not in line
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("call", ["convert", "rotate", "verify"])
+@pytest.mark.parametrize("tolerance", [{"atol": math.nan}, {"rtol": -1.0}, {"atol": math.inf}, {"rtol": "1e-3"}])
+def test_python_api_refuses_impossible_tolerances(source, converted, tmp_path, call, tolerance):
+    from normswap.convert.pipeline import convert_checkpoint
+    from normswap.rotation import rotate_checkpoint
+    from normswap.verify.checkpoint import verify_checkpoint
+
+    run = {
+        "convert": lambda: convert_checkpoint(source, tmp_path / "out", **tolerance),
+        "rotate": lambda: rotate_checkpoint(source, tmp_path / "out", **tolerance),
+        "verify": lambda: verify_checkpoint(source, converted, **tolerance),
+    }[call]
+    with pytest.raises(NormswapError, match="must be a finite number >= 0"):
+        run()
+    assert not (tmp_path / "out").exists()
 
 
 def test_weights_file_is_a_folder(source, tmp_path, capsys):
@@ -1188,6 +1222,8 @@ def test_save_never_writes_into_the_original(tmp_path):
         (("geometry", "normswap:austen-gpt2", "--batch-size", "0"), "--batch-size"),
         (("geometry", "normswap:austen-gpt2", "--seq-len", "0"), "--seq-len"),
         (("geometry", "normswap:austen-gpt2", "--top-dims", "-1"), "--top-dims"),
+        (("geometry", "normswap:austen-gpt2", "--seq-len", "257"), "context"),
+        (("inspect", "normswap:austen-gpt2", "--bogus"), "normswap inspect: error: unrecognized arguments: --bogus"),
     ],
 )
 def test_impossible_numbers_are_refused_before_any_work(capsys, args, needle):

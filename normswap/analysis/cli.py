@@ -190,12 +190,27 @@ def _check_arguments(args: argparse.Namespace) -> None:
     from normswap.commands import check_device
 
     check_device(args.device)
+    from normswap.convert.source import read_config, resolve_source
+
+    sources = [args.model] + ([args.compare] if args.compare else [])
+    paths = [resolve_source(src, trust_remote_code=args.trust_remote_code) for src in sources]
+    configs = [read_config(path) for path in paths]
     if args.compare:
         from normswap import validation
-        from normswap.convert.source import read_config, resolve_source
 
-        paths = [resolve_source(src, trust_remote_code=args.trust_remote_code) for src in (args.model, args.compare)]
-        validation.check_same_shape(paths[0], read_config(paths[0]), paths[1], read_config(paths[1]))
+        validation.check_same_shape(paths[0], configs[0], paths[1], configs[1])
+    if args.seq_len is not None and not (args.audio or args.images):
+        _check_seq_len(args.seq_len, sources, configs)
+
+
+def _check_seq_len(seq_len: int, sources: list[str], configs: list[dict]) -> None:
+    """A window longer than a model's context would be cut silently: refuse it instead."""
+    from normswap.analysis import config_context_length
+
+    for source, config in zip(sources, configs, strict=True):
+        context = config_context_length(config)
+        if context is not None and seq_len > context:
+            raise NormswapError(f"--seq-len {seq_len} is longer than the context of {source} ({context} tokens)")
 
 
 def run(args: argparse.Namespace) -> int:

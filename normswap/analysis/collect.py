@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from normswap.analysis import DEFAULT_TEXT, stats  # noqa: F401  (DEFAULT_TEXT: re-exported)
+from normswap.analysis import DEFAULT_TEXT, config_context_length, stats  # noqa: F401  (DEFAULT_TEXT: re-exported)
 from normswap.errors import NormswapError
 
 # Norm attribute names by role; the first match wins, cross-attention before self-attention.
@@ -202,11 +202,9 @@ class NormRecorder:
 def context_length(model: nn.Module, default: int = 1024) -> int:
     """The model's maximum sequence length from its config (n_positions, max_position_embeddings...)."""
     config = getattr(model, "config", None)
-    for key in ("n_positions", "max_position_embeddings", "n_ctx", "max_target_positions"):
-        value = getattr(config, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return default
+    to_dict = getattr(config, "to_dict", None)
+    found = config_context_length(to_dict()) if callable(to_dict) else None
+    return found or default
 
 
 def windows(ids: torch.Tensor, seq_len: int, batch_size: int) -> Iterator[torch.Tensor]:

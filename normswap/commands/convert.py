@@ -24,7 +24,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--method", choices=["exact", "naive"], default="exact",
                         help="exact: centre the residual writers (default); naive: swap only (inexact)")
     parser.add_argument("--allow-inexact", action="store_true", help="required with --method naive")
-    parser.add_argument("--dtype", help="output dtype (float32, float16, bfloat16); default: the source's")
+    parser.add_argument("--dtype", help="output dtype (float32, float16, bfloat16, float64); default: the source's")
     add_verification_options(parser)
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="no effect: conversion and its verification never run code from a checkpoint "

@@ -57,7 +57,7 @@ def convert_checkpoint(
     ``none``. A failure, a full disk or SIGINT/SIGTERM leaves nothing at ``out`` and no temporary
     directory.
     """
-    check_verification_mode(verification)
+    check_verification_mode(verification, atol, rtol)
     if method == "naive" and not allow_inexact:
         raise NormswapError("--method naive changes the model's outputs; pass --allow-inexact to accept that")
     out_dtype = parse_dtype(dtype)
@@ -86,9 +86,14 @@ def convert_checkpoint(
     return provenance
 
 
-def check_verification_mode(verification: str) -> None:
+def check_verification_mode(verification: str, atol: float | None = None, rtol: float | None = None) -> None:
+    """Refuse an unknown verification mode or an impossible tolerance before anything is read."""
+    from normswap.verify import check_tolerance
+
     if verification not in VERIFICATION_MODES:
         raise NormswapError(f"unknown verification '{verification}'; use one of {', '.join(VERIFICATION_MODES)}")
+    check_tolerance("atol", atol)
+    check_tolerance("rtol", rtol)
 
 
 def write_checkpoint(

@@ -8,6 +8,7 @@ conversion never holds more than the group of tensors it is working on.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -271,6 +272,15 @@ def _load_pickle_shard(file: Path) -> dict[str, torch.Tensor]:
         # torch's own message advises turning the safety off; normswap never does
         raise NormswapError(f"{file} holds Python objects other than tensors; normswap reads only tensors from "
                             ".bin files and runs no code from them") from None
+    except (RuntimeError, EOFError) as error:
+        # torch's own text goes on to paragraphs of advice; its first sentence says what failed
+        reason = str(error).split(". ")[0] or type(error).__name__
+        raise NormswapError(f"{file} is truncated or corrupt: {reason}") from None
+    except OSError as error:
+        if error.errno != errno.EINVAL:  # a file that cannot be opened keeps its OS error
+            raise
+        # the archive's directory points past the end of the file, so it cannot be mapped
+        raise NormswapError(f"{file} is truncated or corrupt: it cannot be mapped ({error.strerror})") from None
     if not isinstance(state, dict):
         raise NormswapError(f"{file} does not hold a state dict")
     for name, value in state.items():

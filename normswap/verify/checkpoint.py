@@ -49,7 +49,10 @@ def verify_checkpoint(original: str | Path, converted: str | Path, *, atol: floa
     there raises ``VerificationError`` naming the tensor, before any model runs.
     """
     from normswap.loading import register_auto_classes
+    from normswap.verify import check_tolerance
 
+    check_tolerance("atol", atol)
+    check_tolerance("rtol", rtol)
     register_auto_classes()  # the converted model's normswap_<type> config must resolve
     original_dir, converted_dir = resolve_source(original), Path(converted).expanduser()
     block, architecture = _check_pair(original_dir, converted_dir, converted)
