@@ -20,6 +20,7 @@ from torch import nn
 import normswap
 from normswap.architectures import architecture_for
 from normswap.convert.source import CheckpointReader, read_config
+from normswap.verify.compare import compare_by_sequence, compare_outputs
 from normswap.verify.layerwise import compare_layerwise
 from normswap.verify.lockstep import SharedReads, run_in_lockstep
 
@@ -150,3 +151,16 @@ def test_shared_reads_keep_a_tensor_until_its_last_reader():
     assert shared.get("w", lambda: read("w")) is first and "w" not in shared.kept
     shared.get("only", lambda: read("only"))
     assert reads == {"w": 1, "only": 1} and not shared.kept
+
+
+def test_position_chunks_give_the_whole_batch_figures():
+    torch.manual_seed(0)
+    reference = torch.randn(2, 21, 37, dtype=torch.float64) * 4
+    candidate = reference + 1e-3 * torch.randn_like(reference)
+    labels = torch.randint(0, 37, (2, 21))
+    whole = compare_outputs(reference, candidate, distribution=True, labels=labels)
+    for positions in (1, 5, 16, 64):
+        chunked = compare_by_sequence(reference, candidate, labels, positions=positions)
+        assert chunked.keys() == whole.keys()
+        for key, value in whole.items():
+            assert chunked[key] == pytest.approx(value, rel=1e-12, abs=1e-15), key

@@ -226,6 +226,13 @@ def _one_by_one(converted: _Converted, runs: list[tuple[str, str]], teacher_forc
         yield label, layers, logits
 
 
+def _turns(model: nn.Module, blocks_path: str) -> list[nn.Module]:
+    """The units a lockstep run takes turns over: the blocks, then the output head (so that the
+    models' vocabulary-wide heads never run at the same time either)."""
+    head = model.get_output_embeddings()
+    return [*model.get_submodule(blocks_path), *([head] if isinstance(head, nn.Module) else [])]
+
+
 def _together(converted: _Converted, runs: list[tuple[str, str]], teacher_forced: bool) -> Iterator[tuple]:
     """(label, per-block figures, logits) for each load, all run in lockstep on shared weight reads."""
     models = [converted.load(how) for _, how in runs]
@@ -234,7 +241,7 @@ def _together(converted: _Converted, runs: list[tuple[str, str]], teacher_forced
         for model in models:
             stack.enter_context(dispatched(model, converted.path, converted.blocks_path, converted.device, shared))
         results = run_in_lockstep([partial(converted.run, model, teacher_forced) for model in models],
-                                  [model.get_submodule(converted.blocks_path) for model in models])
+                                  [_turns(model, converted.blocks_path) for model in models])
         shared.clear()
     del models
     release_memory()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TypeVar
 
@@ -98,7 +98,7 @@ class Turns:
 
 
 @contextmanager
-def _turn_hooks(turns: Turns, block_lists: list[nn.ModuleList]) -> Iterator[None]:
+def _turn_hooks(turns: Turns, block_lists: list[Sequence[nn.Module]]) -> Iterator[None]:
     handles = []
     for model, blocks in enumerate(block_lists):
         for index, block in enumerate(blocks):
@@ -113,7 +113,7 @@ def _turn_hooks(turns: Turns, block_lists: list[nn.ModuleList]) -> Iterator[None
             handle.remove()
 
 
-def run_in_lockstep(runs: list[Callable[[], T]], block_lists: list[nn.ModuleList]) -> list[T]:
+def run_in_lockstep(runs: list[Callable[[], T]], block_lists: list[Sequence[nn.Module]]) -> list[T]:
     """``runs[k]()`` for every k, each in its own thread (the first in this one), taking turns
     block by block over ``block_lists[k]``; their results in order. The first failure is raised
     once every run has stopped."""

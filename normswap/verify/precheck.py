@@ -26,6 +26,7 @@ from normswap.convert.plan import ConversionPlan
 from normswap.convert.source import CheckpointReader, read_config
 from normswap.convert.steps import Centre, FoldGain
 from normswap.errors import NormswapError, VerificationError
+from normswap.memory import release_memory
 
 CHUNK_BYTES = 16 << 20
 # rounding to the stored dtype moves each value by at most half a unit in the last place
@@ -42,6 +43,7 @@ def precheck(original_dir: Path, converted_dir: Path, plan: ConversionPlan | Non
 
     options = (read_config(converted_dir).get("normswap") or {}).get("options", {})
     counts = {"centred": 0, "untouched": 0, "folded": 0, "left_to_models": 0}
+    rebuilt = plan is None
     with CheckpointReader(original_dir) as source, CheckpointReader(converted_dir) as output:
         if plan is None:
             _, plan, _ = plan_conversion(original_dir, read_config(original_dir), source,
@@ -66,6 +68,9 @@ def precheck(original_dir: Path, converted_dir: Path, plan: ConversionPlan | Non
                 counts["folded"] += 1
             else:
                 counts["left_to_models"] += 1
+    if rebuilt:  # the plan's meta model is garbage now: hand its memory back before the models run
+        del plan
+        release_memory()
     return counts
 
 
