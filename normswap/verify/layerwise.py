@@ -5,15 +5,16 @@ read from the checkpoint one block at a time (``offload``), so memory holds one 
 
 The original runs once on the probe; forward hooks record the residual stream h entering and
 leaving every block, and the logits. The converted model carries the centred stream
-C·h = h - mean(h)·1 exactly, so after every block its stream is compared with C·h. It runs on a
-doubled batch:
+C·h = h - mean(h)·1 exactly, so after every block its stream is compared with C·h. Its stock and
+RMSNorm forms run in lockstep on shared weight reads (``lockstep``), each of them:
 
-* the first half runs free: max |C·h_i - h'_i| is the error accumulated up to block i, and its
-  logits give the usual figures (max |Δlogit|, KL, top-1 agreement, perplexity);
-* the second half is teacher-forced: a pre-hook replaces its input to block i by C·h_{i-1}, the
-  original's centred input, so its output measures block i's own error. The worst layer is the
-  block whose own error is largest relative to the stream's size there: a broken block stands out
-  even when later blocks amplify the damage it did.
+* free: max |C·h_i - h'_i| is the error accumulated up to block i, and its logits give the usual
+  figures (max |Δlogit|, KL, top-1 agreement, perplexity) on which the verdict rests;
+* when it fails the tolerance, once more on a doubled batch whose second half is teacher-forced:
+  a pre-hook replaces its input to block i by C·h_{i-1}, the original's centred input, so its
+  output measures block i's own error. The worst layer is the block whose own error is largest
+  relative to the stream's size there: a broken block stands out even when later blocks amplify
+  the damage it did.
 """
 
 from __future__ import annotations
