@@ -104,7 +104,7 @@ def _turn_hooks(turns: Turns, block_lists: list[Sequence[nn.Module]]) -> Iterato
         for index, block in enumerate(blocks):
             handles.append(block.register_forward_pre_hook(
                 lambda module, args, model=model, index=index: turns.enter(model, index)))
-            # registered last, so it runs after the caller's own forward hooks
+            # a turn ends when the block returns; hooks added later (per-block figures) may run past it
             handles.append(block.register_forward_hook(lambda module, args, output, model=model: turns.leave(model)))
     try:
         yield
