@@ -78,8 +78,11 @@ def describe_mode(result: dict) -> str:
     if result.get("mode") != "layerwise":
         return "compared whole models" + (f"; {result['note']}" if result.get("note") else "")
     worst = result["worst_layer"]
-    return (f"compared layer by layer; worst block: {worst['layer']} ({worst['loader']} loader, own max |Δ| = "
-            f"{worst['block_max_abs_diff']:.3g}, {worst['relative']:.3g} of the stream's max |h|)")
+    if "block_max_abs_diff" in worst:
+        return (f"compared layer by layer; worst block: {worst['layer']} ({worst['loader']} loader, own max |Δ| = "
+                f"{worst['block_max_abs_diff']:.3g}, {worst['relative']:.3g} of the stream's max |h|)")
+    return (f"compared layer by layer; worst block: {worst['layer']} ({worst['loader']} loader, stream max |Δ| "
+            f"after it = {worst['max_abs_diff']:.3g}, {worst['relative']:.3g} of the stream's max |h|)")
 
 
 def to_markdown(args: argparse.Namespace, text: str) -> str:

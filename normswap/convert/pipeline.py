@@ -81,7 +81,8 @@ def convert_checkpoint(
             config_json=lambda block: card.converted_config(config, plan, meta, architecture, block),
             verifier=None if verification == "none" else verify_checkpoint,
             must_pass=method == "exact", overwrite=overwrite, quiet=quiet,
-            verify_options={"atol": atol, "rtol": rtol, "layerwise": LAYERWISE[verification], "quiet": quiet},
+            verify_options={"atol": atol, "rtol": rtol, "layerwise": LAYERWISE[verification], "quiet": quiet,
+                            "plan": plan},
         )
     return provenance
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -18,6 +19,7 @@ from torch import nn
 
 from normswap import validation
 from normswap.architectures import Architecture, architecture_for
+from normswap.convert.plan import ConversionPlan
 from normswap.convert.source import first_non_finite, read_config, resolve_source
 from normswap.dtypes import parse_dtype
 from normswap.errors import NormswapError, VerificationError
@@ -25,7 +27,7 @@ from normswap.modeling import MODELING_FILE, build, modeling_sha256
 from normswap.verify import layerwise as by_layer
 from normswap.verify.compare import default_tolerance, within_tolerance
 from normswap.verify.loaders import refusals
-from normswap.verify.offload import Unsupported, unsupported_reason, wants_layerwise
+from normswap.verify.offload import Unsupported, wants_layerwise
 from normswap.verify.precheck import precheck as algebraic_precheck
 from normswap.verify.probes import Probe
 from normswap.verify.whole import compare_whole
@@ -33,7 +35,8 @@ from normswap.verify.whole import compare_whole
 
 def verify_checkpoint(original: str | Path, converted: str | Path, *, atol: float | None = None,
                       rtol: float | None = None, layerwise: bool | None = None, quiet: bool = True,
-                      trust_remote_code: bool = False, precheck: bool = True) -> dict:
+                      trust_remote_code: bool = False, precheck: bool = True,
+                      plan: ConversionPlan | None = None) -> dict:
     """Compare a converted checkpoint with its original on one probe, in float32.
 
     Returns the probe, the tolerance, figures per loader (``stock``: stock transformers' class,
@@ -46,7 +49,9 @@ def verify_checkpoint(original: str | Path, converted: str | Path, *, atol: floa
     the checkpoint's file itself is imported and run instead.
 
     First, unless ``precheck`` is False, the weights alone are checked (``precheck``): a failure
-    there raises ``VerificationError`` naming the tensor, before any model runs.
+    there raises ``VerificationError`` naming the tensor, before any model runs. ``plan`` is the
+    conversion's plan when the caller has it (``convert`` does); else it is rebuilt from the
+    original with the options the conversion recorded.
     """
     from normswap.loading import register_auto_classes
     from normswap.verify import check_tolerance
@@ -62,14 +67,14 @@ def verify_checkpoint(original: str | Path, converted: str | Path, *, atol: floa
         return verify_rotated(original_dir, converted_dir, atol=atol, rtol=rtol, layerwise=layerwise, quiet=quiet,
                               trust_remote_code=trust_remote_code)
     atol, rtol = tolerance(block, atol, rtol)
-    checked = algebraic_precheck(original_dir, converted_dir) if precheck else None
+    checked = algebraic_precheck(original_dir, converted_dir, plan) if precheck else None
     original_config = read_config(original_dir)
     probe, loaders, mode, note = run_comparison(
         original_dir, converted_dir, architecture,
         reference=lambda: build.load_pretrained(build.model_class(original_config, architecture.auto_class),
                                                 original_dir, dtype=torch.float32),
         stock_loadable=block.get("stock_loadable", True), trust_remote_code=trust_remote_code,
-        layerwise=verification_mode(original_dir, architecture, layerwise), quiet=quiet,
+        layerwise=verification_mode(original_dir, architecture, layerwise), quiet=quiet, tolerance=(atol, rtol),
     )
     return summarise(probe, loaders, atol=atol, rtol=rtol, mode=mode, note=note,
                      method=block.get("options", {}).get("method", "exact"), paths=(original_dir, converted_dir),
@@ -129,14 +134,15 @@ def check_modeling_file(block: dict, path: Path) -> None:
 def verification_mode(reference_dir: Path, architecture: Architecture,
                       layerwise: bool | None) -> tuple[str, str | None]:
     """(mode, note): ``layerwise`` when asked for, or (``layerwise=None``) when the model is too big
-    to hold twice, and the model can be run that way; else ``full``."""
+    to hold twice, and its kind can be run that way; else ``full``. Whether this model's
+    structure allows it is found when it is built to run (``run_comparison`` falls back)."""
     if layerwise is False:
         return "full", None
     if layerwise is None and not wants_layerwise(reference_dir):
         return "full", None
-    reason = unsupported_reason(architecture, reference_dir)
-    if reason is not None:
-        return "full", f"layer by layer unavailable ({reason}); compared whole models"
+    if architecture.probe != "causal_lm":
+        return "full", (f"layer by layer unavailable (layer-by-layer verification covers causal LMs; this is a "
+                        f"{architecture.probe} model); compared whole models")
     return "layerwise", None
 
 
@@ -144,9 +150,13 @@ def run_comparison(reference_dir: Path, converted_dir: Path, architecture: Archi
                    reference: Callable[[], nn.Module], stock_loadable: bool, trust_remote_code: bool,
                    layerwise: tuple[str, str | None], quiet: bool,
                    stream_map: by_layer.StreamMap = by_layer.centred64,
+                   tolerance: tuple[float, float] | None = None,
                    ) -> tuple[Probe, dict[str, dict], str, str | None]:
     """(probe, figures per loader, mode, note): block by block when ``layerwise`` (a
-    ``verification_mode`` answer) says so and the model allows it, else whole models."""
+    ``verification_mode`` answer) says so and the model allows it, else whole models.
+
+    With ``tolerance`` (atol, rtol), a block-by-block run teacher-forces only the loads that fail
+    it (``layerwise.compare_layerwise``)."""
     rms_how = "remote" if trust_remote_code else "rmsnorm"
     mode, note = layerwise
     refused = refusals(converted_dir, stock_loadable)
@@ -154,7 +164,10 @@ def run_comparison(reference_dir: Path, converted_dir: Path, architecture: Archi
         try:
             probe, compared = by_layer.compare_layerwise(reference_dir, converted_dir, architecture,
                                                          stock_loadable=stock_loadable, quiet=quiet,
-                                                         rms_how=rms_how, stream_map=stream_map)
+                                                         rms_how=rms_how, stream_map=stream_map,
+                                                         passes=None if tolerance is None else
+                                                         partial(within_tolerance, atol=tolerance[0],
+                                                                 rtol=tolerance[1]))
             return probe, {**refused, **compared}, mode, note
         except Unsupported as error:
             mode, note = "full", f"layer by layer unavailable ({error}); compared whole models"
@@ -202,7 +215,9 @@ def _refuse_non_finite(original_dir: Path, converted_dir: Path) -> None:
 
 
 def _worst_layer(loaders: dict[str, dict]) -> dict:
-    """The worst block over the loaders compared layer by layer, with the loader named."""
-    ranked = [(figures["worst_layer"]["relative"], name) for name, figures in loaders.items() if "worst_layer" in figures]
-    _, name = max(ranked)
+    """The worst block over the loaders compared layer by layer, with the loader named: a block's
+    own error (teacher-forced, measured for a failing loader) before any stream error."""
+    ranked = [(figures["worst_layer"].get("teacher_forced", True), figures["worst_layer"]["relative"], name)
+              for name, figures in loaders.items() if "worst_layer" in figures]
+    *_, name = max(ranked)
     return {"loader": name, **loaders[name]["worst_layer"]}

@@ -97,30 +97,50 @@ def compare_outputs(reference: torch.Tensor, candidate: torch.Tensor, *, distrib
     return figures
 
 
-def compare_by_sequence(reference: torch.Tensor, candidate: torch.Tensor, labels: torch.Tensor | None) -> dict:
-    """``compare_outputs`` over the logits of one probe sequence at a time, merged.
+def compare_by_sequence(reference: torch.Tensor, candidate: torch.Tensor, labels: torch.Tensor | None,
+                        positions: int = 16) -> dict:
+    """``compare_outputs``'s figures for causal logits [batch, n, vocab], computed ``positions``
+    positions of one sequence at a time.
 
     A vocabulary-wide float64 comparison of the whole batch holds several [batch, n, vocab]
-    arrays at once; per sequence it holds one sequence's. Sequences have equal length, so the
-    merge is exact: maxima are maxima, means (KL, top-1 agreement) are means of the per-sequence
-    means, and perplexities (exp of a mean NLL) are geometric means.
+    arrays at once; this holds a few [positions, vocab] ones. The merge is exact: maxima are
+    maxima; KL and top-1 agreement are means over every position; each perplexity is the exp of
+    the mean next-token negative log-likelihood per sequence, and sequences (of equal length)
+    combine by their geometric mean, the exp of the mean over all their next-token terms.
     """
-    rows = []
-    for index in range(reference.shape[0]):
-        rows.append(compare_outputs(
-            reference[index: index + 1].double(), candidate[index: index + 1].double(), distribution=True,
-            labels=None if labels is None else labels[index: index + 1],
-        ))
-    merged = {}
-    for key in rows[0]:
-        values = [row[key] for row in rows]
-        if key.startswith("max_"):
-            merged[key] = max(values)
-        elif key.startswith("perplexity_"):
-            merged[key] = math.exp(sum(math.log(value) for value in values) / len(values))
-        else:
-            merged[key] = sum(values) / len(values)
-    return merged
+    batch, length = reference.shape[:2]
+    totals = dict.fromkeys(("kl", "top1", "nll_reference", "nll_candidate"), 0.0)
+    largest = {"max_abs_diff": 0.0, "max_abs_reference": 0.0}
+    for index in range(batch):
+        for start in range(0, length, positions):
+            ref = reference[index, start: start + positions].double()
+            cand = candidate[index, start: start + positions].double()
+            _chunk_figures(ref, cand, largest, totals)
+            if labels is not None:
+                following = labels[index, start + 1: start + positions + 1]
+                count = following.shape[0]
+                for key, logits in (("nll_reference", ref), ("nll_candidate", cand)):
+                    picked = torch.log_softmax(logits[:count], dim=-1).gather(-1, following[:, None])
+                    totals[key] -= float(picked.sum())
+    figures = {**largest, "mean_kl": totals["kl"] / (batch * length),
+               "top1_agreement": totals["top1"] / (batch * length)}
+    if labels is not None:
+        terms = batch * (length - 1)
+        figures["perplexity_reference"] = math.exp(totals["nll_reference"] / terms)
+        figures["perplexity_candidate"] = math.exp(totals["nll_candidate"] / terms)
+    return figures
+
+
+def _chunk_figures(reference: torch.Tensor, candidate: torch.Tensor, largest: dict, totals: dict) -> None:
+    """Fold one chunk of positions (float64 [positions, vocab]) into the running maxima and sums."""
+    difference = reference - candidate
+    largest["max_abs_diff"] = max(largest["max_abs_diff"], float(difference.abs_().max()))
+    largest["max_abs_reference"] = max(largest["max_abs_reference"], float(reference.abs().max()))
+    del difference
+    log_p, log_q = torch.log_softmax(reference, dim=-1), torch.log_softmax(candidate, dim=-1)
+    totals["top1"] += float((reference.argmax(-1) == candidate.argmax(-1)).sum())
+    log_q.neg_().add_(log_p)  # log p - log q
+    totals["kl"] += float((log_p.exp_() * log_q).sum())
 
 
 def _perplexity(log_probs: torch.Tensor, ids: torch.Tensor) -> float:

@@ -5,22 +5,24 @@ read from the checkpoint one block at a time (``offload``), so memory holds one 
 
 The original runs once on the probe; forward hooks record the residual stream h entering and
 leaving every block, and the logits. The converted model carries the centred stream
-C·h = h - mean(h)·1 exactly, so after every block its stream is compared with C·h. It runs on a
-doubled batch:
+C·h = h - mean(h)·1 exactly, so after every block its stream is compared with C·h. Its stock and
+RMSNorm forms run in lockstep on shared weight reads (``lockstep``), each of them:
 
-* the first half runs free: max |C·h_i - h'_i| is the error accumulated up to block i, and its
-  logits give the usual figures (max |Δlogit|, KL, top-1 agreement, perplexity);
-* the second half is teacher-forced: a pre-hook replaces its input to block i by C·h_{i-1}, the
-  original's centred input, so its output measures block i's own error. The worst layer is the
-  block whose own error is largest relative to the stream's size there: a broken block stands out
-  even when later blocks amplify the damage it did.
+* free: max |C·h_i - h'_i| is the error accumulated up to block i, and its logits give the usual
+  figures (max |Δlogit|, KL, top-1 agreement, perplexity) on which the verdict rests;
+* when it fails the tolerance, once more on a doubled batch whose second half is teacher-forced:
+  a pre-hook replaces its input to block i by C·h_{i-1}, the original's centred input, so its
+  output measures block i's own error. The worst layer is the block whose own error is largest
+  relative to the stream's size there: a broken block stands out even when later blocks amplify
+  the damage it did.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -31,7 +33,8 @@ from normswap.errors import NormswapError
 from normswap.memory import release_memory
 from normswap.threads import on_idle_cores
 from normswap.verify.compare import centred, compare_by_sequence
-from normswap.verify.loaders import each_loader
+from normswap.verify.loaders import checked_form, loader_runs
+from normswap.verify.lockstep import SharedReads, run_in_lockstep
 from normswap.verify.offload import (
     Unsupported,
     converted_model,
@@ -128,15 +131,17 @@ def trace_original(model: nn.Module, blocks: nn.ModuleList, inputs: dict,
 
 @torch.no_grad()
 def trace_converted(model: nn.Module, blocks: nn.ModuleList, inputs: dict, original: Trace,
-                    step: Callable[[], None] | None = None,
-                    stream_map: StreamMap = centred64) -> tuple[list[dict], torch.Tensor]:
-    """Run the converted model free and teacher-forced (a doubled batch); per-block figures and logits.
+                    step: Callable[[], None] | None = None, stream_map: StreamMap = centred64,
+                    teacher_forced: bool = True) -> tuple[list[dict], torch.Tensor]:
+    """Run the converted model on ``inputs``: per-block figures and logits.
 
-    ``stream_map`` turns the original's stream into the one the converted model carries: C·h
-    (default), or C·h·Q for a checkpoint whose residual basis was rotated by Q.
+    It runs free, and with ``teacher_forced`` on a doubled batch whose second half is
+    teacher-forced, for each block's own error (``block_max_abs_diff``). ``stream_map`` turns
+    the original's stream into the one the converted model carries: C·h (default), or C·h·Q for
+    a checkpoint whose residual basis was rotated by Q.
     """
     batch = next(iter(inputs.values())).shape[0]
-    doubled = {name: torch.cat([value, value]) for name, value in inputs.items()}
+    run = {name: torch.cat([value, value]) for name, value in inputs.items()} if teacher_forced else inputs
     layers: list[dict] = []
 
     def force(index: int):
@@ -151,31 +156,34 @@ def trace_converted(model: nn.Module, blocks: nn.ModuleList, inputs: dict, origi
         def hook(module, args, output):
             out = _stream_out(output).double().cpu()
             reference = stream_map(original.output(index))
-            layers.append({
-                "layer": index,
-                "max_abs_diff": float((out[:batch] - reference).abs().max()),
-                "block_max_abs_diff": float((out[batch:] - reference).abs().max()),
-                "max_abs_reference": float(reference.abs().max()),
-            })
+            figures = {"layer": index, "max_abs_diff": float((out[:batch] - reference).abs().max())}
+            if teacher_forced:
+                figures["block_max_abs_diff"] = float((out[batch:] - reference).abs().max())
+            layers.append({**figures, "max_abs_reference": float(reference.abs().max())})
             if step is not None:
                 step()
 
         return hook
 
-    handles = [block.register_forward_pre_hook(force(i), with_kwargs=True) for i, block in enumerate(blocks)]
+    handles = [block.register_forward_pre_hook(force(i), with_kwargs=True) for i, block in enumerate(blocks)
+               ] if teacher_forced else []
     handles += [block.register_forward_hook(compare(i)) for i, block in enumerate(blocks)]
     with _hooks(handles):
-        logits = model(**doubled, use_cache=False).logits[:batch].float().cpu()
+        logits = model(**run, use_cache=False).logits[:batch].float().cpu()
     return layers, logits
 
 
 def worst_layer(layers: list[dict]) -> dict:
-    """The block with the largest own error relative to the stream's size there."""
+    """The block with the largest own error relative to the stream's size there; without
+    teacher-forced figures, the block whose stream error is largest relative to the stream."""
+    key = "block_max_abs_diff" if "block_max_abs_diff" in layers[0] else "max_abs_diff"
+
     def relative(layer: dict) -> float:
-        return layer["block_max_abs_diff"] / max(layer["max_abs_reference"], 1e-30)
+        return layer[key] / max(layer["max_abs_reference"], 1e-30)
 
     worst = max(layers, key=relative)
-    return {"layer": worst["layer"], "block_max_abs_diff": worst["block_max_abs_diff"], "relative": relative(worst)}
+    return {"layer": worst["layer"], key: worst[key], "relative": relative(worst),
+            "teacher_forced": key == "block_max_abs_diff"}
 
 
 def _progress(total: int, quiet: bool):
@@ -184,15 +192,83 @@ def _progress(total: int, quiet: bool):
     return tqdm(total=total, unit="block", desc="verifying layer by layer", delay=1.0, leave=False, disable=quiet)
 
 
+Judge = Callable[[dict], bool]  # whether a loader's logit figures are within the tolerance
+
+
+@dataclass
+class _Converted:
+    """What every run of the converted checkpoint needs."""
+
+    path: Path
+    architecture: Architecture
+    blocks_path: str
+    device: torch.device
+    inputs: dict
+    original: Trace
+    step: Callable[[], None]
+    stream_map: StreamMap
+
+    def run(self, model: nn.Module, teacher_forced: bool) -> tuple[list[dict], torch.Tensor]:
+        return trace_converted(model, model.get_submodule(self.blocks_path), self.inputs, self.original, self.step,
+                               self.stream_map, teacher_forced)
+
+    def load(self, how: str) -> nn.Module:
+        return checked_form(how, converted_model(self.path, self.architecture, how))
+
+
+def _one_by_one(converted: _Converted, runs: list[tuple[str, str]], teacher_forced: bool) -> Iterator[tuple]:
+    """(label, per-block figures, logits) for each load, one model at a time."""
+    for label, how in runs:
+        model = converted.load(how)
+        with dispatched(model, converted.path, converted.blocks_path, converted.device):
+            layers, logits = converted.run(model, teacher_forced)
+        del model
+        release_memory()
+        yield label, layers, logits
+
+
+def _turns(model: nn.Module, blocks_path: str) -> list[nn.Module]:
+    """The units a lockstep run takes turns over: the blocks, then the output head (so that the
+    models' vocabulary-wide heads never run at the same time either)."""
+    head = model.get_output_embeddings()
+    return [*model.get_submodule(blocks_path), *([head] if isinstance(head, nn.Module) else [])]
+
+
+def _together(converted: _Converted, runs: list[tuple[str, str]], teacher_forced: bool) -> Iterator[tuple]:
+    """(label, per-block figures, logits) for each load, all run in lockstep on shared weight reads."""
+    models = [converted.load(how) for _, how in runs]
+    shared = SharedReads()
+    with ExitStack() as stack:
+        for model in models:
+            stack.enter_context(dispatched(model, converted.path, converted.blocks_path, converted.device, shared))
+        results = run_in_lockstep([partial(converted.run, model, teacher_forced) for model in models],
+                                  [_turns(model, converted.blocks_path) for model in models])
+        shared.clear()
+    del models
+    release_memory()
+    for (label, _), (layers, logits) in zip(runs, results, strict=True):
+        yield label, layers, logits
+
+
 @on_idle_cores
 def compare_layerwise(original_dir: Path, converted_dir: Path, architecture: Architecture, *,
                       stock_loadable: bool, quiet: bool = True, rms_how: str = "rmsnorm",
-                      stream_map: StreamMap = centred64) -> tuple[Probe, dict[str, dict]]:
-    """The probe and, per load of the converted checkpoint (``loaders.each_loader``), the logit
+                      stream_map: StreamMap = centred64, passes: Judge | None = None,
+                      shared_reads: bool = True) -> tuple[Probe, dict[str, dict]]:
+    """The probe and, per load of the converted checkpoint (``loaders.loader_runs``), the logit
     figures plus per-block figures and the worst layer.
 
     ``stream_map`` turns the original's stream into the one the converted model must carry.
-    Raises ``Unsupported`` when the model cannot be run this way.
+    With ``shared_reads`` the loads run in lockstep, each block's weights read and converted once
+    for all of them (``lockstep``); the figures are those of separate runs, bit for bit.
+
+    With ``passes`` (the verdict on a loader's logit figures), the loads run free only: the
+    verdict rests on the free run's logits alone, and the teacher-forced half only says which
+    block is to blame for a failure. A load that fails ``passes`` runs again, alone, with the
+    teacher-forced half, and those are its figures. A load that passes keeps its free run's
+    per-block figures (its stream against the original's at every block); its worst layer is
+    the block whose stream error is largest relative to the stream. Without ``passes`` every
+    load runs teacher-forced too. Raises ``Unsupported`` when the model cannot be run this way.
     """
     device = execution_device()
     original = original_model(original_dir, architecture)
@@ -202,7 +278,8 @@ def compare_layerwise(original_dir: Path, converted_dir: Path, architecture: Arc
     blocks_path, blocks = found
     probe = build_probe(architecture.probe, original.config, original_dir)
     inputs = {name: value.to(device) for name, value in probe.inputs.items()}
-    bar = _progress(len(blocks) * (2 + stock_loadable), quiet)
+    runs = loader_runs(stock_loadable, rms_how)
+    bar = _progress(len(blocks) * (1 + len(runs)), quiet)
 
     def step() -> None:
         bar.update()
@@ -213,14 +290,15 @@ def compare_layerwise(original_dir: Path, converted_dir: Path, architecture: Arc
             trace = trace_original(original, blocks, inputs, step)
         del original, blocks
         release_memory()
+        converted = _Converted(converted_dir, architecture, blocks_path, device, inputs, trace, step, stream_map)
+        run_all = _together if shared_reads and len(runs) > 1 else _one_by_one
         loaders: dict[str, dict] = {}
-        load = lambda how: converted_model(converted_dir, architecture, how)  # noqa: E731
-        for label, model in each_loader(stock_loadable, rms_how, load):
-            with dispatched(model, converted_dir, blocks_path, device):
-                layers, logits = trace_converted(model, model.get_submodule(blocks_path), inputs, trace, step,
-                                                 stream_map)
-            del model
+        for label, layers, logits in run_all(converted, runs, teacher_forced=passes is None):
             figures = compare_by_sequence(trace.logits, logits, probe.inputs.get("input_ids"))
+            if passes is not None and not passes(figures):
+                bar.total += len(trace.inputs)
+                (_, layers, logits), = _one_by_one(converted, [(label, dict(runs)[label])], teacher_forced=True)
+                figures = compare_by_sequence(trace.logits, logits, probe.inputs.get("input_ids"))
             loaders[label] = {**figures, "worst_layer": worst_layer(layers), "layers": layers}
     finally:
         bar.close()

@@ -79,16 +79,25 @@ def refusals(path: Path, stock_loadable: bool) -> dict[str, dict]:
     return {} if stock_loadable else {"stock": {"refused": stock_refuses(path)}}
 
 
+def loader_runs(stock_loadable: bool, rms_how: str) -> list[tuple[str, str]]:
+    """(label, how) for each load of a converted checkpoint: ``stock`` (when ``stock_loadable``),
+    then ``rms_how`` as ``remote_code``."""
+    return ([("stock", "stock")] if stock_loadable else []) + [("remote_code", rms_how)]
+
+
+def checked_form(how: str, model: nn.Module) -> nn.Module:
+    """``model``, once it is known to be the form ``how`` names: the RMSNorm model must have no LayerNorm left."""
+    if how != "stock" and any(isinstance(module, nn.LayerNorm) for module in model.modules()):
+        raise NormswapError("the RMSNorm model still has nn.LayerNorm modules")
+    return model
+
+
 def each_loader(stock_loadable: bool, rms_how: str, load: Callable[[str], nn.Module]) -> Iterator[tuple[str, nn.Module]]:
-    """(label, model) for each load of the converted checkpoint, one at a time: ``load(how)`` with
-    ``stock`` (when ``stock_loadable``), then ``rms_how``. The RMSNorm model must have no LayerNorm
-    left. Each model is dropped, and its memory handed back, before the next is loaded: the
-    caller keeps no reference to it past its turn."""
-    runs = ([("stock", "stock")] if stock_loadable else []) + [("remote_code", rms_how)]
-    for label, how in runs:
-        model = load(how)
-        if how != "stock" and any(isinstance(module, nn.LayerNorm) for module in model.modules()):
-            raise NormswapError("the RMSNorm model still has nn.LayerNorm modules")
+    """(label, model) for each load of the converted checkpoint (``loader_runs``), one at a time:
+    ``load(how)``, checked (``checked_form``). Each model is dropped, and its memory handed back,
+    before the next is loaded: the caller keeps no reference to it past its turn."""
+    for label, how in loader_runs(stock_loadable, rms_how):
+        model = checked_form(how, load(how))
         yield label, model
         del model
         release_memory()

@@ -28,6 +28,7 @@ from normswap.convert.source import CheckpointReader, read_config
 from normswap.errors import NormswapError
 from normswap.memory import map_large_allocations, release_memory
 from normswap.modeling import build
+from normswap.verify.lockstep import SharedReads
 
 # Above this many bytes of float32 weights, automatic verification goes layer by layer
 # (a whole-model comparison holds one float32 copy of the model).
@@ -131,10 +132,10 @@ class Float32Weights(Mapping):
     parameter missing from the checkpoint (GPT-2's head) reads the tensor it is tied to.
     """
 
-    def __init__(self, model: nn.Module, reader: CheckpointReader) -> None:
+    def __init__(self, model: nn.Module, reader: CheckpointReader, shared: SharedReads | None = None) -> None:
         from accelerate.utils import find_tied_parameters
 
-        self.reader = reader
+        self.reader, self.shared = reader, shared
         model_keys = set(model.state_dict().keys())
         names = canonical_names(list(reader.tensors), model_keys, model.base_model_prefix,
                                 build.checkpoint_renamer(model))
@@ -147,9 +148,16 @@ class Float32Weights(Mapping):
         missing = [name for name, _ in model.named_parameters(remove_duplicate=False) if name not in self.sources]
         if missing:
             raise NormswapError(f"{reader.path} has no weight for {missing[0]}")
+        if shared is not None:
+            shared.expect(self.sources.values())
 
     def __getitem__(self, name: str) -> torch.Tensor:
         source = self.sources[name]
+        if self.shared is not None:
+            return self.shared.get(source, lambda: self._read(source))
+        return self._read(source)
+
+    def _read(self, source: str) -> torch.Tensor:
         dtype = self.reader.tensors[source].dtype
         return self.reader.read_as(source, torch.float32 if dtype.is_floating_point else dtype)
 
@@ -268,16 +276,18 @@ class Unsupported(Exception):
 
 
 @contextmanager
-def dispatched(model: nn.Module, checkpoint: Path, blocks_path: str, device: torch.device) -> Iterator[nn.Module]:
+def dispatched(model: nn.Module, checkpoint: Path, blocks_path: str, device: torch.device,
+               shared: SharedReads | None = None) -> Iterator[nn.Module]:
     """``model`` with accelerate hooks that load each unit's weights from ``checkpoint`` when it
-    runs (onto ``device``) and drop them when it is done."""
+    runs (onto ``device``) and drop them when it is done; with ``shared``, a weight another
+    dispatched model also reads is read once for both (``lockstep``)."""
     from accelerate import dispatch_model
     from accelerate.hooks import remove_hook_from_module
 
     map_large_allocations()
     release_memory(collect=False)
     with CheckpointReader(checkpoint) as reader:
-        weights = Float32Weights(model, reader)
+        weights = Float32Weights(model, reader, shared)
         stream_vocabulary(model, weights, device)
         with _quiet():
             dispatch_model(model, device_map=device_map_for(model, blocks_path), main_device=str(device),

@@ -22,27 +22,33 @@ from pathlib import Path
 
 import torch
 
+from normswap.convert.plan import ConversionPlan
 from normswap.convert.source import CheckpointReader, read_config
 from normswap.convert.steps import Centre, FoldGain
 from normswap.errors import NormswapError, VerificationError
+from normswap.memory import release_memory
 
 CHUNK_BYTES = 16 << 20
 # rounding to the stored dtype moves each value by at most half a unit in the last place
 ROUNDING_UNITS = 2.0
 
 
-def precheck(original_dir: Path, converted_dir: Path) -> dict:
+def precheck(original_dir: Path, converted_dir: Path, plan: ConversionPlan | None = None) -> dict:
     """Check every centred writer, untouched tensor and folded reader; counts of each checked.
 
-    Raises ``VerificationError`` naming the first tensor that fails."""
+    ``plan`` is the plan the conversion ran, when the caller has it; else it is rebuilt from the
+    original with the options the conversion recorded. Raises ``VerificationError`` naming the
+    first tensor that fails."""
     from normswap.convert.pipeline import plan_conversion
 
     options = (read_config(converted_dir).get("normswap") or {}).get("options", {})
     counts = {"centred": 0, "untouched": 0, "folded": 0, "left_to_models": 0}
+    rebuilt = plan is None
     with CheckpointReader(original_dir) as source, CheckpointReader(converted_dir) as output:
-        _, plan, _ = plan_conversion(original_dir, read_config(original_dir), source,
-                                     method=options.get("method", "exact"),
-                                     fold_gains=bool(options.get("fold_gains", False)), dtype=None)
+        if plan is None:
+            _, plan, _ = plan_conversion(original_dir, read_config(original_dir), source,
+                                         method=options.get("method", "exact"),
+                                         fold_gains=bool(options.get("fold_gains", False)), dtype=None)
         for name, tensor in plan.tensors.items():
             if name not in output.tensors or tensor.source is None:
                 counts["left_to_models"] += 1
@@ -62,6 +68,9 @@ def precheck(original_dir: Path, converted_dir: Path) -> dict:
                 counts["folded"] += 1
             else:
                 counts["left_to_models"] += 1
+    if rebuilt:  # the plan's meta model is garbage now: hand its memory back before the models run
+        del plan
+        release_memory()
     return counts
 
 

@@ -55,7 +55,7 @@ def verify_rotated(reference: str | Path, rotated: str | Path, *, atol: float | 
         reference_dir, rotated_dir, architecture,
         reference=lambda: reference_model(reference_dir, architecture, rms_how=rms_how),
         stock_loadable=False, trust_remote_code=trust_remote_code, layerwise=mode, quiet=quiet,
-        stream_map=stream_map,
+        stream_map=stream_map, tolerance=(atol, rtol),
     )
     return summarise(probe, loaders, atol=atol, rtol=rtol, mode=mode, note=note, method="exact",
                      paths=(reference_dir, rotated_dir), reference="source")

@@ -1,0 +1,145 @@
+"""Several loads of one checkpoint run block by block in turn, sharing each weight read.
+
+The stock and RMSNorm forms of a converted checkpoint hold the same weights: only their norms
+differ. Run one after the other, each would read every block's weights from the checkpoint and
+convert them to float32 again. Run in lockstep (``run_in_lockstep``), the models take turns a
+block at a time: model 0 runs block i, then model 1 runs block i, then model 0 runs block i+1,
+and so on. Each weight is read and converted once (``SharedReads``) by whichever model reaches it
+first, and handed to the other, so memory holds one block's weights at a time, as it does for
+one model.
+
+Each model runs its own class's forward, unchanged, in its own thread; the turns make sure that
+only one computes a block at any moment, so the two never compete for the cores.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import TypeVar
+
+import torch
+from torch import nn
+
+from normswap.errors import NormswapError
+
+T = TypeVar("T")
+
+
+class SharedReads:
+    """Tensors read once and handed to every reader that expects them.
+
+    Each reader declares the sources it will read (``expect``); a source more than one read is
+    expected of is kept from its first read until its last, then dropped."""
+
+    def __init__(self) -> None:
+        self.expected: Counter[str] = Counter()
+        self.kept: dict[str, list] = {}  # source -> [tensor, reads still to come]
+        self.lock = threading.Lock()
+
+    def expect(self, sources: Iterable[str]) -> None:
+        self.expected.update(sources)
+
+    def get(self, source: str, read: Callable[[], torch.Tensor]) -> torch.Tensor:
+        with self.lock:
+            entry = self.kept.get(source)
+            if entry is None:
+                value = read()
+                if self.expected[source] > 1:
+                    self.kept[source] = [value, self.expected[source] - 1]
+                return value
+            entry[1] -= 1
+            if entry[1] <= 0:
+                del self.kept[source]
+            return entry[0]
+
+    def clear(self) -> None:
+        with self.lock:
+            self.kept.clear()
+
+
+class _Aborted(Exception):
+    """Another model of the lockstep failed: this one stops at its next block."""
+
+
+class Turns:
+    """Whose turn it is: model k may start block i once every model before it has finished
+    block i and every model after it has finished block i - 1. A model that has finished its
+    run (or failed) no longer holds anyone up."""
+
+    def __init__(self, count: int) -> None:
+        self.done = [0] * count
+        self.finished = [False] * count
+        self.aborted = False
+        self.condition = threading.Condition()
+
+    def _may_start(self, model: int, block: int) -> bool:
+        return all(self.finished[other] or self.done[other] >= block + (other < model)
+                   for other in range(len(self.done)) if other != model)
+
+    def enter(self, model: int, block: int) -> None:
+        with self.condition:
+            self.condition.wait_for(lambda: self.aborted or self._may_start(model, block))
+            if self.aborted:
+                raise _Aborted
+
+    def leave(self, model: int) -> None:
+        with self.condition:
+            self.done[model] += 1
+            self.condition.notify_all()
+
+    def finish(self, model: int, failed: bool = False) -> None:
+        with self.condition:
+            self.finished[model] = True
+            self.aborted = self.aborted or failed
+            self.condition.notify_all()
+
+
+@contextmanager
+def _turn_hooks(turns: Turns, block_lists: list[Sequence[nn.Module]]) -> Iterator[None]:
+    handles = []
+    for model, blocks in enumerate(block_lists):
+        for index, block in enumerate(blocks):
+            handles.append(block.register_forward_pre_hook(
+                lambda module, args, model=model, index=index: turns.enter(model, index)))
+            # a turn ends when the block returns; hooks added later (per-block figures) may run past it
+            handles.append(block.register_forward_hook(lambda module, args, output, model=model: turns.leave(model)))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def run_in_lockstep(runs: list[Callable[[], T]], block_lists: list[Sequence[nn.Module]]) -> list[T]:
+    """``runs[k]()`` for every k, each in its own thread (the first in this one), taking turns
+    block by block over ``block_lists[k]``; their results in order. The first failure is raised
+    once every run has stopped."""
+    turns = Turns(len(runs))
+    results: list = [None] * len(runs)
+    errors: list[BaseException | None] = [None] * len(runs)
+
+    def run(model: int) -> None:
+        try:
+            results[model] = runs[model]()
+        except BaseException as error:  # noqa: BLE001 (re-raised below, in the calling thread)
+            errors[model] = error
+            turns.finish(model, failed=True)
+        else:
+            turns.finish(model)
+
+    with _turn_hooks(turns, block_lists):
+        threads = [threading.Thread(target=run, args=(model,), daemon=True) for model in range(1, len(runs))]
+        for thread in threads:
+            thread.start()
+        run(0)  # catches everything, so the other threads are always joined
+        for thread in threads:
+            thread.join()
+    failures = [error for error in errors if error is not None and not isinstance(error, _Aborted)]
+    if failures:
+        raise failures[0]
+    if any(errors):
+        raise NormswapError("a lockstep run stopped without a reason")
+    return results

@@ -1,0 +1,166 @@
+"""Layer-by-layer verification with the loads of a conversion in lockstep on shared weight reads.
+
+The stock and RMSNorm forms of a converted checkpoint run block by block in turn, each block's
+weights read and converted once for both. The figures must be those of separate runs, bit for
+bit, on tiny models of several families; each shared weight is read once instead of once per
+load; a failing run stops the other without a hang; a loader that passes runs free only.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+import pytest
+import torch
+import transformers
+from helpers import make_hard, save
+from torch import nn
+
+import normswap
+from normswap.architectures import architecture_for
+from normswap.convert.source import CheckpointReader, read_config
+from normswap.verify.compare import compare_by_sequence, compare_outputs
+from normswap.verify.layerwise import compare_layerwise
+from normswap.verify.lockstep import SharedReads, run_in_lockstep
+
+SMALL = {"vocab_size": 61, "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 1}
+FAMILIES = {
+    "gpt2": lambda: transformers.GPT2Config(n_layer=3, n_embd=32, n_head=4, n_positions=32, **SMALL),
+    "gpt_neox": lambda: transformers.GPTNeoXConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                                                   intermediate_size=64, max_position_embeddings=32,
+                                                   use_parallel_residual=True, tie_word_embeddings=False, **SMALL),
+    "opt": lambda: transformers.OPTConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, ffn_dim=64,
+                                          max_position_embeddings=32, word_embed_proj_dim=16, **SMALL),
+    "falcon": lambda: transformers.FalconConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, **SMALL),
+}
+
+
+def _converted(tmp_path, family: str, fold_gains: bool = True):
+    torch.manual_seed(0)
+    model = make_hard(transformers.AutoModelForCausalLM.from_config(FAMILIES[family]()))
+    src = save(model, tmp_path / "src")
+    out = tmp_path / "rms"
+    normswap.convert_checkpoint(src, out, fold_gains=fold_gains, verification="none")
+    return src, out, architecture_for(read_config(src))
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_shared_reads_give_the_figures_of_separate_runs(tmp_path, family):
+    src, out, architecture = _converted(tmp_path, family)
+    for passes in (None, lambda figures: True):
+        _, together = compare_layerwise(src, out, architecture, stock_loadable=True, passes=passes)
+        _, apart = compare_layerwise(src, out, architecture, stock_loadable=True, passes=passes, shared_reads=False)
+        assert set(together) == {"stock", "remote_code"}
+        assert together == apart  # every figure, bit for bit
+        for figures in together.values():
+            assert len(figures["layers"]) == 3
+            assert figures["max_abs_diff"] <= 1e-4 * figures["max_abs_reference"]
+            assert all(layer["max_abs_diff"] <= 1e-5 * layer["max_abs_reference"] for layer in figures["layers"])
+            forced = [layer.get("block_max_abs_diff") for layer in figures["layers"]]
+            if passes is None:  # teacher-forced too: each block's own error, float32 rounding only
+                assert all(error <= 1e-5 * layer["max_abs_reference"]
+                           for error, layer in zip(forced, figures["layers"], strict=True))
+                assert figures["worst_layer"]["teacher_forced"]
+            else:  # passing loads run free only
+                assert forced == [None] * 3 and not figures["worst_layer"]["teacher_forced"]
+
+
+def test_each_shared_weight_is_read_once(tmp_path, monkeypatch):
+    src, out, architecture = _converted(tmp_path, "gpt2", fold_gains=False)
+    reads: Counter[str] = Counter()
+    read_as = CheckpointReader.read_as
+
+    def counted(self, name, dtype):
+        if self.path == out and ".h." in name:
+            reads[name] += 1
+        return read_as(self, name, dtype)
+
+    monkeypatch.setattr(CheckpointReader, "read_as", counted)
+    compare_layerwise(src, out, architecture, stock_loadable=True, passes=lambda figures: True, shared_reads=False)
+    apart, reads = reads.copy(), Counter()
+    compare_layerwise(src, out, architecture, stock_loadable=True, passes=lambda figures: True)
+    together = reads
+    assert apart and set(together) == set(apart)
+    weights = [name for name in apart if name.endswith("c_attn.weight") or name.endswith("c_fc.weight")]
+    assert len(weights) == 6 and all(apart[name] == 2 and together[name] == 1 for name in weights)
+
+
+def test_a_failing_load_is_teacher_forced_alone(tmp_path):
+    src, out, architecture = _converted(tmp_path, "gpt2")
+    judged = []
+
+    def fails_stock(figures):
+        judged.append(figures["max_abs_diff"])
+        return len(judged) > 1  # the first load judged (stock) fails
+
+    _, loaders = compare_layerwise(src, out, architecture, stock_loadable=True, passes=fails_stock)
+    assert all("block_max_abs_diff" in layer for layer in loaders["stock"]["layers"])
+    assert loaders["stock"]["worst_layer"]["teacher_forced"]
+    assert not any("block_max_abs_diff" in layer for layer in loaders["remote_code"]["layers"])
+
+
+class _Blocks(nn.Module):
+    def __init__(self, name: str, log: list, fail_at: int | None = None) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Step(name, index, log, fail_at) for index in range(4))
+
+    def forward(self) -> str:
+        for block in self.blocks:
+            block()
+        return "done"
+
+
+class _Step(nn.Module):
+    def __init__(self, name: str, index: int, log: list, fail_at: int | None) -> None:
+        super().__init__()
+        self.name, self.index, self.log, self.fail_at = name, index, log, fail_at
+
+    def forward(self) -> None:
+        if self.index == self.fail_at:
+            raise ValueError(f"{self.name} failed at {self.index}")
+        self.log.append((self.name, self.index))
+
+
+def test_lockstep_takes_turns_block_by_block():
+    log: list = []
+    a, b = _Blocks("a", log), _Blocks("b", log)
+    assert run_in_lockstep([a, b], [a.blocks, b.blocks]) == ["done", "done"]
+    assert log == [(name, index) for index in range(4) for name in "ab"]
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+def test_a_failure_in_either_run_stops_both_and_is_raised(failing):
+    log: list = []
+    threads = threading.active_count()
+    models = [_Blocks(name, log, fail_at=2 if index == failing else None) for index, name in enumerate("ab")]
+    with pytest.raises(ValueError, match=f"{'ab'[failing]} failed at 2"):
+        run_in_lockstep(models, [model.blocks for model in models])
+    assert len(log) <= 6 and threading.active_count() == threads
+
+
+def test_shared_reads_keep_a_tensor_until_its_last_reader():
+    shared, reads = SharedReads(), Counter()
+
+    def read(name):
+        reads[name] += 1
+        return torch.zeros(1)
+
+    shared.expect(["w", "w", "only"])
+    first = shared.get("w", lambda: read("w"))
+    assert shared.get("w", lambda: read("w")) is first and "w" not in shared.kept
+    shared.get("only", lambda: read("only"))
+    assert reads == {"w": 1, "only": 1} and not shared.kept
+
+
+def test_position_chunks_give_the_whole_batch_figures():
+    torch.manual_seed(0)
+    reference = torch.randn(2, 21, 37, dtype=torch.float64) * 4
+    candidate = reference + 1e-3 * torch.randn_like(reference)
+    labels = torch.randint(0, 37, (2, 21))
+    whole = compare_outputs(reference, candidate, distribution=True, labels=labels)
+    for positions in (1, 5, 16, 64):
+        chunked = compare_by_sequence(reference, candidate, labels, positions=positions)
+        assert chunked.keys() == whole.keys()
+        for key, value in whole.items():
+            assert chunked[key] == pytest.approx(value, rel=1e-12, abs=1e-15), key
