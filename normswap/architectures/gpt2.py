@@ -1,6 +1,34 @@
 """GPT-2: pre-LN blocks, Conv1D weights stored [in, out], learned positions, tied head."""
 
+from __future__ import annotations
+
+from normswap.architectures.facts import ModelFacts, StateDict, setting, sizes
 from normswap.architectures.spec import assemble, conv1d_reader, embeddings, lm_head, pattern, pre_ln_blocks
+
+
+def _facts(config: dict, *, head: bool) -> ModelFacts | None:
+    """GPT2Model / GPT2LMHeadModel as GPT2Block builds them (cross-attention when configured)."""
+    d = setting(config, "n_embd", 768, "hidden_size")
+    vocab, positions = config.get("vocab_size", 50257), setting(config, "n_positions", 1024, "max_position_embeddings")
+    layers, heads = setting(config, "n_layer", 12, "num_hidden_layers"), setting(config, "n_head", 12, "num_attention_heads")
+    inner = config.get("n_inner") or (4 * d if sizes(d) else None)
+    if not sizes(d, vocab, positions, layers, heads, inner) or d % heads:
+        return None
+    top = "transformer." if head else ""
+    state = StateDict("transformer").add(top + "wte", weight=(vocab, d)).add(top + "wpe", weight=(positions, d))
+    for layer in range(layers):
+        block = f"{top}h.{layer}"
+        state.layer_norm(block + ".ln_1", d).conv1d(block + ".attn.c_attn", d, 3 * d)
+        state.conv1d(block + ".attn.c_proj", d, d).layer_norm(block + ".ln_2", d)
+        if config.get("add_cross_attention"):
+            state.conv1d(block + ".crossattention.c_attn", d, 2 * d).conv1d(block + ".crossattention.q_attn", d, d)
+            state.conv1d(block + ".crossattention.c_proj", d, d).layer_norm(block + ".ln_cross_attn", d)
+        state.conv1d(block + ".mlp.c_fc", d, inner).conv1d(block + ".mlp.c_proj", inner, d)
+    state.layer_norm(top + "ln_f", d)
+    if head:
+        state.add("lm_head", weight=(vocab, d))
+    return state.facts()
+
 
 GPT2 = assemble(
     "gpt2", "AutoModelForCausalLM",
@@ -16,4 +44,7 @@ GPT2 = assemble(
     blocks="transformer.h",
     # the causal-mask buffers that old checkpoints carry; current classes rebuild them
     ignore=(pattern("transformer.h.{layer}.{attn|crossattention}.{bias|masked_bias}"),),
+    classes={"GPT2LMHeadModel": lambda config: _facts(config, head=True),
+             "GPT2Model": lambda config: _facts(config, head=False)},
+    default_class="GPT2LMHeadModel",
 )

@@ -11,31 +11,43 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
-
+from normswap.architectures.facts import ModelFacts
 from normswap.architectures.spec import Architecture
 from normswap.convert.safetensors_io import tensor_nbytes
 from normswap.convert.source import TensorInfo
 from normswap.convert.steps import Bake, Centre, DivideByGain, Fill, FoldBias, FoldGain, Step, Structure
+from normswap.dtypes import dtype_name, is_floating, torch_dtype
 from normswap.errors import NormswapError
+
+if TYPE_CHECKING:  # planning imports no torch; tensors are read and written elsewhere
+    import torch
 
 
 @dataclass
 class TensorPlan:
-    """How one output tensor is made."""
+    """How one output tensor is made. Its dtype is kept by name (a ``torch.dtype`` given is stored
+    as its name); ``dtype`` is the ``torch.dtype``."""
 
     name: str
     source: str | None  # source tensor the value starts from; None for a bias created from zeros
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype_name: str
     shard: str
     steps: list[Step] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.dtype_name = dtype_name(self.dtype_name)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch_dtype(self.dtype_name)
 
     @property
     def nbytes(self) -> int:
         """Bytes of the output tensor."""
-        return tensor_nbytes(self.shape, self.dtype)
+        return tensor_nbytes(self.shape, self.dtype_name)
 
 
 @dataclass
@@ -156,7 +168,7 @@ def build_plan(
     base_prefix: str,
     method: str = "exact",
     fold_gains: bool = False,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | str | None = None,
     read_small: Callable[[str], torch.Tensor] | None = None,
     rename: Callable[[str], str] | None = None,
     module_names: list[str] | None = None,
@@ -195,8 +207,18 @@ def build_plan(
     )
 
 
+def plan_from_facts(architecture: Architecture, config: dict, tensors: dict[str, TensorInfo], facts: ModelFacts,
+                    **options) -> ConversionPlan:
+    """``build_plan`` with the model class's facts taken from ``facts`` (declared by the adapter,
+    or read from a built class by ``normswap.architectures.facts.facts_of_model``); ``options``
+    may replace ``rename`` and ``module_names`` (by transformers' own, for a built class)."""
+    options = {"rename": facts.rename, "module_names": facts.module_names, **options}
+    return build_plan(architecture, config, tensors, model_keys=facts.model_keys,
+                      layer_norm_modules=list(facts.layer_norms), base_prefix=facts.base_prefix, **options)
+
+
 def _tensor_plans(architecture: Architecture, tensors: dict[str, TensorInfo], renamed: dict[str, str],
-                  dtype: torch.dtype | None) -> tuple[dict[str, TensorPlan], list[str], list[str]]:
+                  dtype: torch.dtype | str | None) -> tuple[dict[str, TensorPlan], list[str], list[str]]:
     """A step-less plan per kept tensor (under its canonical name), the dropped names, the output shards."""
     shard_names = output_shard_names(sorted({info.shard for info in tensors.values()}))
     plans: dict[str, TensorPlan] = {}
@@ -206,7 +228,7 @@ def _tensor_plans(architecture: Architecture, tensors: dict[str, TensorInfo], re
         if any(re.fullmatch(pattern, name) for pattern in architecture.ignore):
             dropped.append(name)
             continue
-        out_dtype = dtype if dtype is not None and info.dtype.is_floating_point else info.dtype
+        out_dtype = dtype if dtype is not None and is_floating(info.dtype_name) else info.dtype_name
         plans[name] = TensorPlan(name, info.name, info.shape, out_dtype, shard_names[info.shard])
     return plans, dropped, sorted(set(shard_names.values()))
 
@@ -255,7 +277,7 @@ def _untie(architecture: Architecture, config: dict, plans: dict[str, TensorPlan
         if head in plans and not tied_flag:
             continue  # already a separate matrix
         source = plans[embedding]
-        plans[head] = TensorPlan(head, source.source, source.shape, source.dtype, source.shard)
+        plans[head] = TensorPlan(head, source.source, source.shape, source.dtype_name, source.shard)
         untied.append((head, embedding))
     return untied
 

@@ -20,9 +20,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from normswap.convert.safetensors_io import SafetensorsShard, tensor_nbytes
+from normswap.dtypes import dtype_name, torch_dtype
 from normswap.errors import NormswapError
 
 if TYPE_CHECKING:  # torch is imported where tensors are read: resolving a source stays light
+    import numpy
     import torch
 
 EXAMPLE_MODEL = "normswap:austen-gpt2"
@@ -85,16 +87,27 @@ def read_config(path: Path) -> dict:
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """Where a tensor lives and what it is, known before reading it."""
+    """Where a tensor lives and what it is, known before reading it.
+
+    The dtype is kept by name (``float32``; a ``torch.dtype`` given is stored as its name), so that
+    planning needs no torch; ``dtype`` is the ``torch.dtype`` itself.
+    """
 
     name: str
     shard: str
-    dtype: torch.dtype
+    dtype_name: str
     shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype_name", dtype_name(self.dtype_name))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch_dtype(self.dtype_name)
 
     @property
     def nbytes(self) -> int:
-        return tensor_nbytes(self.shape, self.dtype)
+        return tensor_nbytes(self.shape, self.dtype_name)
 
 
 class CheckpointReader:
@@ -162,6 +175,13 @@ class CheckpointReader:
             if self.is_safetensors:
                 return self._handle(info.shard).read(name)
             return self._handle(info.shard)[name]
+
+    def read_array(self, name: str) -> numpy.ndarray:
+        """The tensor ``name`` as a numpy array, read now (without torch from safetensors shards)."""
+        if self.is_safetensors:
+            with _read_errors(f"tensor {name} from {self.tensors[name].shard}"):
+                return self._handle(self.tensors[name].shard).read_array(name)
+        return self.get(name).float().numpy()
 
     def read_rows(self, name: str, start: int, count: int, buffer: torch.Tensor | None = None) -> torch.Tensor:
         """Rows ``start``..``start+count`` of ``name`` along its first axis, read now (into
