@@ -71,6 +71,7 @@ class StateDict:
     base_prefix: str
     tensors: dict[str, tuple[int, ...]] = field(default_factory=dict)
     layer_norms: list[str] = field(default_factory=list)
+    renames: tuple[tuple[str, str], ...] = COMMON_RENAMES
 
     def add(self, module: str, **shapes: tuple[int, ...]) -> StateDict:
         """Tensors of ``module``: ``add("wte", weight=(vocab, d))``."""
@@ -78,9 +79,12 @@ class StateDict:
             self.tensors[f"{module}.{name}"] = tuple(shape)
         return self
 
-    def layer_norm(self, module: str, width: int) -> StateDict:
+    def layer_norm(self, module: str, width: int, *, affine: bool = True, bias: bool = True) -> StateDict:
+        """An nn.LayerNorm; without ``affine`` it holds no tensor (but is a LayerNorm all the same)."""
         self.layer_norms.append(module)
-        return self.add(module, weight=(width,), bias=(width,))
+        if not affine:
+            return self
+        return self.add(module, weight=(width,), **({"bias": (width,)} if bias else {}))
 
     def linear(self, module: str, inputs: int, outputs: int, *, bias: bool = True) -> StateDict:
         """An nn.Linear: weight [out, in]."""
@@ -91,7 +95,7 @@ class StateDict:
         return self.add(module, weight=(inputs, outputs), bias=(outputs,))
 
     def facts(self) -> ModelFacts:
-        return ModelFacts(self.base_prefix, dict(self.tensors), tuple(self.layer_norms))
+        return ModelFacts(self.base_prefix, dict(self.tensors), tuple(self.layer_norms), self.renames)
 
 
 # config -> facts, per class name an adapter knows
@@ -103,13 +107,16 @@ def declared_facts(classes: FactsByClass, default_class: str | None, config: dic
 
     The class is the first one named in ``architectures`` (without that list, ``default_class``,
     the one the family's Auto class builds). None (an unknown class, a class of another family,
-    a config that names none and no default): the caller builds the class instead, which also
-    gives transformers' own refusals.
+    a config that names none and no default, a setting not stated plainly): the caller builds the
+    class instead, which also gives transformers' own refusals.
     """
     names = config.get("architectures") or ([default_class] if default_class else [])
     name = names[0] if isinstance(names, list) and names else None
     build = classes.get(name) if isinstance(name, str) else None
-    return build(config) if build is not None else None
+    try:
+        return build(config) if build is not None else None
+    except Unstated:
+        return None
 
 
 def facts_of_model(model: nn.Module) -> ModelFacts:
@@ -125,15 +132,23 @@ def facts_of_model(model: nn.Module) -> ModelFacts:
     )
 
 
-def setting(config: dict, key: str, default: object, *aliases: str) -> object:
-    """``config[key]`` as the family's config class reads it: an alias in ``attribute_map``
-    (``hidden_size`` for GPT-2's ``n_embd``) set in config.json overrides the key; else ``default``."""
-    for alias in aliases:
-        if alias in config:
-            return config[alias]
-    return config.get(key, default)
+class Unstated(Exception):
+    """A setting the declared facts depend on is not stated plainly in config.json."""
 
 
-def sizes(*values: object) -> bool:
-    """Whether every value is a positive integer (else the class itself should judge the config)."""
-    return all(isinstance(value, int) and not isinstance(value, bool) and value > 0 for value in values)
+_REQUIRED = object()
+
+
+def stated(config: dict, key: str, default: object = _REQUIRED, *, size: bool = False, aliases: tuple[str, ...] = ()) -> object:
+    """``config[key]``; ``default`` (the config class's constant default) when absent.
+
+    Raises ``Unstated`` when the key is absent without a default, when a config-class alias of it
+    (``attribute_map``: ``hidden_size`` for GPT-2's ``n_embd``) is present, or, with ``size``, when
+    the value is not a positive integer: the class is then built, and judges the config itself.
+    """
+    if any(alias in config for alias in aliases):
+        raise Unstated(key)
+    value = config.get(key, default)
+    if value is _REQUIRED or (size and not (isinstance(value, int) and not isinstance(value, bool) and value > 0)):
+        raise Unstated(key)
+    return value

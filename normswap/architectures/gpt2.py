@@ -2,25 +2,27 @@
 
 from __future__ import annotations
 
-from normswap.architectures.facts import ModelFacts, StateDict, setting, sizes
+from normswap.architectures.facts import ModelFacts, StateDict, Unstated, stated
 from normswap.architectures.spec import assemble, conv1d_reader, embeddings, lm_head, pattern, pre_ln_blocks
 
 
-def _facts(config: dict, *, head: bool) -> ModelFacts | None:
+def _facts(config: dict, *, head: bool) -> ModelFacts:
     """GPT2Model / GPT2LMHeadModel as GPT2Block builds them (cross-attention when configured)."""
-    d = setting(config, "n_embd", 768, "hidden_size")
-    vocab, positions = config.get("vocab_size", 50257), setting(config, "n_positions", 1024, "max_position_embeddings")
-    layers, heads = setting(config, "n_layer", 12, "num_hidden_layers"), setting(config, "n_head", 12, "num_attention_heads")
-    inner = config.get("n_inner") or (4 * d if sizes(d) else None)
-    if not sizes(d, vocab, positions, layers, heads, inner) or d % heads:
-        return None
+    d = stated(config, "n_embd", 768, size=True, aliases=("hidden_size",))
+    vocab = stated(config, "vocab_size", 50257, size=True)
+    positions = stated(config, "n_positions", 1024, size=True, aliases=("max_position_embeddings",))
+    layers = stated(config, "n_layer", 12, size=True, aliases=("num_hidden_layers",))
+    heads = stated(config, "n_head", 12, size=True, aliases=("num_attention_heads",))
+    inner = stated(config, "n_inner", None) or 4 * d
+    if d % heads or not isinstance(inner, int):
+        raise Unstated("n_embd")  # the class refuses it in its own words
     top = "transformer." if head else ""
     state = StateDict("transformer").add(top + "wte", weight=(vocab, d)).add(top + "wpe", weight=(positions, d))
     for layer in range(layers):
         block = f"{top}h.{layer}"
         state.layer_norm(block + ".ln_1", d).conv1d(block + ".attn.c_attn", d, 3 * d)
         state.conv1d(block + ".attn.c_proj", d, d).layer_norm(block + ".ln_2", d)
-        if config.get("add_cross_attention"):
+        if stated(config, "add_cross_attention", False):
             state.conv1d(block + ".crossattention.c_attn", d, 2 * d).conv1d(block + ".crossattention.q_attn", d, d)
             state.conv1d(block + ".crossattention.c_proj", d, d).layer_norm(block + ".ln_cross_attn", d)
         state.conv1d(block + ".mlp.c_fc", d, inner).conv1d(block + ".mlp.c_proj", inner, d)

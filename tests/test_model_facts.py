@@ -1,0 +1,107 @@
+"""The model-class facts adapters declare (normswap.architectures.facts) equal what transformers'
+classes, built on the meta device, give: state-dict names and shapes, LayerNorm modules, the base
+prefix, load-time renaming and the module paths structure patterns resolve to, for every family
+and every config variant the adapters know. Planning from them (``inspect``) gives the same plan
+as planning from the class."""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import pytest
+import transformers
+from test_architectures_causal import CASES as CAUSAL_CASES
+
+from normswap.architectures import ARCHITECTURES
+from normswap.architectures.facts import ModelFacts, facts_of_model
+from normswap.convert.plan import resolve_structure
+from normswap.modeling import build
+
+GPT2_SMALL = {"n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 16, "vocab_size": 61}
+# id -> (config dict as config.json holds it, declared class or None for the family's default)
+CASES: dict[str, dict] = {
+    "gpt2-lm": transformers.GPT2Config(**GPT2_SMALL).to_diff_dict(),
+    "gpt2-base": {**transformers.GPT2Config(**GPT2_SMALL).to_diff_dict(), "architectures": ["GPT2Model"]},
+    "gpt2-cross-attention": transformers.GPT2Config(**GPT2_SMALL, add_cross_attention=True).to_diff_dict(),
+    "gpt2-inner": transformers.GPT2Config(**GPT2_SMALL, n_inner=48).to_diff_dict(),
+    "gpt2-class-defaults": {"model_type": "gpt2", "n_layer": 1},  # every other size from GPT2Config
+    **{case: {**make().to_diff_dict(), "model_type": make().model_type} for case, make in CAUSAL_CASES.items()},
+    "opt-defaults": {"model_type": "opt", "num_hidden_layers": 1},
+    "falcon-old-two-norms": {**CAUSAL_CASES["falcon-parallel-mqa"]().to_diff_dict(), "model_type": "falcon",
+                             "num_ln_in_parallel_attn": 2},
+    "falcon-new-default-norms": {"model_type": "falcon", "num_hidden_layers": 1, "new_decoder_architecture": True,
+                                 "num_kv_heads": 8},
+    "gpt_neox-defaults": {"model_type": "gpt_neox", "num_hidden_layers": 1},
+    "gpt_bigcode-defaults": {"model_type": "gpt_bigcode", "n_layer": 1},
+    "phi-gqa": {**CAUSAL_CASES["phi-tied-headbias"]().to_diff_dict(), "model_type": "phi", "num_key_value_heads": 2},
+}
+
+
+def _class_facts(config: dict) -> tuple[ModelFacts, object]:
+    architecture = ARCHITECTURES[config["model_type"]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        meta = build.meta_model(config, architecture.auto_class)
+    return facts_of_model(meta), meta
+
+
+def _probe_keys(facts: ModelFacts) -> list[str]:
+    """Checkpoint keys to rename: the class's own, without the base prefix, and legacy spellings."""
+    keys = []
+    for name in facts.tensors:
+        stem = name.removeprefix(facts.base_prefix + ".")
+        keys += [name, stem, stem.replace(".weight", ".gamma"), re.sub(r"\.\w+$", ".LayerNorm.beta", stem),
+                 stem.replace(".weight", ".weight_g"), "embed_out." + stem.rsplit(".", 1)[-1]]
+    return keys + ["model.language_model.model.x.weight", "language_model.model.model.y.bias", "embed_out.weight"]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_declared_facts_equal_the_class(case):
+    config = CASES[case]
+    architecture = ARCHITECTURES[config["model_type"]]
+    declared = architecture.facts(config)
+    assert declared is not None, f"{case}: the adapter declares no facts for this config"
+    reference, meta = _class_facts(config)
+    assert declared.base_prefix == reference.base_prefix
+    assert list(declared.tensors.items()) == list(reference.tensors.items())
+    assert declared.layer_norms == reference.layer_norms
+    module_names = [name for name, _ in meta.named_modules()]
+    assert set(declared.module_names) <= set(module_names)
+    assert declared.module_names == [name for name in module_names if name in set(declared.module_names)]
+    renamer = build.checkpoint_renamer(meta)
+    assert {key: declared.rename(key) for key in _probe_keys(reference)} == \
+           {key: renamer(key) for key in _probe_keys(reference)}
+    adapter = architecture.for_config(config)
+    structure = adapter.structure(config)
+    assert resolve_structure(structure, declared.module_names) == resolve_structure(structure, module_names)
+
+
+def test_every_declared_class_is_tested():
+    tested = set()
+    for config in CASES.values():
+        architecture = ARCHITECTURES[config["model_type"]]
+        tested.add((architecture.model_types[0], (config.get("architectures") or [architecture.default_class])[0]))
+    declared = {(architecture.model_types[0], name) for architecture in ARCHITECTURES.values()
+                for name in architecture.classes}
+    assert declared <= tested, f"declared but not compared with transformers: {sorted(declared - tested)}"
+
+
+@pytest.mark.parametrize("config, why", [
+    ({"model_type": "gpt2", "hidden_size": 32, "n_head": 4}, "a config-class alias"),
+    ({"model_type": "gpt2", "n_embd": 30, "n_head": 4}, "a size the class refuses"),
+    ({"model_type": "gpt2", "n_layer": "2"}, "not a positive integer"),
+    ({"model_type": "gpt2", "architectures": ["GPT2ForSequenceClassification"]}, "an undeclared class"),
+    ({"model_type": "gpt2", "architectures": ["BloomForCausalLM"]}, "another family's class"),
+    ({"model_type": "phi", "qk_layernorm": True}, "a variant the adapter refuses"),
+])
+def test_configs_the_declarations_do_not_cover_build_the_class(config, why):
+    assert ARCHITECTURES[config["model_type"]].facts(config) is None, why
+
+
+def test_common_activations_are_transformers_own():
+    from transformers.activations import ACT2CLS
+
+    from normswap.validation import COMMON_ACTIVATIONS
+
+    assert COMMON_ACTIVATIONS <= set(ACT2CLS)
