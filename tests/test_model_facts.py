@@ -15,14 +15,13 @@ from test_architectures_causal import CASES as CAUSAL_CASES
 
 from normswap.architectures import ARCHITECTURES
 from normswap.architectures.facts import ModelFacts, facts_of_model
-from normswap.convert.plan import resolve_structure
+from normswap.convert.names import resolve_structure
 from normswap.modeling import build
 
 GPT2_SMALL = {"n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 16, "vocab_size": 61}
 # id -> (config dict as config.json holds it, declared class or None for the family's default)
 CASES: dict[str, dict] = {
     "gpt2-lm": transformers.GPT2Config(**GPT2_SMALL).to_diff_dict(),
-    "gpt2-base": {**transformers.GPT2Config(**GPT2_SMALL).to_diff_dict(), "architectures": ["GPT2Model"]},
     "gpt2-cross-attention": transformers.GPT2Config(**GPT2_SMALL, add_cross_attention=True).to_diff_dict(),
     "gpt2-inner": transformers.GPT2Config(**GPT2_SMALL, n_inner=48).to_diff_dict(),
     "gpt2-class-defaults": {"model_type": "gpt2", "n_layer": 1},  # every other size from GPT2Config
@@ -91,7 +90,7 @@ def test_every_declared_class_is_tested():
     ({"model_type": "gpt2", "hidden_size": 32, "n_head": 4}, "a config-class alias"),
     ({"model_type": "gpt2", "n_embd": 30, "n_head": 4}, "a size the class refuses"),
     ({"model_type": "gpt2", "n_layer": "2"}, "not a positive integer"),
-    ({"model_type": "gpt2", "architectures": ["GPT2ForSequenceClassification"]}, "an undeclared class"),
+    ({"model_type": "gpt2", "architectures": ["GPT2Model"]}, "an undeclared class"),
     ({"model_type": "gpt2", "architectures": ["BloomForCausalLM"]}, "another family's class"),
     ({"model_type": "phi", "qk_layernorm": True}, "a variant the adapter refuses"),
 ])
@@ -105,3 +104,51 @@ def test_common_activations_are_transformers_own():
     from normswap.validation import COMMON_ACTIVATIONS
 
     assert COMMON_ACTIVATIONS <= set(ACT2CLS)
+
+
+@pytest.mark.parametrize("model_type", sorted(name for name, a in ARCHITECTURES.items() if a.tie_default is not None))
+def test_declared_tie_default_is_the_config_class_default(model_type):
+    architecture = ARCHITECTURES[model_type]
+    config_class = transformers.CONFIG_MAPPING[model_type]
+    assert getattr(config_class(), architecture.tie_flag) is architecture.tie_default
+
+
+def _save(case: str, folder) -> object:
+    """A tiny random checkpoint of ``case``, as save_pretrained writes it."""
+    import torch
+    from helpers import make_hard, save
+
+    config = transformers.AutoConfig.for_model(**CASES[case])
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cls = getattr(transformers, (CASES[case].get("architectures") or [None])[0] or "", None)
+        model = cls(config) if cls is not None else transformers.AutoModelForCausalLM.from_config(config)
+        return save(make_hard(model).eval(), folder / case)
+
+
+def _inspect(src, capsys, *options: str) -> str:
+    from normswap.cli import main
+
+    assert main(["inspect", str(src), *options]) == 0
+    return capsys.readouterr().out
+
+
+INSPECTED = sorted(case for case in CASES if not case.endswith("-defaults") and case != "falcon-new-default-norms")
+
+
+@pytest.mark.parametrize("case", INSPECTED)
+def test_inspect_prints_the_plan_of_the_class(tmp_path, case, capsys, monkeypatch):
+    """Text and JSON, with and without --fold-gains: planning from the declared facts prints
+    exactly what planning from the model class prints."""
+    from normswap.architectures.spec import Architecture
+
+    from normswap.convert.source import read_config
+
+    src = _save(case, tmp_path)
+    config = read_config(src)
+    assert ARCHITECTURES[config["model_type"]].facts(config) is not None  # the declared path is taken
+    options = [(), ("--fold-gains",), ("--json",), ("--json", "--fold-gains")]
+    declared = [_inspect(src, capsys, *option) for option in options]
+    monkeypatch.setattr(Architecture, "facts", lambda self, config: None)  # build the class instead
+    assert declared == [_inspect(src, capsys, *option) for option in options]

@@ -57,4 +57,5 @@ BLOOM = assemble(
     blocks="transformer.h",
     classes={"BloomForCausalLM": _facts},
     default_class="BloomForCausalLM",
+    tie_default=True,
 )

@@ -25,4 +25,5 @@ CODEGEN = replace(
     ignore=(pattern(H + ".attn.{causal_mask|masked_bias}"),),
     classes={"CodeGenForCausalLM": parallel_block_facts(_attention)},
     default_class="CodeGenForCausalLM",
+    tie_default=False,
 )

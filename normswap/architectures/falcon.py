@@ -86,4 +86,5 @@ FALCON = Architecture(
     blocks="transformer.h",
     classes={"FalconForCausalLM": _facts},
     default_class="FalconForCausalLM",
+    tie_default=True,
 )

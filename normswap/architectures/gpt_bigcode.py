@@ -42,4 +42,5 @@ GPT_BIGCODE = assemble(
     ignore=(pattern("transformer.bias"), pattern("transformer.h.{layer}.attn.{bias|masked_bias}")),
     classes={"GPTBigCodeForCausalLM": _facts},
     default_class="GPTBigCodeForCausalLM",
+    tie_default=True,
 )

@@ -45,4 +45,5 @@ GPT_NEO = assemble(
     ignore=(pattern("transformer.h.{layer}.attn.attention.{bias|masked_bias}"),),
     classes={"GPTNeoForCausalLM": _facts},
     default_class="GPTNeoForCausalLM",
+    tie_default=True,
 )

@@ -45,4 +45,5 @@ GPT_NEOX = assemble(
     ignore=(pattern("gpt_neox.layers.{layer}.attention.{bias|masked_bias|rotary_emb.inv_freq}"),),
     classes={"GPTNeoXForCausalLM": _facts},
     default_class="GPTNeoXForCausalLM",
+    tie_default=False,
 )

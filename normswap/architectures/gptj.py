@@ -74,4 +74,5 @@ GPTJ = Architecture(
     ignore=(pattern(H + ".attn.{bias|masked_bias}"),),
     classes={"GPTJForCausalLM": parallel_block_facts(_attention)},
     default_class="GPTJForCausalLM",
+    tie_default=False,
 )

@@ -100,4 +100,5 @@ OPT = Architecture(
     blocks="model.decoder.layers",
     classes={"OPTForCausalLM": _facts},
     default_class="OPTForCausalLM",
+    tie_default=True,
 )

@@ -51,4 +51,5 @@ PHI = assemble(
     blocks="model.layers",
     classes={"PhiForCausalLM": _facts},
     default_class="PhiForCausalLM",
+    tie_default=False,
 )

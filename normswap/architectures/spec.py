@@ -251,6 +251,9 @@ class Architecture:
     refuse: Callable[[dict], str | None] = lambda config: None
     # config keys -> values that say the head is tied (default: tie_word_embeddings, true if absent)
     tie_flag: str = "tie_word_embeddings"
+    # the value the family's config class gives ``tie_flag`` when config.json omits it (None: ask
+    # the config class, which imports transformers)
+    tie_default: bool | None = None
     # tensors dropped from the output: buffers that the current classes no longer keep (regular
     # expressions, compiled from templates with ``pattern``)
     ignore: tuple[str, ...] = ()
