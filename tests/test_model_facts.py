@@ -152,3 +152,20 @@ def test_inspect_prints_the_plan_of_the_class(tmp_path, case, capsys, monkeypatc
     declared = [_inspect(src, capsys, *option) for option in options]
     monkeypatch.setattr(Architecture, "facts", lambda self, config: None)  # build the class instead
     assert declared == [_inspect(src, capsys, *option) for option in options]
+
+
+@pytest.mark.parametrize("options", [(), ("--json", "--fold-gains")])
+def test_inspect_of_the_bundled_model_imports_neither_torch_nor_transformers(options):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "normswap", "inspect", "normswap:austen-gpt2",
+                             *options], capture_output=True, text=True, cwd=root, timeout=120,
+                            env={**os.environ, "PYTHONPATH": str(root)})
+    assert result.returncode == 0, result.stderr
+    imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
+    assert not imported & {"torch", "transformers"}
+    assert "transformer.ln_f" in result.stdout
