@@ -10,6 +10,7 @@ import re
 import warnings
 
 import pytest
+import test_architectures_encoders as ENCODERS
 import transformers
 from test_architectures_causal import CASES as CAUSAL_CASES
 
@@ -33,6 +34,14 @@ CASES: dict[str, dict] = {
                                  "num_kv_heads": 8},
     "gpt_neox-defaults": {"model_type": "gpt_neox", "num_hidden_layers": 1},
     "gpt_bigcode-defaults": {"model_type": "gpt_bigcode", "n_layer": 1},
+    "whisper": {**transformers.WhisperConfig(**ENCODERS.WHISPER).to_diff_dict(), "model_type": "whisper",
+                "architectures": ["WhisperForConditionalGeneration"]},
+    "vit-model": {**transformers.ViTConfig(**ENCODERS.VIT).to_diff_dict(), "model_type": "vit",
+                  "architectures": ["ViTModel"]},
+    "vit-classifier": {**transformers.ViTConfig(**ENCODERS.VIT, num_labels=3).to_diff_dict(), "model_type": "vit",
+                       "architectures": ["ViTForImageClassification"]},
+    "vit-classifier-no-qkv-bias": {**transformers.ViTConfig(**ENCODERS.VIT, qkv_bias=False).to_diff_dict(),
+                                   "model_type": "vit", "architectures": ["ViTForImageClassification"]},
     "phi-gqa": {**CAUSAL_CASES["phi-tied-headbias"]().to_diff_dict(), "model_type": "phi", "num_key_value_heads": 2},
 }
 
@@ -52,7 +61,11 @@ def _probe_keys(facts: ModelFacts) -> list[str]:
         stem = name.removeprefix(facts.base_prefix + ".")
         keys += [name, stem, stem.replace(".weight", ".gamma"), re.sub(r"\.\w+$", ".LayerNorm.beta", stem),
                  stem.replace(".weight", ".weight_g"), "embed_out." + stem.rsplit(".", 1)[-1]]
-    return keys + ["model.language_model.model.x.weight", "language_model.model.model.y.bias", "embed_out.weight"]
+    legacy_vit = [f"{prefix}encoder.layer.1.{name}" for prefix in ("", "vit.") for name in (
+        "attention.attention.query.weight", "attention.attention.key.bias", "attention.attention.value.weight",
+        "attention.output.dense.bias", "intermediate.dense.weight", "output.dense.weight", "layernorm_before.weight")]
+    return keys + legacy_vit + ["model.language_model.model.x.weight", "language_model.model.model.y.bias",
+                                "embed_out.weight"]
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -142,7 +155,6 @@ def test_inspect_prints_the_plan_of_the_class(tmp_path, case, capsys, monkeypatc
     """Text and JSON, with and without --fold-gains: planning from the declared facts prints
     exactly what planning from the model class prints."""
     from normswap.architectures.spec import Architecture
-
     from normswap.convert.source import read_config
 
     src = _save(case, tmp_path)
