@@ -181,3 +181,17 @@ def test_inspect_of_the_bundled_model_imports_neither_torch_nor_transformers(opt
     imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
     assert not imported & {"torch", "transformers"}
     assert "transformer.ln_f" in result.stdout
+
+
+def test_inspect_from_declared_facts_refuses_a_shape_the_config_does_not_imply(tmp_path, capsys):
+    import json
+
+    from normswap.cli import main
+
+    src = _save("gpt2-inner", tmp_path)  # n_inner 48
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "n_inner": 64}))
+    assert ARCHITECTURES["gpt2"].facts({**config, "n_inner": 64}) is not None
+    assert main(["inspect", str(src)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "has shape [48], but" in line and "implies [64]" in line
