@@ -6,6 +6,7 @@ any heavy import.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 from normswap.errors import NormswapError
@@ -64,6 +65,7 @@ def is_floating(dtype: torch.dtype | str) -> bool:
     return dtype.is_floating_point if not isinstance(dtype, str) else dtype.startswith(("float", "bfloat"))
 
 
+@functools.cache
 def torch_dtype(name: str) -> torch.dtype:
     """The ``torch.dtype`` called ``name`` (``float32``); imports torch."""
     import torch

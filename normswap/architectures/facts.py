@@ -5,7 +5,7 @@ shapes, every ``nn.LayerNorm`` in it (a norm the adapter does not describe is re
 ``base_model_prefix``, transformers' load-time renaming of checkpoint keys, and its module
 paths (which resolve the adapter's structure patterns). Building the class on the meta device
 tells all of that, but importing torch and transformers takes seconds; an adapter may instead
-declare, per class it knows, a function of the config that states the same facts (``ClassFacts``),
+declare, per class it knows, a function of the config that states the same facts (``ModelFacts``),
 written the way the class derives its modules from the config. ``facts_of_model`` reads the same
 facts from a built model; a test holds the declarations equal to it for every variant.
 

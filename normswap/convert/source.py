@@ -18,7 +18,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from normswap.convert.reads import RecentReads as RecentReads  # where the writer has always found it
+from normswap.convert.reads import RecentReads as RecentReads  # re-exported for the writer
 from normswap.convert.safetensors_io import SafetensorsShard, tensor_nbytes
 from normswap.dtypes import dtype_name, torch_dtype
 from normswap.errors import NormswapError
