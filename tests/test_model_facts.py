@@ -42,6 +42,12 @@ CASES: dict[str, dict] = {
                        "architectures": ["ViTForImageClassification"]},
     "vit-classifier-no-qkv-bias": {**transformers.ViTConfig(**ENCODERS.VIT, qkv_bias=False).to_diff_dict(),
                                    "model_type": "vit", "architectures": ["ViTForImageClassification"]},
+    **{f"clip-{name}": {**config().to_diff_dict(), "model_type": config().model_type, "architectures": [cls.__name__]}
+       for name, (cls, config, _) in ENCODERS.CLIP_CASES.items()},
+    "clip-text-projection": {**transformers.CLIPTextConfig(**ENCODERS.CLIP_TEXT).to_diff_dict(),
+                             "model_type": "clip_text_model", "architectures": ["CLIPTextModelWithProjection"]},
+    "clip-vision-projection": {**transformers.CLIPVisionConfig(**ENCODERS.CLIP_VISION).to_diff_dict(),
+                               "model_type": "clip_vision_model", "architectures": ["CLIPVisionModelWithProjection"]},
     "phi-gqa": {**CAUSAL_CASES["phi-tied-headbias"]().to_diff_dict(), "model_type": "phi", "num_key_value_heads": 2},
 }
 
@@ -64,7 +70,10 @@ def _probe_keys(facts: ModelFacts) -> list[str]:
     legacy_vit = [f"{prefix}encoder.layer.1.{name}" for prefix in ("", "vit.") for name in (
         "attention.attention.query.weight", "attention.attention.key.bias", "attention.attention.value.weight",
         "attention.output.dense.bias", "intermediate.dense.weight", "output.dense.weight", "layernorm_before.weight")]
-    return keys + legacy_vit + ["model.language_model.model.x.weight", "language_model.model.model.y.bias",
+    legacy_clip = [f"{scope}{tower}_model.{name}" for scope in ("", "text_model.", "vision_model.")
+                   for tower in ("text", "vision") for name in (
+        "encoder.layers.0.layer_norm1.weight", "embeddings.class_embedding", "final_layer_norm.bias")]
+    return keys + legacy_vit + legacy_clip + ["model.language_model.model.x.weight", "language_model.model.model.y.bias",
                                 "embed_out.weight"]
 
 

@@ -74,9 +74,9 @@ class StateDict:
     renames: tuple[tuple[str, str], ...] = COMMON_RENAMES
 
     def add(self, module: str, **shapes: tuple[int, ...]) -> StateDict:
-        """Tensors of ``module``: ``add("wte", weight=(vocab, d))``."""
+        """Tensors of ``module`` ("" for the model itself): ``add("wte", weight=(vocab, d))``."""
         for name, shape in shapes.items():
-            self.tensors[f"{module}.{name}"] = tuple(shape)
+            self.tensors[f"{module}.{name}" if module else name] = tuple(shape)
         return self
 
     def layer_norm(self, module: str, width: int, *, affine: bool = True, bias: bool = True) -> StateDict:
