@@ -6,6 +6,7 @@ any heavy import.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 from normswap.errors import NormswapError
@@ -41,6 +42,32 @@ def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
     return getattr(torch, canonical_name(name))
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """The name config.json and provenance record: ``float32``, ``bfloat16``, ..."""
-    return str(dtype).removeprefix("torch.")
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """The name config.json and provenance record: ``float32``, ``bfloat16``, ... (a name is
+    returned as it is)."""
+    return dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+
+
+# bytes per element of every dtype a checkpoint may hold, by torch's name for it
+ITEMSIZE: dict[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
+    "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
+}
+
+
+def itemsize(dtype: torch.dtype | str) -> int:
+    """Bytes per element of ``dtype`` (a ``torch.dtype`` or its name), without importing torch."""
+    return dtype.itemsize if not isinstance(dtype, str) else ITEMSIZE[dtype]
+
+
+def is_floating(dtype: torch.dtype | str) -> bool:
+    """Whether ``dtype`` (a ``torch.dtype`` or its name) is a floating-point type."""
+    return dtype.is_floating_point if not isinstance(dtype, str) else dtype.startswith(("float", "bfloat"))
+
+
+@functools.cache
+def torch_dtype(name: str) -> torch.dtype:
+    """The ``torch.dtype`` called ``name`` (``float32``); imports torch."""
+    import torch
+
+    return getattr(torch, name)

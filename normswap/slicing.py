@@ -222,7 +222,7 @@ def write_sliced(out_dir: Path, plan, reader: CheckpointReader, roles: dict[str,
             value = extra[name].to(dtype)
         else:
             tensor = plan.tensors[name]
-            folded = compute_tensor(replace(tensor, dtype=torch.float64), reader.get)
+            folded = compute_tensor(replace(tensor, dtype_name="float64"), reader.get)
             value = sliced_tensor(name, folded, roles.get(name), bases, d).to(tensor.dtype)
         if size and size + value.nbytes > SHARD_BYTES:
             shards.append({})

@@ -167,9 +167,17 @@ def _number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+# activation names transformers knows (transformers.activations.ACT2CLS; a test keeps them a
+# subset): checked without importing transformers, which is asked only about other names
+COMMON_ACTIVATIONS = frozenset({"gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh", "quick_gelu", "relu", "silu",
+                                "swish", "tanh", "sigmoid", "linear"})
+
+
 def _known_activation(value: object) -> bool:
     if not isinstance(value, str):
         return False
+    if value in COMMON_ACTIVATIONS:
+        return True
     from transformers.activations import ACT2CLS
 
     return value in ACT2CLS

@@ -7,6 +7,8 @@ In one run, each step a fresh process, repeated ``--repeat`` times (min and medi
   each start-up step also records whether torch or transformers was imported (``-X importtime``);
 * ``normswap inspect normswap:austen-gpt2``; with ``--before TREE``, each of these steps also run
   from an older source tree, interleaved, for before/after figures from the same run;
+* ``inspect``: ``import torch`` against ``normswap inspect normswap:austen-gpt2`` (text, and
+  ``--json --fold-gains``), interleaved (and from ``--before TREE``), for the inspect target;
 * ``normswap eval austen-rms --baseline normswap:austen-gpt2 --tasks local`` (the bundled model
   converted once first);
 * ``normswap run recipes/austen-gpt2.yaml``;
@@ -41,7 +43,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "bench_cli.json"
-STEPS = ("startup", "eval", "run", "convert", "install")
+STEPS = ("startup", "inspect", "eval", "run", "convert", "install")
 EXTRAS = ("", "eval", "plot", "kernels", "all", "test")
 HEAVY = ("torch", "transformers", "lm_eval")
 PROJECT_REQUIREMENTS: list[str] = []  # filled from pyproject.toml, for self-referencing extras
@@ -81,15 +83,27 @@ def repeated(command: list[str], cwd: Path, repeat: int, importtime: bool = Fals
 
 
 def bench_startup(work: Path, repeat: int, before: Path | None) -> dict:
-    torch_cmd = [sys.executable, "-c", "import torch"]
-    commands = {
+    return side_by_side({
         "normswap --help": normswap("--help"),
         "normswap --version": normswap("--version"),
         "normswap convert (bad path)": normswap("convert", "/no/such/checkpoint", "--out", str(work / "x")),
         "normswap convert (bad flag)": normswap("convert", "normswap:austen-gpt2", "--no-such-flag"),
         "normswap eval (bad path)": normswap("eval", "/no/such/checkpoint"),
         "normswap inspect normswap:austen-gpt2": normswap("inspect", "normswap:austen-gpt2"),
-    }
+    }, work, repeat, before)
+
+
+def bench_inspect(work: Path, repeat: int, before: Path | None) -> dict:
+    return side_by_side({
+        "normswap inspect normswap:austen-gpt2": normswap("inspect", "normswap:austen-gpt2"),
+        "normswap inspect normswap:austen-gpt2 --json --fold-gains": normswap("inspect", "normswap:austen-gpt2",
+                                                                               "--json", "--fold-gains"),
+    }, work, repeat, before)
+
+
+def side_by_side(commands: dict[str, list[str]], work: Path, repeat: int, before: Path | None) -> dict:
+    """Each command against ``import torch``, interleaved, ``repeat`` times (and from ``before``)."""
+    torch_cmd = [sys.executable, "-c", "import torch"]
     steps = {"import torch": (torch_cmd, ROOT)}
     for name, command in commands.items():
         steps[name] = (command, ROOT)
@@ -211,7 +225,7 @@ def bench_install() -> dict:
 def table(report: dict) -> str:
     lines = ["| step | min s | median s | × import torch (median) | heavy imports |", "|---|---|---|---|---|"]
     torch_median = report.get("startup", {}).get("import torch", {}).get("median")
-    for name, figures in report.get("startup", {}).items():
+    for name, figures in [*report.get("startup", {}).items(), *report.get("inspect", {}).items()]:
         heavy = ", ".join(figures["runs"][0].get("heavy_imports", [])) or "-"
         lines.append(f"| {name} | {figures['min']:.3f} | {figures['median']:.3f} | {figures['over_import_torch']:.3f} "
                      f"| {heavy if name != 'import torch' else 'torch'} |")
@@ -251,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if "startup" in steps:
             report["startup"] = bench_startup(work, args.repeat, args.before)
+        if "inspect" in steps:
+            report["inspect"] = bench_inspect(work, args.repeat, args.before)
         if steps & {"eval", "run"}:
             report["commands"] = bench_commands(work, args.slow_repeat, steps)
         if "convert" in steps:

@@ -13,6 +13,9 @@ position biases to attention scores and never writes the stream. A checkpoint wi
 are writers) and is refused.
 """
 
+from __future__ import annotations
+
+from normswap.architectures.facts import ModelFacts, StateDict, stated
 from normswap.architectures.spec import (
     EmbeddingNormBake,
     assemble,
@@ -22,6 +25,23 @@ from normswap.architectures.spec import (
     pre_ln_blocks,
     refuse_if,
 )
+
+
+def _facts(config: dict) -> ModelFacts:
+    """BloomForCausalLM as BloomBlock builds it."""
+    d = stated(config, "hidden_size", 64, size=True, aliases=("n_embed",))
+    vocab = stated(config, "vocab_size", 250880, size=True)
+    layers = stated(config, "n_layer", 2, size=True, aliases=("num_hidden_layers",))
+    stated(config, "n_head", 8, size=True, aliases=("num_attention_heads",))
+    state = StateDict("transformer").add("transformer.word_embeddings", weight=(vocab, d))
+    state.layer_norm("transformer.word_embeddings_layernorm", d)
+    for layer in range(layers):
+        block = f"transformer.h.{layer}"
+        state.layer_norm(block + ".input_layernorm", d).linear(block + ".self_attention.query_key_value", d, 3 * d)
+        state.linear(block + ".self_attention.dense", d, d).layer_norm(block + ".post_attention_layernorm", d)
+        state.linear(block + ".mlp.dense_h_to_4h", d, 4 * d).linear(block + ".mlp.dense_4h_to_h", 4 * d, d)
+    return state.layer_norm("transformer.ln_f", d).add("lm_head", weight=(vocab, d)).facts()
+
 
 BLOOM = assemble(
     "bloom", "AutoModelForCausalLM",
@@ -35,4 +55,7 @@ BLOOM = assemble(
         "apply_residual_connection_post_layernorm makes each norm's output the residual, so the norms "
         "write the stream and their mean removal cannot be moved into the weights")),
     blocks="transformer.h",
+    classes={"BloomForCausalLM": _facts},
+    default_class="BloomForCausalLM",
+    tie_default=True,
 )

@@ -26,6 +26,11 @@ In short: the vision stream is centred after ``pre_layrnorm`` in the RMSNorm cla
 vision ``last_hidden_state`` is exact only up to its per-token mean.
 """
 
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from normswap.architectures.facts import COMMON_RENAMES, ModelFacts, StateDict, Unstated, stated
 from normswap.architectures.spec import (
     CENTRE_OUTPUT,
     Norm,
@@ -58,6 +63,80 @@ def _structure(config: dict) -> dict[str, list[str]]:
     return {CENTRE_OUTPUT: [pattern("{vision_model.|}pre_layrnorm")]}
 
 
+
+
+def _drop_repeated(tower: str, scope: bool) -> tuple[str, str]:
+    """transformers' renaming of a tower-prefixed key inside the tower module (a checkpoint saved
+    from the other class layout): ``text_model.x`` -> ``x`` in the tower itself, or, where the
+    tower is a submodule ``text_model``, ``text_model.text_model.x`` -> ``text_model.x``."""
+    if scope:
+        return rf"^{tower}_model\.{tower}_model\.(.+)", rf"{tower}_model.\1"
+    return rf"^{tower}_model\.(.+)", r"\1"
+
+
+def _encoder(state: StateDict, tower: str, config: dict) -> int:
+    """The layers of one tower (``text_model.`` or ``vision_model.`` or ""), after its embeddings."""
+    d, inner = stated(config, "hidden_size", size=True), stated(config, "intermediate_size", size=True)
+    for layer in range(stated(config, "num_hidden_layers", size=True)):
+        block = f"{tower}encoder.layers.{layer}"
+        for projection in ("k_proj", "v_proj", "q_proj", "out_proj"):
+            state.linear(f"{block}.self_attn.{projection}", d, d)
+        state.layer_norm(block + ".layer_norm1", d).linear(block + ".mlp.fc1", d, inner)
+        state.linear(block + ".mlp.fc2", inner, d).layer_norm(block + ".layer_norm2", d)
+    return d
+
+
+def _text(state: StateDict, tower: str, config: dict) -> int:
+    d = stated(config, "hidden_size", size=True)
+    state.add(tower + "embeddings.token_embedding", weight=(stated(config, "vocab_size", size=True), d))
+    state.add(tower + "embeddings.position_embedding", weight=(stated(config, "max_position_embeddings", size=True), d))
+    _encoder(state, tower, config)
+    state.layer_norm(tower + "final_layer_norm", d)
+    return d
+
+
+def _vision(state: StateDict, tower: str, config: dict) -> int:
+    d, patch = stated(config, "hidden_size", size=True), stated(config, "patch_size", size=True)
+    patches = (stated(config, "image_size", size=True) // patch) ** 2
+    state.add(tower + "embeddings", class_embedding=(d,))
+    state.add(tower + "embeddings.patch_embedding", weight=(d, stated(config, "num_channels", size=True), patch, patch))
+    state.add(tower + "embeddings.position_embedding", weight=(patches + 1, d)).layer_norm(tower + "pre_layrnorm", d)
+    _encoder(state, tower, config)
+    state.layer_norm(tower + "post_layernorm", d)
+    return d
+
+
+def _tower_facts(kind: str, projection: bool) -> Callable[[dict], ModelFacts]:
+    """CLIPTextModel, CLIPVisionModel and their ``WithProjection`` forms."""
+    build = _text if kind == "text" else _vision
+    renames = (_drop_repeated(kind, scope=projection), *COMMON_RENAMES)
+
+    def facts(config: dict) -> ModelFacts:
+        if not projection:
+            state = StateDict("clip", renames=renames)
+            build(state, "", config)
+            return state.facts()
+        state = StateDict(f"{kind}_model", renames=renames)
+        d = build(state, f"{kind}_model.", config)
+        head = "text_projection" if kind == "text" else "visual_projection"
+        return state.linear(head, d, stated(config, "projection_dim", size=True), bias=False).facts()
+
+    return facts
+
+
+def _model_facts(config: dict) -> ModelFacts:
+    """CLIPModel: both towers under their prefixes, and the two projections."""
+    text, vision = stated(config, "text_config"), stated(config, "vision_config")
+    if not isinstance(text, dict) or not isinstance(vision, dict):
+        raise Unstated("text_config")
+    projection = stated(config, "projection_dim", size=True)
+    renames = (_drop_repeated("text", scope=True), _drop_repeated("vision", scope=True), *COMMON_RENAMES)
+    state = StateDict("clip", renames=renames).add("", logit_scale=())
+    text_width, vision_width = _text(state, "text_model.", text), _vision(state, "vision_model.", vision)
+    state.linear("visual_projection", vision_width, projection, bias=False)
+    return state.linear("text_projection", text_width, projection, bias=False).facts()
+
+
 CLIP = assemble(
     ("clip", "clip_text_model", "clip_vision_model"), "AutoModel",
     embeddings(P + "embeddings.{token_embedding|position_embedding}.weight"),
@@ -74,4 +153,8 @@ CLIP = assemble(
     refuse=_refuse,
     structure=_structure,
     probe="clip",
+    classes={"CLIPModel": _model_facts, "CLIPTextModel": _tower_facts("text", False),
+             "CLIPTextModelWithProjection": _tower_facts("text", True),
+             "CLIPVisionModel": _tower_facts("vision", False),
+             "CLIPVisionModelWithProjection": _tower_facts("vision", True)},
 )

@@ -5,14 +5,25 @@ Everything but the attention's input is GPT-J's (see gptj.py): ``ln_1`` is read 
 ``out_proj`` (no bias) and ``fc_out``. ``ln_f``'s β folds into the ``lm_head`` bias.
 """
 
+from __future__ import annotations
+
 from dataclasses import replace
 
-from normswap.architectures.gptj import GPTJ, H, parallel_block_norms
+from normswap.architectures.facts import StateDict
+from normswap.architectures.gptj import GPTJ, H, parallel_block_facts, parallel_block_norms
 from normswap.architectures.spec import linear_reader, pattern
+
+
+def _attention(state: StateDict, attention: str, d: int) -> None:
+    state.linear(attention + ".out_proj", d, d, bias=False).linear(attention + ".qkv_proj", d, 3 * d, bias=False)
+
 
 CODEGEN = replace(
     GPTJ,
     model_types=("codegen",),
     norms=parallel_block_norms(linear_reader(H + ".attn.qkv_proj", bias=False)),
     ignore=(pattern(H + ".attn.{causal_mask|masked_bias}"),),
+    classes={"CodeGenForCausalLM": parallel_block_facts(_attention)},
+    default_class="CodeGenForCausalLM",
+    tie_default=False,
 )

@@ -1,6 +1,32 @@
 """GPT-2: pre-LN blocks, Conv1D weights stored [in, out], learned positions, tied head."""
 
+from __future__ import annotations
+
+from normswap.architectures.facts import ModelFacts, StateDict, Unstated, stated
 from normswap.architectures.spec import assemble, conv1d_reader, embeddings, lm_head, pattern, pre_ln_blocks
+
+
+def _facts(config: dict) -> ModelFacts:
+    """GPT2LMHeadModel as GPT2Block builds it (cross-attention when configured)."""
+    d = stated(config, "n_embd", 768, size=True, aliases=("hidden_size",))
+    vocab = stated(config, "vocab_size", 50257, size=True)
+    positions = stated(config, "n_positions", 1024, size=True, aliases=("max_position_embeddings",))
+    layers = stated(config, "n_layer", 12, size=True, aliases=("num_hidden_layers",))
+    heads = stated(config, "n_head", 12, size=True, aliases=("num_attention_heads",))
+    inner = stated(config, "n_inner", None) or 4 * d
+    if d % heads or not isinstance(inner, int):
+        raise Unstated("n_embd")  # the class refuses it in its own words
+    state = StateDict("transformer").add("transformer.wte", weight=(vocab, d)).add("transformer.wpe", weight=(positions, d))
+    for layer in range(layers):
+        block = f"transformer.h.{layer}"
+        state.layer_norm(block + ".ln_1", d).conv1d(block + ".attn.c_attn", d, 3 * d)
+        state.conv1d(block + ".attn.c_proj", d, d).layer_norm(block + ".ln_2", d)
+        if stated(config, "add_cross_attention", False):
+            state.conv1d(block + ".crossattention.c_attn", d, 2 * d).conv1d(block + ".crossattention.q_attn", d, d)
+            state.conv1d(block + ".crossattention.c_proj", d, d).layer_norm(block + ".ln_cross_attn", d)
+        state.conv1d(block + ".mlp.c_fc", d, inner).conv1d(block + ".mlp.c_proj", inner, d)
+    return state.layer_norm("transformer.ln_f", d).add("lm_head", weight=(vocab, d)).facts()
+
 
 GPT2 = assemble(
     "gpt2", "AutoModelForCausalLM",
@@ -16,4 +42,7 @@ GPT2 = assemble(
     blocks="transformer.h",
     # the causal-mask buffers that old checkpoints carry; current classes rebuild them
     ignore=(pattern("transformer.h.{layer}.{attn|crossattention}.{bias|masked_bias}"),),
+    classes={"GPT2LMHeadModel": _facts},
+    default_class="GPT2LMHeadModel",
+    tie_default=True,
 )

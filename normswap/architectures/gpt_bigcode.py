@@ -6,7 +6,31 @@ Writers: token and position tables, ``attn.c_proj`` and ``mlp.c_proj`` (weights 
 biases); cross-attention (when configured) reads the stream through ``q_attn`` only.
 """
 
+from __future__ import annotations
+
+from normswap.architectures.facts import ModelFacts, StateDict, Unstated, stated
 from normswap.architectures.spec import assemble, embeddings, linear_reader, lm_head, pattern, pre_ln_blocks
+
+
+def _facts(config: dict) -> ModelFacts:
+    """GPTBigCodeForCausalLM as GPTBigCodeBlock builds it (cross-attention is left to the class)."""
+    d = stated(config, "n_embd", 768, size=True, aliases=("hidden_size",))
+    vocab = stated(config, "vocab_size", 50257, size=True)
+    positions = stated(config, "n_positions", 1024, size=True, aliases=("max_position_embeddings",))
+    layers = stated(config, "n_layer", 12, size=True, aliases=("num_hidden_layers",))
+    heads = stated(config, "n_head", 12, size=True, aliases=("num_attention_heads",))
+    inner = stated(config, "n_inner", None) or 4 * d
+    if stated(config, "add_cross_attention", False) or d % heads:
+        raise Unstated("add_cross_attention")
+    key_value = d // heads if stated(config, "multi_query", True) else d
+    state = StateDict("transformer").add("transformer.wte", weight=(vocab, d)).add("transformer.wpe", weight=(positions, d))
+    for layer in range(layers):
+        block = f"transformer.h.{layer}"
+        state.layer_norm(block + ".ln_1", d).linear(block + ".attn.c_attn", d, d + 2 * key_value)
+        state.linear(block + ".attn.c_proj", d, d).layer_norm(block + ".ln_2", d)
+        state.linear(block + ".mlp.c_fc", d, inner).linear(block + ".mlp.c_proj", inner, d)
+    return state.layer_norm("transformer.ln_f", d).add("lm_head", weight=(vocab, d)).facts()
+
 
 GPT_BIGCODE = assemble(
     "gpt_bigcode", "AutoModelForCausalLM",
@@ -16,4 +40,7 @@ GPT_BIGCODE = assemble(
     lm_head("transformer.ln_f", tied_to="transformer.wte.weight"),
     blocks="transformer.h",
     ignore=(pattern("transformer.bias"), pattern("transformer.h.{layer}.attn.{bias|masked_bias}")),
+    classes={"GPTBigCodeForCausalLM": _facts},
+    default_class="GPTBigCodeForCausalLM",
+    tie_default=True,
 )

@@ -6,7 +6,30 @@ folds into them and β stays in the norm as β/γ (the plan's policy when a read
 slot). The local attention window changes which positions are mixed, not what is written.
 """
 
+from __future__ import annotations
+
+from normswap.architectures.facts import ModelFacts, StateDict, stated
 from normswap.architectures.spec import assemble, embeddings, linear_reader, lm_head, pattern, pre_ln_blocks
+
+
+def _facts(config: dict) -> ModelFacts:
+    """GPTNeoForCausalLM as GPTNeoBlock builds it."""
+    d = stated(config, "hidden_size", 2048, size=True)
+    vocab = stated(config, "vocab_size", 50257, size=True)
+    positions = stated(config, "max_position_embeddings", 2048, size=True)
+    layers = stated(config, "num_layers", 24, size=True, aliases=("num_hidden_layers",))
+    stated(config, "num_heads", 16, size=True, aliases=("num_attention_heads",))
+    inner = stated(config, "intermediate_size", None) or 4 * d
+    state = StateDict("transformer").add("transformer.wte", weight=(vocab, d)).add("transformer.wpe", weight=(positions, d))
+    for layer in range(layers):
+        block = f"transformer.h.{layer}"
+        state.layer_norm(block + ".ln_1", d)
+        for projection in ("k_proj", "v_proj", "q_proj"):
+            state.linear(f"{block}.attn.attention.{projection}", d, d, bias=False)
+        state.linear(block + ".attn.attention.out_proj", d, d).layer_norm(block + ".ln_2", d)
+        state.linear(block + ".mlp.c_fc", d, inner).linear(block + ".mlp.c_proj", inner, d)
+    return state.layer_norm("transformer.ln_f", d).add("lm_head", weight=(vocab, d)).facts()
+
 
 GPT_NEO = assemble(
     "gpt_neo", "AutoModelForCausalLM",
@@ -20,4 +43,7 @@ GPT_NEO = assemble(
     blocks="transformer.h",
     # causal-mask buffers that old checkpoints carry; the current class rebuilds them
     ignore=(pattern("transformer.h.{layer}.attn.attention.{bias|masked_bias}"),),
+    classes={"GPTNeoForCausalLM": _facts},
+    default_class="GPTNeoForCausalLM",
+    tie_default=True,
 )

@@ -8,6 +8,11 @@ keeps β/γ because ``q/k/v_proj`` have no bias slot. (A key constant would canc
 not after rotary rotates it by position, so keys are not marked ``constant_cancels``.)
 """
 
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from normswap.architectures.facts import ModelFacts, StateDict, stated
 from normswap.architectures.spec import (
     Architecture,
     Norm,
@@ -29,6 +34,33 @@ def parallel_block_norms(*attention: Reader) -> tuple[Norm, ...]:
     )
 
 
+
+def parallel_block_facts(attention: Callable[[StateDict, str, int], object]) -> Callable[[dict], ModelFacts]:
+    """GPTJForCausalLM (CodeGenForCausalLM) as its block builds it; ``attention(state, prefix, d)``
+    adds the attention's projections (they differ between the two families)."""
+
+    def facts(config: dict) -> ModelFacts:
+        d = stated(config, "n_embd", 4096, size=True, aliases=("hidden_size",))
+        vocab = stated(config, "vocab_size", 50400, size=True)
+        layers = stated(config, "n_layer", 28, size=True, aliases=("num_hidden_layers",))
+        stated(config, "n_head", 16, size=True, aliases=("num_attention_heads",))
+        inner = stated(config, "n_inner", None) or 4 * d
+        state = StateDict("transformer").add("transformer.wte", weight=(vocab, d))
+        for layer in range(layers):
+            block = f"transformer.h.{layer}"
+            state.layer_norm(block + ".ln_1", d)
+            attention(state, block + ".attn", d)
+            state.linear(block + ".mlp.fc_in", d, inner).linear(block + ".mlp.fc_out", inner, d)
+        return state.layer_norm("transformer.ln_f", d).linear("lm_head", d, vocab).facts()
+
+    return facts
+
+
+def _attention(state: StateDict, attention: str, d: int) -> None:
+    for projection in ("k_proj", "v_proj", "q_proj", "out_proj"):
+        state.linear(f"{attention}.{projection}", d, d, bias=False)
+
+
 GPTJ = Architecture(
     model_types=("gptj",),
     auto_class="AutoModelForCausalLM",
@@ -40,4 +72,7 @@ GPTJ = Architecture(
     tied=(("lm_head.weight", "transformer.wte.weight"),),
     blocks="transformer.h",
     ignore=(pattern(H + ".attn.{bias|masked_bias}"),),
+    classes={"GPTJForCausalLM": parallel_block_facts(_attention)},
+    default_class="GPTJForCausalLM",
+    tie_default=False,
 )

@@ -13,6 +13,9 @@ residual stream; and a pre-LN model without its final norm (``_remove_final_laye
 whose head reads the raw stream, so centring the stream would change the logits.
 """
 
+from __future__ import annotations
+
+from normswap.architectures.facts import ModelFacts, StateDict, Unstated, stated
 from normswap.architectures.spec import (
     LINEAR_OUT_AXIS,
     Architecture,
@@ -59,6 +62,33 @@ def _refuse(config: dict) -> str | None:
     return None
 
 
+
+def _facts(config: dict) -> ModelFacts:
+    """OPTForCausalLM as OPTDecoder builds it, for the pre-LN models the adapter converts."""
+    d = stated(config, "hidden_size", 768, size=True)
+    vocab = stated(config, "vocab_size", 50272, size=True)
+    layers = stated(config, "num_hidden_layers", 12, size=True)
+    positions = stated(config, "max_position_embeddings", 2048, size=True)
+    inner = stated(config, "ffn_dim", 3072, size=True)
+    words = stated(config, "word_embed_proj_dim", None) or d
+    bias, affine = stated(config, "enable_bias", True), stated(config, "layer_norm_elementwise_affine", True)
+    if not stated(config, "do_layer_norm_before", True) or stated(config, "_remove_final_layer_norm", False):
+        raise Unstated("do_layer_norm_before")  # refused by the adapter
+    state = StateDict("model").add(D + ".embed_tokens", weight=(vocab, words))
+    state.add(D + ".embed_positions", weight=(positions + 2, d))  # OPT offsets positions by 2
+    if words != d:
+        state.linear(D + ".project_out", d, words, bias=False).linear(D + ".project_in", words, d, bias=False)
+    state.layer_norm(D + ".final_layer_norm", d, affine=affine)
+    for layer in range(layers):
+        block = f"{D}.layers.{layer}"
+        for projection in ("k_proj", "v_proj", "q_proj", "out_proj"):
+            state.linear(f"{block}.self_attn.{projection}", d, d, bias=bias)
+        state.layer_norm(block + ".self_attn_layer_norm", d, affine=affine)
+        state.linear(block + ".fc1", d, inner, bias=bias).linear(block + ".fc2", inner, d, bias=bias)
+        state.layer_norm(block + ".final_layer_norm", d, affine=affine)
+    return state.add("lm_head", weight=(vocab, words)).facts()
+
+
 OPT = Architecture(
     model_types=("opt",),
     auto_class="AutoModelForCausalLM",
@@ -68,4 +98,7 @@ OPT = Architecture(
     refuse=_refuse,
     variant=_variant,
     blocks="model.decoder.layers",
+    classes={"OPTForCausalLM": _facts},
+    default_class="OPTForCausalLM",
+    tie_default=True,
 )

@@ -10,7 +10,34 @@ vectors, which are not residual-stream writes; those norms cannot become RMSNorm
 the stream, so such checkpoints are refused.
 """
 
+from __future__ import annotations
+
+from normswap.architectures.facts import ModelFacts, StateDict, Unstated, stated
 from normswap.architectures.spec import assemble, embeddings, linear_reader, lm_head, pre_ln_blocks, refuse_if
+
+
+def _facts(config: dict) -> ModelFacts:
+    """PhiForCausalLM as PhiDecoderLayer builds it (qk_layernorm, which is refused, is not declared)."""
+    d = stated(config, "hidden_size", 2048, size=True)
+    vocab = stated(config, "vocab_size", 51200, size=True)
+    layers = stated(config, "num_hidden_layers", 24, size=True)
+    heads = stated(config, "num_attention_heads", 32, size=True)
+    kv_heads = stated(config, "num_key_value_heads", None) or heads
+    inner = stated(config, "intermediate_size", 8192, size=True)
+    if stated(config, "qk_layernorm", False) or d % heads:
+        raise Unstated("qk_layernorm")
+    head_dim = d // heads
+    state = StateDict("model").add("model.embed_tokens", weight=(vocab, d))
+    for layer in range(layers):
+        block = f"model.layers.{layer}"
+        state.linear(block + ".self_attn.q_proj", d, heads * head_dim)
+        state.linear(block + ".self_attn.k_proj", d, kv_heads * head_dim)
+        state.linear(block + ".self_attn.v_proj", d, kv_heads * head_dim)
+        state.linear(block + ".self_attn.dense", heads * head_dim, d)
+        state.linear(block + ".mlp.fc1", d, inner).linear(block + ".mlp.fc2", inner, d)
+        state.layer_norm(block + ".input_layernorm", d)
+    return state.layer_norm("model.final_layernorm", d).linear("lm_head", d, vocab).facts()
+
 
 PHI = assemble(
     "phi", "AutoModelForCausalLM",
@@ -22,4 +49,7 @@ PHI = assemble(
     refuse=refuse_if(qk_layernorm="qk_layernorm normalises per-head queries and keys, which are not centred "
                      "by centring the residual stream; those LayerNorms cannot become RMSNorms exactly"),
     blocks="model.layers",
+    classes={"PhiForCausalLM": _facts},
+    default_class="PhiForCausalLM",
+    tie_default=False,
 )

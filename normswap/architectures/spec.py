@@ -24,8 +24,10 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+from normswap.architectures.facts import FactsByClass, ModelFacts, declared_facts
 
 # The Conv1D of GPT-2-style models stores weights as [in, out]; nn.Linear stores [out, in].
 LINEAR_OUT_AXIS, LINEAR_IN_AXIS = 0, 1
@@ -249,6 +251,9 @@ class Architecture:
     refuse: Callable[[dict], str | None] = lambda config: None
     # config keys -> values that say the head is tied (default: tie_word_embeddings, true if absent)
     tie_flag: str = "tie_word_embeddings"
+    # the value the family's config class gives ``tie_flag`` when config.json omits it (None: ask
+    # the config class, which imports transformers)
+    tie_default: bool | None = None
     # tensors dropped from the output: buffers that the current classes no longer keep (regular
     # expressions, compiled from templates with ``pattern``)
     ignore: tuple[str, ...] = ()
@@ -264,6 +269,15 @@ class Architecture:
     # config -> replacements for the fields above, for families whose wiring depends on the config
     # (OPT's project_in/project_out, Falcon's parallel block); see ``for_config``
     variant: Callable[[dict], dict[str, Any]] = lambda config: {}
+    # the model classes' facts planning needs, declared per class name as config -> ModelFacts
+    # (``normswap.architectures.facts``), and the class the family's Auto class builds; a class
+    # not declared is built on the meta device instead
+    classes: FactsByClass = field(default_factory=dict)
+    default_class: str | None = None
+
+    def facts(self, config: dict) -> ModelFacts | None:
+        """The declared facts of the class ``config`` loads into; None when not declared."""
+        return declared_facts(self.classes, self.default_class, config)
 
     def for_config(self, config: dict) -> Architecture:
         """This adapter as it applies to one checkpoint's config: ``variant``'s fields replaced.

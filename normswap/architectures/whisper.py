@@ -30,6 +30,9 @@ Only ``WhisperForConditionalGeneration`` checkpoints are accepted (the hub's Whi
 encoder-only and decoder-only classes read these norms differently.
 """
 
+from __future__ import annotations
+
+from normswap.architectures.facts import ModelFacts, StateDict, stated
 from normswap.architectures.spec import (
     CENTRE_INPUT,
     Norm,
@@ -47,6 +50,38 @@ M = "{base=model.|}"  # WhisperForConditionalGeneration nests the encoder-decode
 SUPPORTED_CLASSES = ("WhisperForConditionalGeneration",)
 SELF_ATTENTION = attention_readers("self_attn", key_bias=False)
 
+
+def _attention(state: StateDict, attention: str, d: int) -> None:
+    state.linear(attention + ".k_proj", d, d, bias=False)
+    for projection in ("v_proj", "q_proj", "out_proj"):
+        state.linear(f"{attention}.{projection}", d, d)
+
+
+def _facts(config: dict) -> ModelFacts:
+    """WhisperForConditionalGeneration as WhisperEncoder and WhisperDecoder build it (every
+    size must be stated: hub configs state them)."""
+    d = stated(config, "d_model", size=True)
+    state = StateDict("model")
+    state.add("model.encoder.conv1", weight=(d, stated(config, "num_mel_bins", size=True), 3), bias=(d,))
+    state.add("model.encoder.conv2", weight=(d, d, 3), bias=(d,))
+    state.add("model.encoder.embed_positions", weight=(stated(config, "max_source_positions", size=True), d))
+    for stack in ("encoder", "decoder"):
+        if stack == "decoder":
+            state.add("model.decoder.embed_tokens", weight=(stated(config, "vocab_size", size=True), d))
+            state.add("model.decoder.embed_positions", weight=(stated(config, "max_target_positions", size=True), d))
+        inner = stated(config, f"{stack}_ffn_dim", size=True)
+        for layer in range(stated(config, f"{stack}_layers", size=True)):
+            block = f"model.{stack}.layers.{layer}"
+            _attention(state, block + ".self_attn", d)
+            state.layer_norm(block + ".self_attn_layer_norm", d)
+            if stack == "decoder":
+                _attention(state, block + ".encoder_attn", d)
+                state.layer_norm(block + ".encoder_attn_layer_norm", d)
+            state.linear(block + ".fc1", d, inner).linear(block + ".fc2", inner, d).layer_norm(block + ".final_layer_norm", d)
+        state.layer_norm(f"model.{stack}.layer_norm", d)
+    return state.add("proj_out", weight=(stated(config, "vocab_size", size=True), d)).facts()
+
+
 WHISPER = assemble(
     "whisper", "AutoModelForSpeechSeq2Seq",
     pre_ln_blocks(M + "encoder.layers", writes="{self_attn.out_proj|fc2}",
@@ -62,4 +97,5 @@ WHISPER = assemble(
     # the encoder stream starts as gelu(conv(...)) + positions: centre it once, explicitly
     structure=lambda config: {CENTRE_INPUT: [pattern("{model.|}encoder.layers.0")]},
     probe="seq2seq_speech",
+    classes={"WhisperForConditionalGeneration": _facts},
 )

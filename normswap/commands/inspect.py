@@ -23,13 +23,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     path = resolve_source(args.src, trust_remote_code=args.trust_remote_code)
     config = read_config(path)
-    from normswap.convert.pipeline import check_convertible, plan_conversion
+    from normswap.convert.planning import check_convertible, plan_conversion
 
     # a refusal is one line on stderr and exit 2, as for every command
     architecture = check_convertible(path, config)  # before opening any weight file
-    with CheckpointReader(path) as reader:
+    with CheckpointReader(path) as reader:  # the class is built only when the adapter declares no facts for it
         _, plan, _ = plan_conversion(path, config, reader, method="exact", fold_gains=args.fold_gains, dtype=None,
-                                     architecture=architecture)
+                                     architecture=architecture, build_class=False)
     if args.json:
         emit_json(args, plan_as_dict(plan))
         return 0

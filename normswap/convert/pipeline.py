@@ -12,16 +12,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from torch import nn
 
-from normswap import card, output, validation
-from normswap.architectures import Architecture, architecture_for
-from normswap.convert.plan import ConversionPlan, build_plan
+from normswap import card, output
+from normswap.convert.plan import ConversionPlan
+from normswap.convert.planning import check_convertible, plan_conversion
 from normswap.convert.source import CheckpointReader, read_config, resolve_source, source_inputs
 from normswap.convert.write import copy_side_files, write_json, write_weights
 from normswap.dtypes import dtype_name, parse_dtype
 from normswap.errors import NormswapError, VerificationError
-from normswap.modeling import MODELING_FILE, build, modeling_source
+from normswap.modeling import MODELING_FILE, modeling_source
 
 VERIFICATION_MODES = ("auto", "layerwise", "full", "none")
 # --verify MODE as the verifier's ``layerwise`` (None: decided by the model's size)
@@ -131,52 +130,6 @@ def write_checkpoint(
                 raise VerificationError(_failure_line(result))
         (tmp / "README.md").write_text(card.model_card(provenance))
         claim.install()
-
-
-def check_convertible(source_dir: Path, config: dict) -> Architecture:
-    """The adapter for ``config``, or a NormswapError saying why the checkpoint cannot be converted."""
-    if "normswap" in config:
-        raise NormswapError(f"{source_dir} was already converted by normswap; convert the original instead")
-    validation.check_config(config, f"{source_dir / 'config.json'}")
-    return architecture_for(config)
-
-
-def plan_conversion(
-    source_dir: Path, config: dict, reader: CheckpointReader, *, method: str, fold_gains: bool,
-    dtype: torch.dtype | None, architecture: Architecture | None = None,
-) -> tuple[Architecture, ConversionPlan, nn.Module]:
-    """The adapter, the plan, and the family's model built on the meta device (it names the
-    output's classes).
-
-    ``architecture`` is the adapter ``check_convertible`` returned; without it the check runs here.
-    """
-    if architecture is None:
-        architecture = check_convertible(source_dir, config)
-    where = f"{source_dir / 'config.json'}"
-    validation.check_layer_count(config, reader.tensors, where)  # before building thousands of layers
-    meta = build.meta_model(config, architecture.auto_class)
-    plan = build_plan(
-        architecture, config, reader.tensors,
-        model_keys=set(meta.state_dict().keys()),
-        layer_norm_modules=build.layer_norm_modules(meta),
-        base_prefix=meta.base_model_prefix,
-        method=method, fold_gains=fold_gains, dtype=dtype,
-        read_small=reader.get,
-        rename=build.checkpoint_renamer(meta),
-        module_names=[name for name, _ in meta.named_modules()],
-    )
-    check_shapes(plan, meta, where)
-    return architecture, plan, meta
-
-
-def check_shapes(plan: ConversionPlan, meta: nn.Module, where: str) -> None:
-    """Refuse weights whose shapes are not the ones the config implies for the model class."""
-    expected = {name: tuple(value.shape) for name, value in meta.state_dict().items()}
-    for name, tensor in plan.tensors.items():
-        implied = expected.get(name)
-        if implied is not None and implied != tuple(tensor.shape):
-            raise NormswapError(f"tensor {tensor.source} has shape {list(tensor.shape)}, but {where} implies "
-                                f"{list(implied)}")
 
 
 def main_dtype(plan: ConversionPlan) -> torch.dtype:

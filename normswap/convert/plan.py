@@ -11,31 +11,44 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
-
+from normswap.architectures.facts import ModelFacts
 from normswap.architectures.spec import Architecture
+from normswap.convert.names import canonical_names, output_shard_names, resolve_structure
 from normswap.convert.safetensors_io import tensor_nbytes
 from normswap.convert.source import TensorInfo
 from normswap.convert.steps import Bake, Centre, DivideByGain, Fill, FoldBias, FoldGain, Step, Structure
+from normswap.dtypes import dtype_name, is_floating, torch_dtype
 from normswap.errors import NormswapError
+
+if TYPE_CHECKING:  # planning imports no torch; tensors are read and written elsewhere
+    import torch
 
 
 @dataclass
 class TensorPlan:
-    """How one output tensor is made."""
+    """How one output tensor is made. Its dtype is kept by name (a ``torch.dtype`` given is stored
+    as its name); ``dtype`` is the ``torch.dtype``."""
 
     name: str
     source: str | None  # source tensor the value starts from; None for a bias created from zeros
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype_name: str
     shard: str
     steps: list[Step] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.dtype_name = dtype_name(self.dtype_name)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch_dtype(self.dtype_name)
 
     @property
     def nbytes(self) -> int:
         """Bytes of the output tensor."""
-        return tensor_nbytes(self.shape, self.dtype)
+        return tensor_nbytes(self.shape, self.dtype_name)
 
 
 @dataclass
@@ -96,56 +109,6 @@ class ConversionPlan:
 # ---------------------------------------------------------------------------------------------
 
 
-def canonical_names(
-    source_names: list[str], model_keys: set[str], base_prefix: str, rename: Callable[[str], str] | None = None
-) -> dict[str, str]:
-    """Map checkpoint names to the model class's names, adding the base-model prefix if missing.
-
-    Hub GPT-2 stores ``h.0.ln_1.weight`` (saved from GPT2Model) where GPT2LMHeadModel expects
-    ``transformer.h.0.ln_1.weight``. ``rename`` applies transformers' own load-time key renamings
-    first (transformers 5 renames e.g. ViT's ``encoder.layer.0.attention.attention.query`` to
-    ``layers.0.attention.q_proj``), so adapters only ever see the model class's names.
-    """
-    mapping = {}
-    for name in source_names:
-        renamed = rename(name) if rename is not None else name
-        if renamed not in model_keys and name in model_keys:
-            renamed = name
-        prefixed = f"{base_prefix}.{renamed}" if base_prefix else renamed
-        mapping[name] = prefixed if renamed not in model_keys and prefixed in model_keys else renamed
-    return mapping
-
-
-def resolve_structure(structure: dict[str, list[str]], module_names: list[str] | None) -> Structure:
-    """Turn the adapter's structure patterns into module paths of the model class.
-
-    Adapters give regular expressions (``(model\\.)?encoder\\.layers\\.0``) because one family's
-    classes nest the same module under different prefixes. Each pattern must match at least one
-    module: a structural change that silently applied nowhere would leave the model inexact.
-    Without ``module_names`` the patterns are kept as they are.
-    """
-    if module_names is None:
-        return Structure.from_json(structure)
-    resolved: dict[str, list[str]] = {}
-    for kind, patterns in structure.items():
-        paths = []
-        for pattern in patterns:
-            matched = [name for name in module_names if name and re.fullmatch(pattern, name)]
-            if not matched:
-                raise NormswapError(f"structure '{kind}': no module of the model class matches '{pattern}'")
-            paths.extend(name for name in matched if name not in paths)
-        resolved[kind] = paths
-    return Structure.from_json(resolved)
-
-
-def output_shard_names(source_shards: list[str]) -> dict[str, str]:
-    """Output shard for each source shard, named as transformers names them."""
-    if len(source_shards) == 1:
-        return {source_shards[0]: "model.safetensors"}
-    total = len(source_shards)
-    return {shard: f"model-{i:05d}-of-{total:05d}.safetensors" for i, shard in enumerate(source_shards, 1)}
-
-
 def build_plan(
     architecture: Architecture,
     config: dict,
@@ -156,7 +119,7 @@ def build_plan(
     base_prefix: str,
     method: str = "exact",
     fold_gains: bool = False,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | str | None = None,
     read_small: Callable[[str], torch.Tensor] | None = None,
     rename: Callable[[str], str] | None = None,
     module_names: list[str] | None = None,
@@ -195,8 +158,18 @@ def build_plan(
     )
 
 
+def plan_from_facts(architecture: Architecture, config: dict, tensors: dict[str, TensorInfo], facts: ModelFacts,
+                    **options) -> ConversionPlan:
+    """``build_plan`` with the model class's facts taken from ``facts`` (declared by the adapter,
+    or read from a built class by ``normswap.architectures.facts.facts_of_model``); ``options``
+    may replace ``rename`` and ``module_names`` (by transformers' own, for a built class)."""
+    options = {"rename": facts.rename, "module_names": facts.module_names, **options}
+    return build_plan(architecture, config, tensors, model_keys=facts.model_keys,
+                      layer_norm_modules=list(facts.layer_norms), base_prefix=facts.base_prefix, **options)
+
+
 def _tensor_plans(architecture: Architecture, tensors: dict[str, TensorInfo], renamed: dict[str, str],
-                  dtype: torch.dtype | None) -> tuple[dict[str, TensorPlan], list[str], list[str]]:
+                  dtype: torch.dtype | str | None) -> tuple[dict[str, TensorPlan], list[str], list[str]]:
     """A step-less plan per kept tensor (under its canonical name), the dropped names, the output shards."""
     shard_names = output_shard_names(sorted({info.shard for info in tensors.values()}))
     plans: dict[str, TensorPlan] = {}
@@ -206,7 +179,7 @@ def _tensor_plans(architecture: Architecture, tensors: dict[str, TensorInfo], re
         if any(re.fullmatch(pattern, name) for pattern in architecture.ignore):
             dropped.append(name)
             continue
-        out_dtype = dtype if dtype is not None and info.dtype.is_floating_point else info.dtype
+        out_dtype = dtype if dtype is not None and is_floating(info.dtype_name) else info.dtype_name
         plans[name] = TensorPlan(name, info.name, info.shape, out_dtype, shard_names[info.shard])
     return plans, dropped, sorted(set(shard_names.values()))
 
@@ -247,6 +220,8 @@ def _untie(architecture: Architecture, config: dict, plans: dict[str, TensorPlan
     untied = []
     tied_flag = config.get(architecture.tie_flag)
     if tied_flag is None:
+        tied_flag = architecture.tie_default
+    if tied_flag is None:
         tied_flag = _config_default(config, architecture.tie_flag, True)
     tied_flag = bool(tied_flag)
     for head, embedding in architecture.tied:
@@ -255,7 +230,7 @@ def _untie(architecture: Architecture, config: dict, plans: dict[str, TensorPlan
         if head in plans and not tied_flag:
             continue  # already a separate matrix
         source = plans[embedding]
-        plans[head] = TensorPlan(head, source.source, source.shape, source.dtype, source.shard)
+        plans[head] = TensorPlan(head, source.source, source.shape, source.dtype_name, source.shard)
         untied.append((head, embedding))
     return untied
 

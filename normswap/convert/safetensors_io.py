@@ -23,15 +23,21 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from normswap.dtypes import dtype_name, itemsize, torch_dtype
 from normswap.errors import NormswapError
 
 if TYPE_CHECKING:  # torch is imported where tensors are read: resolving a source stays light
+    import numpy
     import torch
 
+# torch's dtype names -> numpy's, for the dtypes numpy has
+_NUMPY_DTYPES = {"float64": "<f8", "float32": "<f4", "float16": "<f2", "int64": "<i8", "int32": "<i4",
+                 "int16": "<i2", "int8": "i1", "uint8": "u1", "bool": "?"}
 
-def tensor_nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    """Bytes of a tensor of ``shape`` and ``dtype``, as stored."""
-    return math.prod(shape) * dtype.itemsize
+
+def tensor_nbytes(shape: tuple[int, ...], dtype: torch.dtype | str) -> int:
+    """Bytes of a tensor of ``shape`` and ``dtype`` (a ``torch.dtype`` or its name), as stored."""
+    return math.prod(shape) * itemsize(dtype)
 
 
 class SafetensorsShard:
@@ -39,7 +45,8 @@ class SafetensorsShard:
 
     The file is ``[8-byte little-endian header length n][n bytes of JSON][data]``; each header
     entry gives a tensor's dtype, shape and ``data_offsets`` [begin, end) into the data section.
-    A header that does not parse, or promises bytes the file does not have (a truncated
+    ``entries`` holds, per tensor, torch's name of its dtype (``float32``; parsing imports no
+    torch), its shape and its byte range. A header that does not parse, or promises bytes the file does not have (a truncated
     download), is reported at once as a ``NormswapError``.
     """
 
@@ -57,7 +64,7 @@ class SafetensorsShard:
     def _corrupt(self, why: str) -> NormswapError:
         return NormswapError(f"weight file {self.file} is corrupt or truncated: {why}")
 
-    def _parse_header(self) -> dict[str, tuple[torch.dtype, tuple[int, ...], int, int]]:
+    def _parse_header(self) -> dict[str, tuple[str, tuple[int, ...], int, int]]:
         size = os.fstat(self._fd).st_size
         if size < 8:
             raise self._corrupt(f"{size} bytes, too short for a safetensors header")
@@ -80,7 +87,7 @@ class SafetensorsShard:
         self._check_layout(entries, data_bytes)
         return entries
 
-    def _check_entry(self, name: str, entry: object, data_bytes: int) -> tuple[torch.dtype, tuple[int, ...], int, int]:
+    def _check_entry(self, name: str, entry: object, data_bytes: int) -> tuple[str, tuple[int, ...], int, int]:
         if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= set(entry):
             raise self._corrupt(f"header entry {name} is not a mapping with dtype, shape and data_offsets")
         dtype = _safetensors_dtypes().get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
@@ -117,7 +124,7 @@ class SafetensorsShard:
         dtype, shape, begin, end = self.entries[name]
         buffer = torch.empty(end - begin, dtype=torch.uint8)
         self._pread(name, buffer, begin)
-        return buffer.view(dtype).reshape(shape)
+        return buffer.view(torch_dtype(dtype)).reshape(shape)
 
     def read_rows(self, name: str, start: int, count: int, buffer: torch.Tensor | None = None) -> torch.Tensor:
         """Rows ``start``..``start+count`` (along the first axis) of ``name``, read into ``buffer``
@@ -128,10 +135,24 @@ class SafetensorsShard:
         row = (end - begin) // shape[0]
         raw = torch.empty(row * count, dtype=torch.uint8) if buffer is None else buffer[: row * count]
         self._pread(name, raw, begin + start * row)
-        return raw.view(dtype).reshape(count, *shape[1:])
+        return raw.view(torch_dtype(dtype)).reshape(count, *shape[1:])
 
-    def _pread(self, name: str, into: torch.Tensor, offset: int) -> None:
-        view = memoryview(into.numpy())
+    def read_array(self, name: str) -> numpy.ndarray:
+        """The tensor ``name`` as a numpy array, without torch (bfloat16 widened exactly to
+        float32; the float8 types, which numpy lacks, are read through torch)."""
+        import numpy
+
+        dtype, shape, begin, end = self.entries[name]
+        if dtype not in _NUMPY_DTYPES and dtype != "bfloat16":
+            return self.read(name).float().numpy()
+        raw = numpy.empty(end - begin, dtype=numpy.uint8)
+        self._pread(name, raw, begin)
+        if dtype == "bfloat16":  # the upper half of a float32
+            return (raw.view("<u2").astype(numpy.uint32) << 16).view(numpy.float32).reshape(shape)
+        return raw.view(_NUMPY_DTYPES[dtype]).reshape(shape)
+
+    def _pread(self, name: str, into: torch.Tensor | numpy.ndarray, offset: int) -> None:
+        view = memoryview(into if not hasattr(into, "dim") else into.numpy())
         done = 0
         while done < len(view):
             got = os.preadv(self._fd, [view[done:]], self.data_start + offset + done)
@@ -162,7 +183,7 @@ def encode_header(tensors: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> tu
     offsets, position = [], 0
     for name, dtype, shape in tensors:
         size = tensor_nbytes(shape, dtype)
-        header[name] = {"dtype": names[dtype], "shape": list(shape), "data_offsets": [position, position + size]}
+        header[name] = {"dtype": names[dtype_name(dtype)], "shape": list(shape), "data_offsets": [position, position + size]}
         offsets.append(position)
         position += size
     encoded = json.dumps(header, separators=(",", ":")).encode()
@@ -236,20 +257,19 @@ def _natural(value: object) -> bool:
 
 
 @cache
-def _safetensors_dtypes() -> dict[str, torch.dtype]:
-    import torch
-
+def _safetensors_dtypes() -> dict[str, str]:
+    """The format's dtype codes -> torch's names for them."""
     return {
-        "F64": torch.float64,
-        "F32": torch.float32,
-        "F16": torch.float16,
-        "BF16": torch.bfloat16,
-        "I64": torch.int64,
-        "I32": torch.int32,
-        "I16": torch.int16,
-        "I8": torch.int8,
-        "U8": torch.uint8,
-        "BOOL": torch.bool,
-        "F8_E4M3": torch.float8_e4m3fn,
-        "F8_E5M2": torch.float8_e5m2,
+        "F64": "float64",
+        "F32": "float32",
+        "F16": "float16",
+        "BF16": "bfloat16",
+        "I64": "int64",
+        "I32": "int32",
+        "I16": "int16",
+        "I8": "int8",
+        "U8": "uint8",
+        "BOOL": "bool",
+        "F8_E4M3": "float8_e4m3fn",
+        "F8_E5M2": "float8_e5m2",
     }

@@ -12,18 +12,20 @@ import errno
 import json
 import os
 import re
-from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from normswap.convert.reads import RecentReads as RecentReads  # re-exported for the writer
 from normswap.convert.safetensors_io import SafetensorsShard, tensor_nbytes
+from normswap.dtypes import dtype_name, torch_dtype
 from normswap.errors import NormswapError
 
 if TYPE_CHECKING:  # torch is imported where tensors are read: resolving a source stays light
+    import numpy
     import torch
 
 EXAMPLE_MODEL = "normswap:austen-gpt2"
@@ -86,16 +88,27 @@ def read_config(path: Path) -> dict:
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """Where a tensor lives and what it is, known before reading it."""
+    """Where a tensor lives and what it is, known before reading it.
+
+    The dtype is kept by name (``float32``; a ``torch.dtype`` given is stored as its name), so that
+    planning needs no torch; ``dtype`` is the ``torch.dtype`` itself.
+    """
 
     name: str
     shard: str
-    dtype: torch.dtype
+    dtype_name: str
     shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype_name", dtype_name(self.dtype_name))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch_dtype(self.dtype_name)
 
     @property
     def nbytes(self) -> int:
-        return tensor_nbytes(self.shape, self.dtype)
+        return tensor_nbytes(self.shape, self.dtype_name)
 
 
 class CheckpointReader:
@@ -164,6 +177,13 @@ class CheckpointReader:
                 return self._handle(info.shard).read(name)
             return self._handle(info.shard)[name]
 
+    def read_array(self, name: str) -> numpy.ndarray:
+        """The tensor ``name`` as a numpy array, read now (without torch from safetensors shards)."""
+        if self.is_safetensors:
+            with _read_errors(f"tensor {name} from {self.tensors[name].shard}"):
+                return self._handle(self.tensors[name].shard).read_array(name)
+        return self.get(name).float().numpy()
+
     def read_rows(self, name: str, start: int, count: int, buffer: torch.Tensor | None = None) -> torch.Tensor:
         """Rows ``start``..``start+count`` of ``name`` along its first axis, read now (into
         ``buffer``, a reusable uint8 tensor, for safetensors shards)."""
@@ -194,39 +214,6 @@ class CheckpointReader:
         if not self.is_safetensors:
             return None
         return self._handle(self.tensors[name].shard).locate(name)
-
-
-class RecentReads:
-    """``read`` that remembers the last large tensor and a bounded set of small ones.
-
-    Large means above ``small_bytes``; only one is kept, so the extra memory is at most one
-    tensor of the group being written. Small tensors (norm gains and biases, read by every
-    reader of a norm) are kept up to ``small_items``. Callers never modify what they get.
-    """
-
-    def __init__(self, read: Callable[[str], torch.Tensor], small_bytes: int = 1 << 20, small_items: int = 256) -> None:
-        self._read = read
-        self._small_bytes = small_bytes
-        self._small_items = small_items
-        self._small: OrderedDict[str, torch.Tensor] = OrderedDict()
-        self._large: tuple[str, torch.Tensor] | None = None
-        self.disk_reads = 0
-
-    def __call__(self, name: str) -> torch.Tensor:
-        if name in self._small:
-            return self._small[name]
-        if self._large is not None and self._large[0] == name:
-            return self._large[1]
-        self._large = None  # drop the previous large tensor before reading the next one
-        value = self._read(name)
-        self.disk_reads += 1
-        if value.numel() * value.element_size() <= self._small_bytes:
-            self._small[name] = value
-            if len(self._small) > self._small_items:
-                self._small.popitem(last=False)
-        else:
-            self._large = (name, value)
-        return value
 
 
 def source_inputs(source_dir: Path) -> list[Path]:
