@@ -1,0 +1,118 @@
+"""The shared-context lm-eval model scores exactly as lm-eval's own HFLM path, family by family."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import transformers as T
+
+pytest.importorskip("lm_eval")
+
+from lm_eval.models.huggingface import HFLM  # noqa: E402
+
+from normswap.convert.source import example_model_path  # noqa: E402
+from normswap.evaluation import shared_context  # noqa: E402
+from normswap.evaluation.shared_context import SharedContextHFLM, group_requests  # noqa: E402
+
+VOCAB = 2048
+POSITIONS = 64
+
+
+def tiny_causal(family: str) -> torch.nn.Module:
+    """A tiny random causal LM of ``family`` (vocabulary 2048, 64 positions)."""
+    common = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=0)
+    small = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4)
+    builders = {
+        "gpt2": lambda: T.GPT2LMHeadModel(T.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=POSITIONS, **common)),
+        "gpt_neox": lambda: T.GPTNeoXForCausalLM(T.GPTNeoXConfig(
+            intermediate_size=37, max_position_embeddings=POSITIONS, **small, **common)),
+        "opt": lambda: T.OPTForCausalLM(T.OPTConfig(
+            ffn_dim=37, word_embed_proj_dim=32, max_position_embeddings=POSITIONS, pad_token_id=1, **small, **common)),
+        "bloom": lambda: T.BloomForCausalLM(T.BloomConfig(n_layer=2, hidden_size=32, n_head=4, **common)),
+        "falcon": lambda: T.FalconForCausalLM(T.FalconConfig(
+            num_hidden_layers=2, hidden_size=32, num_attention_heads=4, alibi=False,
+            max_position_embeddings=POSITIONS, **common)),
+        "gptj": lambda: T.GPTJForCausalLM(T.GPTJConfig(
+            n_layer=2, n_embd=32, n_head=4, rotary_dim=4, n_positions=POSITIONS, **common)),
+        "phi": lambda: T.PhiForCausalLM(T.PhiConfig(
+            intermediate_size=37, max_position_embeddings=POSITIONS, **small, **common)),
+        "gpt_neo": lambda: T.GPTNeoForCausalLM(T.GPTNeoConfig(
+            num_layers=2, hidden_size=32, num_heads=4, attention_types=[[["global", "local"], 1]],
+            window_size=8, max_position_embeddings=POSITIONS, **common)),
+        "gpt_bigcode": lambda: T.GPTBigCodeForCausalLM(T.GPTBigCodeConfig(
+            n_layer=2, n_embd=32, n_head=4, n_positions=POSITIONS, **common)),
+        "codegen": lambda: T.CodeGenForCausalLM(T.CodeGenConfig(
+            n_layer=2, n_embd=32, n_head=4, rotary_dim=4, n_positions=POSITIONS, n_ctx=POSITIONS, **common)),
+    }
+    torch.manual_seed(0)
+    return builders[family]().eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    path = example_model_path()
+    if not (path / "tokenizer.json").is_file():
+        pytest.skip("the bundled tokenizer is missing")
+    return T.AutoTokenizer.from_pretrained(path)
+
+
+def random_requests(seed: int = 0, *, max_length: int = POSITIONS) -> list:
+    """Multiple-choice groups of varied lengths, single requests, one-token contexts, and requests
+    longer than ``max_length`` (left-truncated by lm-eval), shuffled together."""
+    rng = random.Random(seed)
+    tokens = lambda n: [rng.randrange(1, VOCAB) for _ in range(n)]  # noqa: E731
+    requests = []
+    for _ in range(9):
+        context = tokens(rng.randrange(2, 40))
+        for _ in range(rng.choice([1, 2, 4])):
+            requests.append((None, context, tokens(rng.randrange(1, 6))))
+    requests.append((None, tokens(1), tokens(20)))
+    requests.append((None, tokens(max_length), tokens(3)))  # truncated from the left
+    requests.append((None, tokens(max_length - 3), tokens(4)))  # exactly fits
+    rng.shuffle(requests)
+    return requests
+
+
+def both_paths(model, tokenizer, requests, batch_size: int = 3):
+    plain = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=POSITIONS)
+    shared = SharedContextHFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=POSITIONS)
+    assert shared.shares_contexts()
+    return plain._loglikelihood_tokens(requests, disable_tqdm=True), shared._loglikelihood_tokens(
+        requests, disable_tqdm=True)
+
+
+@pytest.mark.parametrize("family", sorted(shared_context.CACHED_FAMILIES))
+def test_every_listed_family_scores_as_hflm(family, tokenizer):
+    model = tiny_causal(family)
+    assert model.config.model_type == family
+    requests = random_requests()
+    expected, got = both_paths(model, tokenizer, requests)
+    assert len(got) == len(expected)
+    for (want, want_greedy), (value, greedy) in zip(expected, got, strict=True):
+        assert value == pytest.approx(want, abs=1e-4, rel=1e-5)
+        assert greedy == want_greedy
+
+
+def test_grouping_keeps_truncated_and_one_token_contexts_for_hflm():
+    requests = [(None, [1, 2, 3], [4]), (None, [1, 2, 3], [5, 6]), (None, [7], [8, 9]),
+                (None, list(range(1, 10)), [1, 2])]
+    groups, plain = group_requests(requests, max_length=9)
+    assert plain == [2, 3]
+    assert len(groups) == 1 and groups[0].indices == [0, 1]
+    assert groups[0].prefix == [1, 2]
+    assert groups[0].suffixes == [[3], [3, 5]]
+
+
+def test_plain_path_on_request_and_for_unlisted_families(tokenizer, monkeypatch):
+    model = tiny_causal("gpt2")
+    off = SharedContextHFLM(pretrained=model, tokenizer=tokenizer, batch_size=2, share_contexts=False)
+    assert not off.shares_contexts()
+    monkeypatch.setattr(shared_context, "CACHED_FAMILIES", frozenset({"llama"}))
+    unlisted = SharedContextHFLM(pretrained=model, tokenizer=tokenizer, batch_size=2)
+    assert not unlisted.shares_contexts()
+    calls = []
+    monkeypatch.setattr(SharedContextHFLM, "_score_groups", lambda self, batch: calls.append(batch))
+    unlisted._loglikelihood_tokens([(None, [1, 2, 3], [4])], disable_tqdm=True)
+    assert calls == []
