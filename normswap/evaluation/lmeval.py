@@ -219,16 +219,18 @@ def parse_results(raw: dict[str, Any]) -> TaskResults:
     return out
 
 
-def make_lm(model, tokenizer, *, batch_size: int, max_length: int | None):
-    """Wrap a loaded model for lm-eval (``HFLM``), quietly."""
+def make_lm(model, tokenizer, *, batch_size: int, max_length: int | None, share_contexts: bool = True):
+    """Wrap a loaded model for lm-eval, quietly: ``SharedContextHFLM`` (HFLM scoring a shared context
+    once), or with ``share_contexts=False`` HFLM's own path unchanged."""
     from normswap.extras import require
 
     require("eval", "lm-eval tasks")
-    from lm_eval.models.huggingface import HFLM
+    from normswap.evaluation.shared_context import SharedContextHFLM
 
     # HFLM warns that a model object ignores its loading arguments; that is the point here.
     logging.getLogger("lm_eval.models.huggingface").setLevel(logging.ERROR)
-    return HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
+    return SharedContextHFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length,
+                             share_contexts=share_contexts)
 
 
 def make_task_manager(plan: TaskPlan, include_dir: Path | None):

@@ -48,6 +48,7 @@ class EvalSettings:
     audio: str | None = None  # speech models: folder or manifest of transcribed audio (evaluation/media.py)
     images: str | None = None  # vision models: folder of images, class subfolders as labels
     threads: int | None = None  # CPU intra-op threads; None: the idle cores (normswap.threads)
+    share_contexts: bool = True  # False: lm-eval's plain HFLM path (see evaluation/shared_context.py)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -178,7 +179,8 @@ class Evaluator:
         if self.text is not None:
             self._strided(result, model, tokenizer, max_length)
         if self.plan.all:
-            lm = lmeval.make_lm(model, tokenizer, batch_size=self.settings.batch_size, max_length=max_length)
+            lm = lmeval.make_lm(model, tokenizer, batch_size=self.settings.batch_size, max_length=max_length,
+                                share_contexts=self.settings.share_contexts)
             self._record_tasks(result, lmeval.run_tasks(lm, self._tasks(), self.plan.all, limit=self.settings.limit))
 
     def _strided(self, result: ModelEval, model, tokenizer, max_length: int) -> None:

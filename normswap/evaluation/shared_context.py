@@ -22,6 +22,7 @@ decoder models, families not listed in ``CACHED_FAMILIES``, ``batch_size="auto"`
 
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -68,15 +69,17 @@ def group_requests(requests: list[Request], max_length: int) -> tuple[list[Conte
     return ordered, plain
 
 
-def batches(groups: list[ContextGroup], contexts_per_batch: int, max_length: int) -> Iterator[list[ContextGroup]]:
-    """Consecutive runs of at most ``contexts_per_batch`` groups whose padded prefix plus padded
-    suffix fit in ``max_length`` positions (some families size their masks by the context)."""
+def batches(groups: list[ContextGroup], token_budget: int, max_length: int) -> Iterator[list[ContextGroup]]:
+    """Consecutive runs of groups whose padded prefixes hold at most ``token_budget`` tokens and
+    whose padded prefix plus longest suffix fit in ``max_length`` positions (some families size
+    their masks by the context). ``groups`` come longest prefix first, so the first sets the width."""
     batch: list[ContextGroup] = []
     prefix_width = suffix_width = 0
     for group in groups:
         longest = max(len(suffix) for suffix in group.suffixes)
-        wider = max(prefix_width, len(group.prefix)) + max(suffix_width, longest)
-        if batch and (len(batch) >= contexts_per_batch or wider > max_length):
+        width = max(prefix_width, len(group.prefix))
+        too_many = (len(batch) + 1) * width > token_budget
+        if batch and (too_many or width + max(suffix_width, longest) > max_length):
             yield batch
             batch, prefix_width, suffix_width = [], 0, 0
         batch.append(group)
@@ -84,6 +87,25 @@ def batches(groups: list[ContextGroup], contexts_per_batch: int, max_length: int
         suffix_width = max(suffix_width, longest)
     if batch:
         yield batch
+
+
+def suffix_chunks(lengths: list[int], rows_per_chunk: int) -> list[list[int]]:
+    """Row indices sorted by suffix length (longest first) in chunks of ``rows_per_chunk``, so each
+    chunk pads to similar lengths."""
+    order = sorted(range(len(lengths)), key=lambda row: -lengths[row])
+    step = max(1, rows_per_chunk)
+    return [order[start:start + step] for start in range(0, len(order), step)]
+
+
+def _repeated_cache(cache, rows: torch.Tensor):
+    """A copy of ``cache`` holding batch entries ``rows`` (repeats allowed); ``cache`` is unchanged.
+
+    Layers are copied shallowly: reordering and the next forward pass replace their tensors
+    rather than writing into them."""
+    chunk = copy.copy(cache)
+    chunk.layers = [copy.copy(layer) for layer in cache.layers]
+    chunk.reorder_cache(rows)
+    return chunk
 
 
 def _forward_parameters(model) -> set[str]:
@@ -118,8 +140,11 @@ class SharedContextHFLM(HFLM):
                 [requests[i] for i in plain], disable_tqdm=True, override_bs=override_bs)
             for index, answer in zip(plain, answers, strict=True):
                 results[index] = answer
-        for batch in batches(groups, override_bs or self.batch_size, self.max_length):
-            for index, answer in self._score_groups(batch):
+        # Per forward pass, as many tokens as HFLM's batch of full-length rows; suffixes are short,
+        # so twice the batch size of them per pass.
+        batch_size = override_bs or self.batch_size
+        for batch in batches(groups, batch_size * self.max_length, self.max_length):
+            for index, answer in self._score_groups(batch, 2 * batch_size):
                 results[index] = answer
                 request_strings = requests[index][0]
                 if request_strings is not None:
@@ -149,12 +174,29 @@ class SharedContextHFLM(HFLM):
         lengths = torch.tensor([len(group.prefix) for group in batch], dtype=torch.long, device=self.device)
         return cache, mask, lengths
 
-    def _score_groups(self, batch: list[ContextGroup]) -> list[tuple[int, tuple[float, bool]]]:
+    def _score_groups(self, batch: list[ContextGroup], rows_per_chunk: int) -> list[tuple[int, tuple[float, bool]]]:
         """Every request of ``batch``: (its index, (loglikelihood, is_greedy)), as HFLM computes them."""
         cache, prefix_mask, lengths = self._run_prefixes(batch)
-        rows = torch.tensor([g for g, group in enumerate(batch) for _ in group.suffixes], device=self.device)
-        cache.reorder_cache(rows)
-        suffixes = [suffix for group in batch for suffix in group.suffixes]
+        requests = [(g, index, suffix, continuation) for g, group in enumerate(batch)
+                    for index, suffix, continuation in zip(group.indices, group.suffixes, group.continuations,
+                                                           strict=True)]
+        answers = []
+        for chunk in suffix_chunks([len(request[2]) for request in requests], rows_per_chunk):
+            selected = [requests[row] for row in chunk]
+            rows = torch.tensor([request[0] for request in selected], device=self.device)
+            log_probs = self._run_suffixes(_repeated_cache(cache, rows), prefix_mask[rows], lengths[rows],
+                                           [request[2] for request in selected])
+            for row, (_, index, _, continuation) in enumerate(selected):
+                tokens = torch.tensor(continuation, dtype=torch.long, device=self.device)
+                scored = log_probs[row, :len(continuation)]
+                greedy = bool((scored.argmax(dim=-1) == tokens).all())
+                value = float(torch.gather(scored, 1, tokens.unsqueeze(-1)).sum())
+                answers.append((index, (value, greedy)))
+        return answers
+
+    def _run_suffixes(self, cache, prefix_mask: torch.Tensor, lengths: torch.Tensor,
+                      suffixes: list[list[int]]) -> torch.Tensor:
+        """Log-probabilities at every suffix position, each row on its prefix's cache."""
         width = max(len(suffix) for suffix in suffixes)
         ids = torch.zeros((len(suffixes), width), dtype=torch.long)
         # Padding after a suffix repeats its last position: never attended, and never out of range.
@@ -163,21 +205,10 @@ class SharedContextHFLM(HFLM):
             ids[row, :len(suffix)] = torch.tensor(suffix, dtype=torch.long)
             offsets[row] = torch.arange(width).clamp(max=len(suffix) - 1)
         ids, offsets = ids.to(self.device), offsets.to(self.device)
-        mask = torch.cat([prefix_mask[rows], torch.ones_like(ids)], dim=1)
-        inputs = {"input_ids": ids, "attention_mask": mask, "use_cache": True}
-        inputs["cache" if "cache" in _forward_parameters(self.model) else "past_key_values"] = cache
-        if "position_ids" in _forward_parameters(self.model):
-            inputs["position_ids"] = lengths[rows].unsqueeze(1) + offsets
-        logits = self._call(**inputs).logits
-        log_probs = F.log_softmax(logits, dim=-1, dtype=self.softmax_dtype)
-        answers = []
-        row = 0
-        for group in batch:
-            for index, continuation in zip(group.indices, group.continuations, strict=True):
-                tokens = torch.tensor(continuation, dtype=torch.long, device=self.device)
-                scored = log_probs[row, :len(continuation)]
-                greedy = bool((scored.argmax(dim=-1) == tokens).all())
-                value = float(torch.gather(scored, 1, tokens.unsqueeze(-1)).sum())
-                answers.append((index, (value, greedy)))
-                row += 1
-        return answers
+        inputs = {"input_ids": ids, "attention_mask": torch.cat([prefix_mask, torch.ones_like(ids)], dim=1),
+                  "use_cache": True}
+        parameters = _forward_parameters(self.model)
+        inputs["cache" if "cache" in parameters else "past_key_values"] = cache
+        if "position_ids" in parameters:
+            inputs["position_ids"] = lengths.unsqueeze(1) + offsets
+        return F.log_softmax(self._call(**inputs).logits, dim=-1, dtype=self.softmax_dtype)
