@@ -116,3 +116,38 @@ def test_plain_path_on_request_and_for_unlisted_families(tokenizer, monkeypatch)
     monkeypatch.setattr(SharedContextHFLM, "_score_groups", lambda self, batch: calls.append(batch))
     unlisted._loglikelihood_tokens([(None, [1, 2, 3], [4])], disable_tqdm=True)
     assert calls == []
+
+
+def evaluate_bundled(share_contexts: bool, limit: int | None):
+    from normswap.evaluation.runner import EvalSettings, Evaluator
+
+    settings = EvalSettings(tasks=["local"], limit=limit, device="cpu", progress=False, share_contexts=share_contexts)
+    evaluator = Evaluator(settings)
+    try:
+        return evaluator.evaluate("model", "normswap:austen-gpt2")
+    finally:
+        evaluator.close()
+
+
+def assert_same_scores(plain, shared) -> None:
+    assert set(shared.metrics) == set(plain.metrics)
+    for key, value in plain.metrics.items():
+        assert shared.metrics[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
+    assert set(shared.per_doc) == set(plain.per_doc)
+    for task, documents in plain.per_doc.items():
+        assert set(shared.per_doc[task]) == set(documents), task
+        for doc, values in documents.items():
+            # lm-eval sums a document's log-probabilities in float32: beyond 1e-4 nats, a long
+            # document's total is only as exact as one unit in the last place (about 1e-7 relative).
+            assert shared.per_doc[task][doc] == pytest.approx(values, abs=1e-4, rel=2e-7), (task, doc)
+
+
+@pytest.mark.parametrize("limit", [pytest.param(12, id="twelve-docs"),
+                                   pytest.param(None, id="every-doc", marks=pytest.mark.slow)])
+def test_bundled_model_local_tasks_score_as_plain_lm_eval(limit):
+    if not (example_model_path() / "config.json").is_file():
+        pytest.skip("the bundled model is missing")
+    plain = evaluate_bundled(False, limit)
+    shared = evaluate_bundled(True, limit)
+    assert plain.per_doc["persuasion_cloze"]
+    assert_same_scores(plain, shared)
