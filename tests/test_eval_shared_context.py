@@ -151,3 +151,37 @@ def test_bundled_model_local_tasks_score_as_plain_lm_eval(limit):
     shared = evaluate_bundled(True, limit)
     assert plain.per_doc["persuasion_cloze"]
     assert_same_scores(plain, shared)
+
+
+def test_encodings_are_shared_only_between_tokenizers_that_agree(tokenizer):
+    from normswap.evaluation import lmeval
+
+    encodings: dict = {}
+    first = lmeval.make_lm(tiny_causal("gpt2"), tokenizer, batch_size=2, max_length=POSITIONS, encodings=encodings)
+    second = lmeval.make_lm(tiny_causal("opt"), tokenizer, batch_size=2, max_length=POSITIONS, encodings=encodings)
+    assert first.encodings is second.encodings and len(encodings) == 1
+    assert first.tok_encode("Anne Elliot") == tokenizer.encode("Anne Elliot")
+    assert ("Anne Elliot", None, None) in second.encodings
+    other = T.AutoTokenizer.from_pretrained(example_model_path())
+    other.add_tokens(["<extra>"])
+    third = lmeval.make_lm(tiny_causal("gpt2"), other, batch_size=2, max_length=POSITIONS, encodings=encodings)
+    assert third.encodings is not first.encodings and len(encodings) == 2
+    plain = lmeval.make_lm(tiny_causal("gpt2"), tokenizer, batch_size=2, max_length=POSITIONS, share_contexts=False)
+    assert type(plain) is HFLM
+
+
+def test_tasks_built_once_score_the_same_for_every_model():
+    if not (example_model_path() / "config.json").is_file():
+        pytest.skip("the bundled model is missing")
+    from normswap.evaluation.runner import EvalSettings, Evaluator
+
+    evaluator = Evaluator(EvalSettings(tasks=["local"], limit=5, device="cpu", progress=False, perplexity=False))
+    try:
+        first = evaluator.evaluate("first", "normswap:austen-gpt2")
+        tasks = evaluator._task_list()
+        second = evaluator.evaluate("second", "normswap:austen-gpt2")
+        assert evaluator._task_list() is tasks and not isinstance(tasks[0], str)
+    finally:
+        evaluator.close()
+    assert first.metrics == second.metrics and first.per_doc == second.per_doc
+    assert set(first.per_doc) == {"persuasion_cloze", "persuasion_lastword", "persuasion_rolling"}

@@ -23,7 +23,9 @@ decoder models, families not listed in ``CACHED_FAMILIES``, ``batch_size="auto"`
 from __future__ import annotations
 
 import copy
+import hashlib
 import inspect
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -115,9 +117,30 @@ def _forward_parameters(model) -> set[str]:
 class SharedContextHFLM(HFLM):
     """HFLM scoring requests that share a context from one cached pass over that context."""
 
-    def __init__(self, *args, share_contexts: bool = True, **kwargs) -> None:
+    def __init__(self, *args, share_contexts: bool = True, encodings: dict | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.share_contexts = share_contexts
+        # string, options -> token ids: each choice re-encodes its context, and the models of one
+        # comparison encode the same strings (``encodings`` is shared when their tokenizers agree).
+        self.encodings: dict = {} if encodings is None else encodings
+
+    def tokenizer_fingerprint(self) -> str | None:
+        """What the encoding of a string depends on; None when it cannot be stated (slow tokenizers)."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            return None
+        state = [type(self.tokenizer).__name__, backend.to_str(), self.add_bos_token, self.prefix_token_id]
+        return hashlib.sha256(json.dumps(state, default=str).encode()).hexdigest()
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None,
+                   **kwargs) -> list[int]:
+        if kwargs:
+            return super().tok_encode(string, add_special_tokens, left_truncate_len, **kwargs)
+        key = (string, add_special_tokens, left_truncate_len)
+        encoding = self.encodings.get(key)
+        if encoding is None:
+            encoding = self.encodings[key] = tuple(super().tok_encode(string, add_special_tokens, left_truncate_len))
+        return list(encoding)
 
     def shares_contexts(self) -> bool:
         """Whether this model's requests can take the shared-context path at all."""
