@@ -185,3 +185,15 @@ def test_tasks_built_once_score_the_same_for_every_model():
         evaluator.close()
     assert first.metrics == second.metrics and first.per_doc == second.per_doc
     assert set(first.per_doc) == {"persuasion_cloze", "persuasion_lastword", "persuasion_rolling"}
+
+
+@pytest.mark.parametrize("argv, shared", [([], True), (["--plain-lm-eval"], False)])
+def test_plain_lm_eval_option_selects_lm_evals_own_path(argv, shared):
+    import argparse
+
+    from normswap.evaluation import cli
+
+    parser = argparse.ArgumentParser()
+    cli.configure(parser)
+    args = parser.parse_args(["out/model", "--device", "cpu", *argv])
+    assert cli.settings_from_args(args).share_contexts is shared
