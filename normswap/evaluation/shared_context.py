@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from lm_eval.models.huggingface import HFLM
+from tqdm import tqdm
 
 # Decoder families whose cached forward with a left-padded mask and explicit positions is tested
 # against HFLM's path (tests/test_eval_shared_context.py).
@@ -166,12 +167,16 @@ class SharedContextHFLM(HFLM):
         # Per forward pass, as many tokens as HFLM's batch of full-length rows; suffixes are short,
         # so twice the batch size of them per pass.
         batch_size = override_bs or self.batch_size
+        progress = tqdm(total=len(requests) - len(plain), disable=disable_tqdm or self.rank != 0,
+                        desc="Running loglikelihood requests (shared contexts)")
         for batch in batches(groups, batch_size * self.max_length, self.max_length):
             for index, answer in self._score_groups(batch, 2 * batch_size):
                 results[index] = answer
                 request_strings = requests[index][0]
                 if request_strings is not None:
                     self.cache_hook.add_partial("loglikelihood", request_strings, answer)
+                progress.update(1)
+        progress.close()
         return results
 
     def _call(self, **inputs) -> object:
