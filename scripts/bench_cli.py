@@ -10,8 +10,8 @@ In one run, each step a fresh process, repeated ``--repeat`` times (min and medi
 * ``inspect``: ``import torch`` against ``normswap inspect normswap:austen-gpt2`` (text, and
   ``--json --fold-gains``), interleaved (and from ``--before TREE``), for the inspect target;
 * ``normswap eval austen-rms --baseline normswap:austen-gpt2 --tasks local`` (the bundled model
-  converted once first);
-* ``normswap run recipes/austen-gpt2.yaml``;
+  converted once first) and ``normswap run recipes/austen-gpt2.yaml``, each also with
+  ``--plain-lm-eval`` (lm-eval's own HFLM path), interleaved, with the speed-up between them;
 * ``convert``: for a synthetic fp16 GPT-2 checkpoint (``--convert-sizes``; default the 1.5B one,
   3.1 GB in 4 shards), ``cp`` of its files, ``convert --verify none``, ``verify`` alone and the
   default ``convert`` (layer-by-layer verification included), with peak RSS (``bench_convert.py``);
@@ -125,19 +125,34 @@ def side_by_side(commands: dict[str, list[str]], work: Path, repeat: int, before
 
 
 def bench_commands(work: Path, slow_repeat: int, steps: set[str]) -> dict:
-    out: dict[str, dict] = {}
-    repeat = slow_repeat
+    """eval and run, each also with ``--plain-lm-eval`` (lm-eval's own HFLM path), interleaved run by
+    run so that load from elsewhere hits both alike; ``speedup`` is plain median / default median."""
+    commands: dict[str, list[str]] = {}
     if "eval" in steps:
         converted = work / "austen-rms"
         if not converted.exists():
             subprocess.run(normswap("convert", "normswap:austen-gpt2", "--out", str(converted), "--quiet"),
                            cwd=work, env=environment(), check=True, capture_output=True)
-        out["eval"] = repeated(normswap("eval", "austen-rms", "--baseline", "normswap:austen-gpt2", "--tasks", "local",
-                                        "--no-progress"), work, repeat)
+        commands["eval"] = normswap("eval", "austen-rms", "--baseline", "normswap:austen-gpt2", "--tasks", "local",
+                                    "--no-progress")
     if "run" in steps:
         recipe = str(ROOT / "recipes" / "austen-gpt2.yaml")
-        out["run"] = repeated(normswap("run", recipe, "--out", str(work / "run"), "--overwrite", "--no-progress"),
-                              work, repeat)
+        commands["run"] = normswap("run", recipe, "--out", str(work / "run"), "--overwrite", "--no-progress")
+    variants = {}
+    for name, command in commands.items():
+        variants[name] = command
+        variants[f"{name} (plain lm-eval)"] = [*command, "--plain-lm-eval"]
+    runs: dict[str, list[dict]] = {name: [] for name in variants}
+    for _ in range(slow_repeat):
+        for name, command in variants.items():
+            runs[name].append(run_once(command, work))
+    out: dict[str, dict] = {}
+    for name, command in variants.items():
+        seconds = [run["seconds"] for run in runs[name]]
+        out[name] = {"command": " ".join(command[2:]), "min": min(seconds),
+                     "median": round(statistics.median(seconds), 3), "runs": runs[name]}
+    for name in commands:
+        out[name]["speedup_over_plain"] = round(out[f"{name} (plain lm-eval)"]["median"] / out[name]["median"], 3)
     return out
 
 

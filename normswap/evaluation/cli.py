@@ -43,6 +43,9 @@ def add_eval_options(parser: argparse.ArgumentParser) -> None:
                        help="at most this many documents per lm-eval task (quick checks only)")
     group.add_argument("--threads", type=int, default=default,
                        help="CPU threads for the forward passes (default: the cores idle at the start)")
+    group.add_argument("--plain-lm-eval", action="store_true", default=default,
+                       help="score with lm-eval's own HFLM path, without running a shared context once "
+                            "for all its choices (same scores, slower)")
     group.add_argument("--trust-remote-code", action="store_true", default=default,
                        help="load a model whose type transformers lacks with its own code (auto_map); "
                             "converted checkpoints always load with normswap's classes, never their code")
@@ -98,6 +101,7 @@ def settings_from_args(args: argparse.Namespace, **overrides: Any) -> EvalSettin
         text=args.text, perplexity=not args.no_perplexity, tasks=tasks, limit=_limit(args.limit),
         device=resolve_device(args.device), device_map=args.device_map, trust_remote_code=bool(args.trust_remote_code),
         threads=getattr(args, "threads", None),
+        share_contexts=not getattr(args, "plain_lm_eval", False),
         progress=not args.no_progress and sys.stderr.isatty(),
         audio=getattr(args, "audio", None), images=getattr(args, "images", None),
     )

@@ -219,16 +219,30 @@ def parse_results(raw: dict[str, Any]) -> TaskResults:
     return out
 
 
-def make_lm(model, tokenizer, *, batch_size: int, max_length: int | None):
-    """Wrap a loaded model for lm-eval (``HFLM``), quietly."""
+def make_lm(model, tokenizer, *, batch_size: int, max_length: int | None, share_contexts: bool = True,
+            encodings: dict[str, dict] | None = None):
+    """Wrap a loaded model for lm-eval, quietly: ``SharedContextHFLM`` (HFLM scoring a shared context
+    once), or with ``share_contexts=False`` lm-eval's own ``HFLM``, unchanged.
+
+    ``encodings`` (tokenizer fingerprint -> memo of encoded strings), kept across the models of a
+    comparison, lets a model whose tokenizer encodes exactly as an earlier one's reuse its encodings.
+    """
     from normswap.extras import require
 
     require("eval", "lm-eval tasks")
     from lm_eval.models.huggingface import HFLM
 
+    from normswap.evaluation.shared_context import SharedContextHFLM
+
     # HFLM warns that a model object ignores its loading arguments; that is the point here.
     logging.getLogger("lm_eval.models.huggingface").setLevel(logging.ERROR)
-    return HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
+    if not share_contexts:
+        return HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
+    lm = SharedContextHFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
+    fingerprint = lm.tokenizer_fingerprint() if encodings is not None else None
+    if fingerprint is not None:
+        lm.encodings = encodings.setdefault(fingerprint, lm.encodings)
+    return lm
 
 
 def make_task_manager(plan: TaskPlan, include_dir: Path | None):
@@ -236,6 +250,26 @@ def make_task_manager(plan: TaskPlan, include_dir: Path | None):
     from lm_eval.tasks import TaskManager
 
     return TaskManager(include_defaults=bool(plan.hub), include_path=str(include_dir) if include_dir else None)
+
+
+def _data_error(error: Exception) -> NormswapError:
+    return NormswapError(
+        f"lm-eval could not load a task's data ({type(error).__name__}: {str(error).splitlines()[0][:160]}); "
+        "standard tasks need the Hugging Face hub"
+    )
+
+
+def load_tasks(task_manager, names: list[str]) -> list:
+    """lm-eval ``Task`` objects for ``names`` (data read, documents prepared), to pass to every run
+    in place of the names; the names themselves when they include groups, which lm-eval
+    aggregates only when it loads them itself."""
+    try:
+        loaded = task_manager.load(list(names))
+    except (ConnectionError, OSError) as error:
+        raise _data_error(error) from None
+    if loaded.get("groups"):
+        return list(names)
+    return list(loaded["tasks"].values())
 
 
 @contextmanager
@@ -288,8 +322,9 @@ def _versions_only_env_info() -> Iterator[None]:
         evaluator.add_env_info = original
 
 
-def run_tasks(lm, task_manager, tasks: list[str], *, limit: int | float | None = None) -> TaskResults:
-    """Run ``tasks`` on an HFLM with lm-eval's Python API, logging samples for per-document deltas."""
+def run_tasks(lm, task_manager, tasks: list, *, limit: int | float | None = None) -> TaskResults:
+    """Run ``tasks`` (names, or ``Task`` objects from ``load_tasks``) on an HFLM with lm-eval's
+    Python API, logging samples for per-document deltas."""
     import lm_eval
 
     for name in ("lm_eval", "lm_eval.api.task", "lm_eval.evaluator"):
@@ -305,10 +340,7 @@ def run_tasks(lm, task_manager, tasks: list[str], *, limit: int | float | None =
                 bootstrap_iters=0,  # stderr by bootstrap is slow and not needed for the comparison
             )
     except (ConnectionError, OSError) as error:
-        raise NormswapError(
-            f"lm-eval could not load a task's data ({type(error).__name__}: {str(error).splitlines()[0][:160]}); "
-            "standard tasks need the Hugging Face hub"
-        ) from None
+        raise _data_error(error) from None
     if raw is None:  # non-zero ranks under accelerate launch get nothing back
         return TaskResults()
     return parse_results(raw)

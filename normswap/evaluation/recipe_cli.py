@@ -46,6 +46,7 @@ def _merged_settings(recipe, args: argparse.Namespace):
         audio=args.audio or base.audio,
         images=args.images or base.images,
         threads=args.threads if args.threads is not None else base.threads,
+        plain_lm_eval=bool(args.plain_lm_eval),
     )
     return settings_from_args(merged)
 

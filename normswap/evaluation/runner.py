@@ -48,6 +48,7 @@ class EvalSettings:
     audio: str | None = None  # speech models: folder or manifest of transcribed audio (evaluation/media.py)
     images: str | None = None  # vision models: folder of images, class subfolders as labels
     threads: int | None = None  # CPU intra-op threads; None: the idle cores (normswap.threads)
+    share_contexts: bool = True  # False: lm-eval's plain HFLM path (see evaluation/shared_context.py)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -133,6 +134,8 @@ class Evaluator:
             workdir = Path(self._tmp.name)
         self.task_dir = lmeval.materialise_tasks(workdir / "tasks", self.plan.local, self.text)
         self._task_manager = None
+        self._loaded_tasks: list | None = None
+        self._encodings: dict[str, dict] = {}  # tokenizer fingerprint -> encoded strings, across models
         self.max_length = settings.max_length
 
     def close(self) -> None:
@@ -144,6 +147,12 @@ class Evaluator:
         if self._task_manager is None and self.plan.all:
             self._task_manager = lmeval.make_task_manager(self.plan, self.task_dir)
         return self._task_manager
+
+    def _task_list(self) -> list:
+        # Built once, so the second model of a comparison does not read and prepare the data again.
+        if self._loaded_tasks is None:
+            self._loaded_tasks = lmeval.load_tasks(self._tasks(), self.plan.all)
+        return self._loaded_tasks
 
     def _fix_max_length(self, model) -> int:
         # Fixed by the first model evaluated, so every later model uses the same windows.
@@ -178,8 +187,9 @@ class Evaluator:
         if self.text is not None:
             self._strided(result, model, tokenizer, max_length)
         if self.plan.all:
-            lm = lmeval.make_lm(model, tokenizer, batch_size=self.settings.batch_size, max_length=max_length)
-            self._record_tasks(result, lmeval.run_tasks(lm, self._tasks(), self.plan.all, limit=self.settings.limit))
+            lm = lmeval.make_lm(model, tokenizer, batch_size=self.settings.batch_size, max_length=max_length,
+                                share_contexts=self.settings.share_contexts, encodings=self._encodings)
+            self._record_tasks(result, lmeval.run_tasks(lm, self._tasks(), self._task_list(), limit=self.settings.limit))
 
     def _strided(self, result: ModelEval, model, tokenizer, max_length: int) -> None:
         assert self.text is not None
@@ -219,7 +229,7 @@ class Evaluator:
         if self.text is not None and lm.rank == 0:
             self._strided(result, lm.model, lm.tokenizer, max_length)
         if self.plan.all:
-            self._record_tasks(result, lmeval.run_tasks(lm, self._tasks(), self.plan.all, limit=self.settings.limit))
+            self._record_tasks(result, lmeval.run_tasks(lm, self._tasks(), self._task_list(), limit=self.settings.limit))
         result.details["seconds"] = round(time.perf_counter() - started, 2)
         result.details["data_parallel_processes"] = data_parallel_world()
         return result
