@@ -111,3 +111,24 @@ def test_local_tasks_run_on_the_model(capsys, tmp_path, model_src, small_text):
     assert report["models"]["model"]["details"]["lm_eval_docs"]["persuasion_cloze"] == 3
     assert "| strided/token_perplexity |" in stdout
     assert (out / "report.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["shared", "plain"])
+def test_no_progress_leaves_stderr_empty(tmp_path, path):
+    """--no-progress silences every bar (lm-eval's request bars pass ``disable=`` explicitly) and
+    the tokenizer's warning about documents longer than the context, which lm-eval encodes whole."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    argv = [sys.executable, "-m", "normswap", "eval", "normswap:austen-gpt2", "--no-perplexity",
+            "--tasks", "persuasion_lastword,persuasion_rolling", "--limit", "3", "--no-progress"]
+    if path == "plain":
+        argv.append("--plain-lm-eval")
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.strip() == ""
+    assert "persuasion_lastword/acc" in done.stdout

@@ -149,10 +149,19 @@ def finish(args: argparse.Namespace, report: dict, *, out: Path | None, inputs: 
     return 0
 
 
+def quiet_progress_bars(args: argparse.Namespace) -> None:
+    """With --no-progress, or when stderr is not a terminal, turn off the bars of the libraries
+    normswap drives (datasets, lm-eval's task building, transformers' loading). tqdm reads
+    ``TQDM_DISABLE`` when it is imported, so this runs before anything imports it."""
+    if args.no_progress or not sys.stderr.isatty():
+        os.environ["TQDM_DISABLE"] = "1"
+
+
 def run(args: argparse.Namespace) -> int:
     from normswap.commands import check_source
     from normswap.extras import require
 
+    quiet_progress_bars(args)
     require("eval", "normswap eval")
     inputs = local_inputs(args.model, args.baseline)
     check_report_out(args, inputs)  # before any work

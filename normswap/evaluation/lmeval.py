@@ -12,6 +12,7 @@ are copied into a scratch folder with ``data_files`` rewritten to absolute paths
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -220,7 +221,7 @@ def parse_results(raw: dict[str, Any]) -> TaskResults:
 
 
 def make_lm(model, tokenizer, *, batch_size: int, max_length: int | None, share_contexts: bool = True,
-            encodings: dict[str, dict] | None = None):
+            encodings: dict[str, dict] | None = None, progress: bool = True):
     """Wrap a loaded model for lm-eval, quietly: ``SharedContextHFLM`` (HFLM scoring a shared context
     once), or with ``share_contexts=False`` lm-eval's own ``HFLM``, unchanged.
 
@@ -237,12 +238,31 @@ def make_lm(model, tokenizer, *, batch_size: int, max_length: int | None, share_
     # HFLM warns that a model object ignores its loading arguments; that is the point here.
     logging.getLogger("lm_eval.models.huggingface").setLevel(logging.ERROR)
     if not share_contexts:
-        return HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
-    lm = SharedContextHFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
-    fingerprint = lm.tokenizer_fingerprint() if encodings is not None else None
-    if fingerprint is not None:
-        lm.encodings = encodings.setdefault(fingerprint, lm.encodings)
+        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
+    else:
+        lm = SharedContextHFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
+        fingerprint = lm.tokenizer_fingerprint() if encodings is not None else None
+        if fingerprint is not None:
+            lm.encodings = encodings.setdefault(fingerprint, lm.encodings)
+    if not progress:
+        _without_request_bars(lm)
     return lm
+
+
+def _without_request_bars(lm) -> None:
+    """Turn off the model's request bars. They pass ``disable=`` explicitly, so ``TQDM_DISABLE``
+    cannot reach them, and the rolling scorer asks ``_loglikelihood_tokens`` for a bar with an
+    explicit ``disable_tqdm=False``: every entry point is wrapped to force ``disable_tqdm=True``."""
+
+    def forced(method):
+        @functools.wraps(method)
+        def call(*args, **kwargs):
+            kwargs["disable_tqdm"] = True
+            return method(*args, **kwargs)
+        return call
+
+    for name in ("loglikelihood", "loglikelihood_rolling", "generate_until", "_loglikelihood_tokens"):
+        setattr(lm, name, forced(getattr(lm, name)))
 
 
 def make_task_manager(plan: TaskPlan, include_dir: Path | None):
@@ -327,10 +347,12 @@ def run_tasks(lm, task_manager, tasks: list, *, limit: int | float | None = None
     Python API, logging samples for per-document deltas."""
     import lm_eval
 
+    from normswap.evaluation.perplexity import transformers_errors_only
+
     for name in ("lm_eval", "lm_eval.api.task", "lm_eval.evaluator"):
         logging.getLogger(name).setLevel(logging.WARNING)
     try:
-        with _no_git_probe(), _versions_only_env_info():
+        with _no_git_probe(), _versions_only_env_info(), transformers_errors_only():
             raw = lm_eval.simple_evaluate(
                 model=lm,
                 tasks=tasks,

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from normswap.commands import add_report_options
-from normswap.evaluation.cli import add_eval_options, finish, settings_from_args
+from normswap.evaluation.cli import add_eval_options, finish, quiet_progress_bars, settings_from_args
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -56,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
     from normswap.evaluation.recipe import load_recipe, run_recipe
     from normswap.extras import require
 
+    quiet_progress_bars(args)
     require("eval", "normswap run")
     recipe = load_recipe(args.recipe)  # a bad recipe or source is refused before torch is imported
     check_source(recipe.source, trust_remote_code=bool(args.trust_remote_code or recipe.convert.get("trust_remote_code")))

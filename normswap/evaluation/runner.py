@@ -188,6 +188,7 @@ class Evaluator:
             self._strided(result, model, tokenizer, max_length)
         if self.plan.all:
             lm = lmeval.make_lm(model, tokenizer, batch_size=self.settings.batch_size, max_length=max_length,
+                                progress=self.settings.progress,
                                 share_contexts=self.settings.share_contexts, encodings=self._encodings)
             self._record_tasks(result, lmeval.run_tasks(lm, self._tasks(), self._task_list(), limit=self.settings.limit))
 
