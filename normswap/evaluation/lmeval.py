@@ -5,124 +5,34 @@ models of a comparison are evaluated exactly as loaded, with the same batch size
 Under ``accelerate launch`` with several processes lm-eval must load the model itself to shard the
 data, so there ``HFLM`` gets the checkpoint path instead (see README.md beside this file).
 
-Local tasks live in ``evals/`` as ordinary lm-eval YAMLs whose ``data_files`` are relative to the
-YAML. lm-eval resolves relative paths against the working directory, so before each run the YAMLs
-are copied into a scratch folder with ``data_files`` rewritten to absolute paths.
+Local tasks live in ``evals/`` (``local_tasks.py`` makes them runnable).
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import math
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from normswap.errors import NormswapError
-from normswap.evaluation.text import TextSource
+from normswap.evaluation.local_tasks import (  # noqa: F401  (re-exported: the task folder's names)
+    LOCAL_ALIAS,
+    TEXT_TASK,
+    evals_dir,
+    local_tasks,
+    materialise_tasks,
+)
 
-# The task generated at run time over the --text documents (rolling loglikelihood).
-TEXT_TASK = "normswap_text"
-# Shorthand for all tasks shipped in evals/.
-LOCAL_ALIAS = "local"
 # Standard lm-eval tasks the recipes use; anything else is looked up in lm-eval's full index.
 KNOWN_HUB_TASKS = {"wikitext", "lambada_openai", "lambada_standard", "hellaswag", "piqa", "arc_easy",
                    "arc_challenge", "winogrande", "openbookqa", "boolq", "sciq"}
 
 
-def evals_dir() -> Path:
-    """The ``evals/`` folder: ``$NORMSWAP_EVALS_DIR``, else the one beside the package (a checkout)."""
-    override = os.environ.get("NORMSWAP_EVALS_DIR")
-    path = Path(override) if override else Path(__file__).resolve().parents[2] / "evals"
-    if not path.is_dir():
-        raise NormswapError(f"local task folder {path} not found; set NORMSWAP_EVALS_DIR to a copy of evals/")
-    return path
-
-
-def _read_yaml(path: Path) -> dict[str, Any]:
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as error:
-        raise NormswapError(f"task file {path} is not valid YAML: {str(error).splitlines()[0]}") from None
-    if not isinstance(data, dict):
-        raise NormswapError(f"task file {path} does not describe an lm-eval task")
-    return data
-
-
-def local_tasks(folder: Path | None = None) -> dict[str, Path]:
-    """Task name -> YAML file for every task YAML directly inside ``folder`` (default ``evals/``)."""
-    folder = folder or evals_dir()
-    tasks: dict[str, Path] = {}
-    for path in sorted(folder.glob("*.yaml")):
-        name = _read_yaml(path).get("task")
-        if isinstance(name, str):
-            tasks[name] = path
-    return tasks
-
-
-def _absolutise_data_files(config: dict[str, Any], base: Path) -> dict[str, Any]:
-    """Rewrite ``dataset_kwargs.data_files`` entries relative to ``base`` into absolute paths."""
-    kwargs = config.get("dataset_kwargs") or {}
-    files = kwargs.get("data_files")
-    if files is None:
-        return config
-
-    def fix(entry: Any) -> Any:
-        if isinstance(entry, list):
-            return [fix(item) for item in entry]
-        path = Path(str(entry))
-        path = path if path.is_absolute() else (base / path).resolve()
-        if not path.exists():
-            raise NormswapError(f"data file {path} of task {config.get('task')} does not exist")
-        return str(path)
-
-    kwargs["data_files"] = {split: fix(entry) for split, entry in files.items()} if isinstance(files, dict) else fix(files)
-    config["dataset_kwargs"] = kwargs
-    return config
-
-
-def materialise_tasks(workdir: Path, names: list[str], text: TextSource | None = None) -> Path:
-    """Write runnable YAMLs for the local tasks in ``names`` (and the text task) into ``workdir``."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    available = local_tasks() if any(name != TEXT_TASK for name in names) else {}
-    for name in names:
-        if name == TEXT_TASK:
-            continue
-        source = available[name]
-        config = _absolutise_data_files(_read_yaml(source), source.parent)
-        (workdir / source.name).write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
-    if TEXT_TASK in names:
-        if text is None:
-            raise NormswapError(f"task {TEXT_TASK} needs a text source")
-        data = workdir / f"{TEXT_TASK}.jsonl"
-        with data.open("w", encoding="utf-8") as handle:
-            for document in text.documents:
-                handle.write(json.dumps({"text": document}, ensure_ascii=False) + "\n")
-        config = {
-            "task": TEXT_TASK,
-            "dataset_path": "json",
-            "dataset_kwargs": {"data_files": {"test": str(data)}},
-            "test_split": "test",
-            "output_type": "loglikelihood_rolling",
-            "doc_to_text": "",
-            "doc_to_target": "{{text}}",
-            "metric_list": [
-                {"metric": m, "aggregation": agg, "higher_is_better": False}
-                for m, agg in (("word_perplexity", "weighted_perplexity"),
-                               ("byte_perplexity", "weighted_perplexity"),
-                               ("bits_per_byte", "bits_per_byte"))
-            ],
-            "metadata": {"version": 1.0, "source": text.name},
-        }
-        (workdir / f"{TEXT_TASK}.yaml").write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
-    return workdir
 
 
 @dataclass
