@@ -495,6 +495,26 @@ def test_python_api_refuses_impossible_tolerances(source, converted, tmp_path, c
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("command", ["convert", "inspect"])
+def test_untied_flag_without_a_head_is_refused(source, tmp_path, capsys, command):
+    """tie_word_embeddings=false and no lm_head.weight: transformers would invent the head."""
+    src = copy_source(source, tmp_path)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    code, _, err = run_cli(capsys, command, src, *(["--out", tmp_path / "out", "--verify", "none"] if command == "convert" else []))
+    assert_refused(code, err, "tie_word_embeddings=false", "lm_head.weight")
+    assert not (tmp_path / "out").exists()
+
+
+def test_eval_max_length_below_a_continuation_is_one_line(tmp_path):
+    # a fresh process: --no-progress silences tqdm bars only where tqdm is not yet imported
+    done = subprocess.run(
+        [sys.executable, "-m", "normswap", "eval", "normswap:austen-gpt2", "--tasks", "persuasion_cloze",
+         "--no-perplexity", "--limit", "3", "--max-length", "16", "--no-progress"],
+        capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600)
+    assert_refused(done.returncode, done.stderr, "--max-length")
+
+
 def test_weights_file_is_a_folder(source, tmp_path, capsys):
     src = copy_source(source, tmp_path)
     (src / "model.safetensors").unlink()

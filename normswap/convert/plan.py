@@ -229,6 +229,10 @@ def _untie(architecture: Architecture, config: dict, plans: dict[str, TensorPlan
             continue
         if head in plans and not tied_flag:
             continue  # already a separate matrix
+        if not tied_flag:
+            raise NormswapError(
+                f"config.json sets {architecture.tie_flag}=false but the checkpoint has no {head}: "
+                "transformers would initialise that head at random, so the original computes no fixed function")
         source = plans[embedding]
         plans[head] = TensorPlan(head, source.source, source.shape, source.dtype_name, source.shard)
         untied.append((head, embedding))

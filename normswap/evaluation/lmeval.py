@@ -273,6 +273,11 @@ def run_tasks(lm, task_manager, tasks: list, *, limit: int | float | None = None
             )
     except (ConnectionError, OSError) as error:
         raise _data_error(error) from None
+    except AssertionError as error:
+        # lm-eval checks its requests with bare asserts, e.g. a continuation longer than the window
+        reason = str(error) or "a continuation is longer than the model's window"
+        raise NormswapError(f"lm-eval cannot score these tasks with max length {lm.max_length}: {reason}; "
+                            "pass a larger --max-length") from None
     if raw is None:  # non-zero ranks under accelerate launch get nothing back
         return TaskResults()
     return parse_results(raw)
