@@ -1252,3 +1252,17 @@ def test_impossible_numbers_are_refused_before_any_work(capsys, args, needle):
     except SystemExit as exit_info:  # argparse's refusal, in normswap's one-line form
         code = exit_info.code
     assert_refused(code, capsys.readouterr().err, needle)
+
+
+@pytest.mark.parametrize("mode, needle", [("--full", "rerun with --layerwise"), ("--layerwise", "worst block ")])
+def test_failed_verify_names_the_block_or_how_to_find_it(source, converted, tmp_path, capsys, mode, needle):
+    """A converted checkpoint whose config changes every norm (eps) passes the weight pre-check;
+    the comparison fails, and the one error line says where to look."""
+    bad = tmp_path / "bad"
+    shutil.copytree(converted, bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "layer_norm_epsilon": 0.5}))
+    code, _, err = run_cli(capsys, "verify", source, bad, mode, "--quiet")
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 3 and "Traceback" not in err
+    assert "does not match the original within tolerance" in lines[-1] and needle in lines[-1]

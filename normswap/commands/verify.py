@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         emit_json(args, result)
     if not result["passed"]:
-        raise VerificationError("the converted model does not match the original within tolerance")
+        raise VerificationError(f"the converted model does not match the original within tolerance; {blame(result)}")
     return 0
 
 
@@ -83,6 +83,14 @@ def describe_mode(result: dict) -> str:
                 f"{worst['block_max_abs_diff']:.3g}, {worst['relative']:.3g} of the stream's max |h|)")
     return (f"compared layer by layer; worst block: {worst['layer']} ({worst['loader']} loader, stream max |Δ| "
             f"after it = {worst['max_abs_diff']:.3g}, {worst['relative']:.3g} of the stream's max |h|)")
+
+
+def blame(result: dict) -> str:
+    """Where a failed verification points: the worst block, or how to find it."""
+    worst = result.get("worst_layer") if result.get("mode") == "layerwise" else None
+    if not worst:
+        return "rerun with --layerwise to name the block to blame"
+    return f"worst block {worst['layer']} ({worst['loader']} loader)"
 
 
 def to_markdown(args: argparse.Namespace, text: str) -> str:
