@@ -6,14 +6,20 @@ from normswap.architectures.facts import ModelFacts, StateDict, Unstated, stated
 from normswap.architectures.spec import assemble, conv1d_reader, embeddings, lm_head, pattern, pre_ln_blocks
 
 
-def _facts(config: dict) -> ModelFacts:
-    """GPT2LMHeadModel as GPT2Block builds it (cross-attention when configured)."""
+def gpt2_sizes(config: dict) -> tuple[int, int, int, int, int, int]:
+    """Width, vocabulary, positions, layers, heads and MLP width as GPT-2-style configs
+    (GPT2Config, GPTBigCodeConfig) give them, with those classes' defaults."""
     d = stated(config, "n_embd", 768, size=True, aliases=("hidden_size",))
     vocab = stated(config, "vocab_size", 50257, size=True)
     positions = stated(config, "n_positions", 1024, size=True, aliases=("max_position_embeddings",))
     layers = stated(config, "n_layer", 12, size=True, aliases=("num_hidden_layers",))
     heads = stated(config, "n_head", 12, size=True, aliases=("num_attention_heads",))
-    inner = stated(config, "n_inner", None) or 4 * d
+    return d, vocab, positions, layers, heads, stated(config, "n_inner", None) or 4 * d
+
+
+def _facts(config: dict) -> ModelFacts:
+    """GPT2LMHeadModel as GPT2Block builds it (cross-attention when configured)."""
+    d, vocab, positions, layers, heads, inner = gpt2_sizes(config)
     if d % heads or not isinstance(inner, int):
         raise Unstated("n_embd")  # the class refuses it in its own words
     state = StateDict("transformer").add("transformer.wte", weight=(vocab, d)).add("transformer.wpe", weight=(positions, d))

@@ -9,17 +9,13 @@ biases); cross-attention (when configured) reads the stream through ``q_attn`` o
 from __future__ import annotations
 
 from normswap.architectures.facts import ModelFacts, StateDict, Unstated, stated
+from normswap.architectures.gpt2 import gpt2_sizes
 from normswap.architectures.spec import assemble, embeddings, linear_reader, lm_head, pattern, pre_ln_blocks
 
 
 def _facts(config: dict) -> ModelFacts:
     """GPTBigCodeForCausalLM as GPTBigCodeBlock builds it (cross-attention is left to the class)."""
-    d = stated(config, "n_embd", 768, size=True, aliases=("hidden_size",))
-    vocab = stated(config, "vocab_size", 50257, size=True)
-    positions = stated(config, "n_positions", 1024, size=True, aliases=("max_position_embeddings",))
-    layers = stated(config, "n_layer", 12, size=True, aliases=("num_hidden_layers",))
-    heads = stated(config, "n_head", 12, size=True, aliases=("num_attention_heads",))
-    inner = stated(config, "n_inner", None) or 4 * d
+    d, vocab, positions, layers, heads, inner = gpt2_sizes(config)
     if stated(config, "add_cross_attention", False) or d % heads:
         raise Unstated("add_cross_attention")
     key_value = d // heads if stated(config, "multi_query", True) else d
