@@ -28,7 +28,7 @@ import torch
 from helpers import leftovers, make_hard, quick_first, save
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from normswap import output, temporaries
+from normswap.checkpoint import output, temporaries
 from normswap.cli import main
 from normswap.errors import NormswapError
 
@@ -481,8 +481,7 @@ def test_truncated_bin(source, tmp_path, capsys, command):
 @pytest.mark.parametrize("call", ["convert", "rotate", "verify"])
 @pytest.mark.parametrize("tolerance", [{"atol": math.nan}, {"rtol": -1.0}, {"atol": math.inf}, {"rtol": "1e-3"}])
 def test_python_api_refuses_impossible_tolerances(source, converted, tmp_path, call, tolerance):
-    from normswap.convert.pipeline import convert_checkpoint
-    from normswap.rotation import rotate_checkpoint
+    from normswap.api import convert_checkpoint, rotate_checkpoint
     from normswap.verify.checkpoint import verify_checkpoint
 
     run = {

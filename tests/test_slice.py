@@ -22,14 +22,14 @@ from test_bad_input import run_cli
 from test_rotate import _files, _refused
 
 import normswap
-from normswap import calibration, slicing
+from normswap.api import rotate_checkpoint
 from normswap.architectures import ARCHITECTURES
-from normswap.convert.source import resolve_source
+from normswap.checkpoint.source import resolve_source
 from normswap.errors import NormswapError
 from normswap.modeling.remote import RMSNorm
-from normswap.rotation import rotate_checkpoint
-from normswap.slicing_pipeline import slice_checkpoint
-from normswap.verify.loaders import stock_refuses
+from normswap.rotate import calibration, slicing
+from normswap.rotate.slice_pipeline import slice_checkpoint
+from normswap.runtime.loaders import stock_refuses
 
 BUNDLED = Path(normswap.__file__).parent / "data"
 CALIBRATION = BUNDLED / "text" / "emma-excerpt.txt"

@@ -22,7 +22,7 @@ def check_source(src: str, *, trust_remote_code: bool = False) -> None:
 
     A hub id is not fetched here: the command fetches it once, when it needs it.
     """
-    from normswap.convert.source import _HUB_ID, EXAMPLE_MODEL, resolve_source
+    from normswap.checkpoint.source import _HUB_ID, EXAMPLE_MODEL, resolve_source
 
     if src == EXAMPLE_MODEL or Path(src).expanduser().exists() or not _HUB_ID.match(src):
         resolve_source(src, trust_remote_code=trust_remote_code)
@@ -153,7 +153,7 @@ def check_report_out(args: argparse.Namespace, inputs: list[Path]) -> None:
     if getattr(args, "plot", False) and args.out is None:
         raise NormswapError("--plot needs --out DIR (the plots are written there)")
     if args.out is not None:
-        from normswap import output
+        from normswap.checkpoint import output
 
         args.out = output.absolute(args.out)
         output.check_out(args.out, inputs, args.overwrite)
@@ -163,9 +163,9 @@ def write_reports(out: Path, write: Callable[[Path], list[Path]], *, inputs: lis
                   overwrite: bool, kind: str = "report") -> list[Path]:
     """Claim ``out``, let ``write(folder)`` fill a temporary folder, install it whole; the final paths.
 
-    Like every normswap output (``normswap.output``): nothing half-written, and ``overwrite`` only
+    Like every normswap output (``normswap.checkpoint.output``): nothing half-written, and ``overwrite`` only
     replaces a folder normswap wrote."""
-    from normswap import output
+    from normswap.checkpoint import output
 
     with output.claimed_output(out, inputs=inputs, overwrite=overwrite, kind=kind) as claim:
         names = [path.name for path in write(claim.tmp)]

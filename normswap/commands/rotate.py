@@ -41,8 +41,8 @@ def run(args: argparse.Namespace) -> int:
         from normswap.commands.rotate_slice import run_slice
 
         return run_slice(args)
+    from normswap.api import rotate_checkpoint
     from normswap.commands.verify import describe_mode
-    from normswap.rotation import rotate_checkpoint
     from normswap.verify.compare import format_table
 
     provenance = rotate_checkpoint(

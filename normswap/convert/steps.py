@@ -82,7 +82,7 @@ class Rotate:
 
     axis: int
     side: str
-    rotation: object = field(repr=False)  # normswap.rotation.Rotation: the matrix and its label
+    rotation: object = field(repr=False)  # normswap.rotate.pipeline.Rotation: the matrix and its label
     slice_wise: bool = True
 
 

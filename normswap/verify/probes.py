@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from normswap.runtime.reference import load_tokenizer
+
 PROBE_TOKENS = 64
 PROBE_BATCH = 2
 
@@ -121,15 +123,3 @@ LOGIT_PROBES = ("causal_lm", "seq2seq_speech")
 def build_probe(kind: str, config: Any, checkpoint: Path) -> Probe:
     """The probe of ``kind`` for a model of ``config``, with the tokenizer of ``checkpoint``."""
     return PROBES[kind](config, load_tokenizer(checkpoint))
-
-
-def load_tokenizer(path: Path) -> Any:
-    """The checkpoint's tokenizer, or None when it has none or it cannot be built offline."""
-    if not any((path / name).is_file() for name in ("tokenizer.json", "vocab.json", "tokenizer.model")):
-        return None
-    try:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(str(path))
-    except Exception:  # a broken tokenizer must not stop verification: random ids still work
-        return None

@@ -1,6 +1,6 @@
 """``normswap rotate --slice``: write a sliced checkpoint and measure what slicing cost.
 
-The math is in ``normswap.slicing``; this module plans (fold the source as ``rotate`` does,
+The math is in ``normswap.rotate.slicing``; this module plans (fold the source as ``rotate`` does,
 calibrate block by block, choose the kept bases), writes the checkpoint through a claimed output
 like every normswap command, and measures the perplexity of the original and of the written
 sliced model on held-out text. A sliced model is not exact, so nothing is verified against a
@@ -15,12 +15,14 @@ from pathlib import Path
 
 import torch
 
-from normswap import card, output, slicing
 from normswap.architectures import Architecture
-from normswap.calibration import CALIBRATION_WINDOW, DEFAULT_CALIBRATION_TOKENS, read_calibration
-from normswap.convert.source import CheckpointReader, read_config, resolve_source, source_inputs
+from normswap.checkpoint import output
+from normswap.checkpoint.source import CheckpointReader, read_config, resolve_source, source_inputs
+from normswap.convert import card
 from normswap.errors import NormswapError
-from normswap.rotation import RotationPlan, hidden_size, plan_rotation
+from normswap.rotate import slicing
+from normswap.rotate.calibration import CALIBRATION_WINDOW, DEFAULT_CALIBRATION_TOKENS, read_calibration
+from normswap.rotate.plan import RotationPlan, hidden_size, plan_rotation
 
 
 @dataclass
@@ -47,7 +49,7 @@ class SliceTexts:
 
 
 def slice_texts(source_dir: Path, calibration: str | Path, held_out: str | Path | None, max_tokens: int) -> SliceTexts:
-    from normswap.calibration import calibration_ids
+    from normswap.rotate.calibration import calibration_ids
 
     text = read_calibration(calibration)
     ids = calibration_ids(source_dir, text, str(calibration))
@@ -67,7 +69,7 @@ def slice_texts(source_dir: Path, calibration: str | Path, held_out: str | Path 
 def plan_slicing(source_dir: Path, rotation_plan: RotationPlan, architecture: Architecture,
                  layout: slicing.SliceLayout, fraction: float, texts: SliceTexts) -> SlicePlan:
     """Calibrate every signal block by block, keep k principal directions of each, assign roles."""
-    from normswap.calibration import calibration_moments
+    from normswap.rotate.calibration import calibration_moments
 
     d = hidden_size(rotation_plan.meta)
     k = slicing.kept_dimension(d, fraction)
@@ -91,9 +93,9 @@ def perplexity_cost(source_dir: Path, sliced_dir: Path, architecture: Architectu
                     window: int) -> dict:
     """Perplexity of the original and of the sliced model on ``ids`` (windows of ``window``, no overlap)."""
     from normswap.evaluation.perplexity import strided_perplexity
+    from normswap.runtime.loaders import load_converted
+    from normswap.runtime.reference import reference_model
     from normswap.threads import cpu_threads
-    from normswap.verify.loaders import load_converted
-    from normswap.verify.rotated import reference_model
 
     figures: dict = {}
     loaders = (("original", lambda: reference_model(source_dir, architecture)),

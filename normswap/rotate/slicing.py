@@ -34,8 +34,8 @@ from pathlib import Path
 import torch
 
 from normswap.architectures import Architecture
+from normswap.checkpoint.source import CheckpointReader
 from normswap.convert import fold
-from normswap.convert.source import CheckpointReader
 from normswap.errors import NormswapError
 
 # Held out from the calibration text when no --held-out text is given: this share of its tokens,
@@ -104,13 +104,13 @@ def check_slice_inputs(fraction: float, d: int, k: int, calibration_tokens: int,
 
 def check_sliceable(source_dir: Path, config: dict) -> tuple[Architecture, SliceLayout]:
     """The adapter and layout of a source that can be sliced; one-line refusals otherwise."""
-    from normswap.rotation import check_source
+    from normswap.rotate.plan import check_rotatable
 
     block = config.get("normswap") or {}
     if "slicing" in block:
         raise NormswapError(f"{source_dir} is already sliced (to {block['slicing'].get('hidden_size')} dimensions); "
                             "slice the original instead")
-    architecture, family_config, _ = check_source(source_dir, config)
+    architecture, family_config, _ = check_rotatable(source_dir, config)
     model_type = family_config.get("model_type")
     if model_type not in LAYOUTS:
         raise NormswapError(f"cannot slice a {model_type} checkpoint: slicing needs the family's block layout (which "
