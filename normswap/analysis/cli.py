@@ -205,7 +205,7 @@ def _check_arguments(args: argparse.Namespace) -> None:
 
 def _check_seq_len(seq_len: int, sources: list[str], configs: list[dict]) -> None:
     """A window longer than a model's context would be cut silently: refuse it instead."""
-    from normswap.analysis import config_context_length
+    from normswap.runtime.reference import config_context_length
 
     for source, config in zip(sources, configs, strict=True):
         context = config_context_length(config)
@@ -257,8 +257,8 @@ def _write_files(folder: Path, payload: dict, reports: dict, text: str, plot: bo
 
 def _outliers(args: argparse.Namespace, models: dict, ids: torch.Tensor, reports: dict) -> str:
     """Linear-input outlier statistics per model, added to each report; returns their table."""
-    from normswap.analysis.collect import context_length
     from normswap.analysis.outliers import format_outliers, geometry_outliers
+    from normswap.runtime.reference import context_length
 
     seq_len = min([args.seq_len or 1024] + [context_length(model) for model in models.values()])
     results = geometry_outliers(models, ids, seq_len, args.batch_size)

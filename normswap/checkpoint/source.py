@@ -19,8 +19,8 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from normswap.checkpoint.reads import RecentReads as RecentReads  # re-exported for the writer
 from normswap.checkpoint.safetensors_io import SafetensorsShard, tensor_nbytes
-from normswap.convert.reads import RecentReads as RecentReads  # re-exported for the writer
 from normswap.dtypes import dtype_name, torch_dtype
 from normswap.errors import NormswapError, first_line
 

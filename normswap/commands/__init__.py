@@ -15,6 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from normswap.errors import NormswapError
+from normswap.text import json_safe, json_text
+
+__all__ = ["json_safe", "json_text"]  # the JSON every command prints
 
 
 def check_source(src: str, *, trust_remote_code: bool = False) -> None:
@@ -101,7 +104,6 @@ def add_checkpoint_out(parser: argparse.ArgumentParser) -> None:
 
 def tolerance(text: str) -> float:
     """An ``--atol``/``--rtol`` value: a finite number >= 0 (``--verify none`` turns checking off)."""
-    import math
 
     try:
         value = float(text)
@@ -173,24 +175,6 @@ def write_reports(out: Path, write: Callable[[Path], list[Path]], *, inputs: lis
     paths = [out / name for name in names]
     print("wrote " + ", ".join(str(path) for path in paths), file=sys.stderr)
     return paths
-
-
-def json_safe(value: Any) -> Any:
-    """``value`` with inf and nan as null (JSON has neither) and other non-JSON values as strings."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {str(k): json_safe(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [json_safe(v) for v in value]
-    if value is None or isinstance(value, bool | int | float | str):
-        return value
-    return str(value)
-
-
-def json_text(data: Any) -> str:
-    """``data`` as strict JSON text (what ``json.loads`` and every other parser accept)."""
-    return json.dumps(json_safe(data), indent=2, allow_nan=False) + "\n"
 
 
 def emit_json(args: argparse.Namespace, data: Any) -> None:

@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
         return run_slice(args)
     from normswap.api import rotate_checkpoint
     from normswap.commands.verify import describe_mode
-    from normswap.verify.compare import format_table
+    from normswap.text import format_table
 
     provenance = rotate_checkpoint(
         args.src, args.out, method=args.method or "hadamard", seed=args.seed, calibration=args.calibration,

@@ -117,7 +117,7 @@ def empty_source_model(source_dir: Path, architecture: Architecture) -> nn.Modul
 
 
 def window_for(model: nn.Module, limit: int) -> int:
-    from normswap.analysis.collect import context_length
+    from normswap.runtime.reference import context_length
 
     return min(limit, context_length(model))
 

@@ -28,7 +28,7 @@ from normswap.convert.plan import canonical_names
 from normswap.errors import NormswapError
 from normswap.memory import map_large_allocations, release_memory
 from normswap.modeling import build
-from normswap.verify.lockstep import SharedReads
+from normswap.runtime.lockstep import SharedReads
 
 # Above this many bytes of float32 weights, automatic verification goes layer by layer
 # (a whole-model comparison holds one float32 copy of the model).

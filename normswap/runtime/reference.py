@@ -62,3 +62,23 @@ def reference_model(path: Path, architecture: Architecture, dtype: torch.dtype =
     if "normswap" in config:
         return load_converted(path, rms_how, dtype=dtype)
     return build.load_pretrained(build.model_class(config, architecture.auto_class), path, dtype=dtype)
+
+
+CONTEXT_KEYS = ("n_positions", "max_position_embeddings", "n_ctx", "max_target_positions")
+
+
+def config_context_length(config: dict) -> int | None:
+    """The maximum sequence length a config.json declares, or None when it declares none."""
+    for key in CONTEXT_KEYS:
+        value = config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def context_length(model: nn.Module, default: int = 1024) -> int:
+    """The model's maximum sequence length from its config (n_positions, max_position_embeddings...)."""
+    config = getattr(model, "config", None)
+    to_dict = getattr(config, "to_dict", None)
+    found = config_context_length(to_dict()) if callable(to_dict) else None
+    return found or default

@@ -139,28 +139,3 @@ def _perplexity(log_probs: torch.Tensor, ids: torch.Tensor) -> float:
 def within_tolerance(figures: dict, atol: float, rtol: float) -> bool:
     """Whether max |Δ| is within ``atol + rtol * max |reference|``."""
     return figures["max_abs_diff"] <= atol + rtol * figures["max_abs_reference"]
-
-
-def format_table(rows: dict[str, dict]) -> str:
-    """A Markdown table of verification figures, one row per loader."""
-    columns = ["max_abs_diff", "mean_kl", "top1_agreement", "perplexity_reference", "perplexity_candidate"]
-    present = [c for c in columns if any(c in figures for figures in rows.values())]
-    head = "| loader | " + " | ".join(present) + " | within tolerance |"
-    lines = [head, "|" + "---|" * (len(present) + 2)]
-    for loader, figures in rows.items():
-        if "refused" in figures:
-            verdict = "refuses to load, as it must" if figures["refused"] else "LOADED (wrong model)"
-            lines.append(f"| {loader} | " + " | ".join("-" for _ in present) + f" | {verdict} |")
-            continue
-        cells = [_cell(figures.get(c)) for c in present]
-        verdict = figures.get("passed")
-        lines.append(f"| {loader} | " + " | ".join(cells) + f" | {'yes' if verdict else 'no' if verdict is not None else '-'} |")
-    return "\n".join(lines)
-
-
-def _cell(value) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.3g}" if abs(value) < 1e4 else f"{value:.4g}"
-    return str(value)

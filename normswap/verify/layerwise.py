@@ -32,6 +32,7 @@ from normswap.architectures import Architecture
 from normswap.errors import NormswapError
 from normswap.memory import release_memory
 from normswap.runtime.loaders import checked_form, loader_runs
+from normswap.runtime.lockstep import SharedReads, run_in_lockstep
 from normswap.runtime.offload import (
     Unsupported,
     converted_model,
@@ -42,7 +43,6 @@ from normswap.runtime.offload import (
 )
 from normswap.threads import on_idle_cores
 from normswap.verify.compare import centred, compare_by_sequence
-from normswap.verify.lockstep import SharedReads, run_in_lockstep
 from normswap.verify.probes import Probe, build_probe
 
 StreamMap = Callable[[torch.Tensor], torch.Tensor]  # the original's stream -> the converted model's
