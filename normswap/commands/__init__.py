@@ -7,7 +7,6 @@ paths are refused, before torch and transformers are imported.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from collections.abc import Callable
