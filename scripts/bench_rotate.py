@@ -43,9 +43,10 @@ from normswap.analysis.outliers import linear_input_outliers, plot_outliers, sum
 from normswap.api import rotate_checkpoint  # noqa: E402
 from normswap.architectures import architecture_for  # noqa: E402
 from normswap.checkpoint.source import read_config, resolve_source  # noqa: E402
-from normswap.evaluation.perplexity import strided_perplexity, tokenize_text  # noqa: E402
+from normswap.evaluation.perplexity import strided_perplexity  # noqa: E402
 from normswap.rotate.quantise import quantise_model  # noqa: E402
 from normswap.rotate.slice_pipeline import slice_checkpoint  # noqa: E402
+from normswap.runtime.reference import tokenize_text  # noqa: E402
 
 BUNDLED_TEXT = ROOT / "normswap" / "data" / "text"
 QUANTISATIONS = {"int8": (8, None), "int4": (4, None), "int4-g128": (4, 128)}

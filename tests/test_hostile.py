@@ -776,7 +776,7 @@ def test_second_claimant_is_refused(source, tmp_path, capsys):
 
 @pytest.mark.parametrize("how", quick_first(["file-added", "folder-replaced", "folder-removed"]))
 def test_something_appears_at_out_during_conversion(source, tmp_path, capsys, monkeypatch, how):
-    from normswap.convert import pipeline
+    from normswap.convert import install as pipeline
 
     out = tmp_path / "out"
     real_write = pipeline.write_weights
@@ -848,7 +848,7 @@ def test_killed_conversion_is_cleaned_by_the_next(source, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     script = (
         "import sys, signal, os\n"
-        "from normswap.convert import pipeline\n"
+        "from normswap.convert import install as pipeline\n"
         "real = pipeline.write_weights\n"
         "def write(*a, **k):\n"
         "    real(*a, **k)\n"
@@ -871,7 +871,7 @@ def test_sigterm_leaves_nothing(source, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     script = (
         "import os, signal\n"
-        "from normswap.convert import pipeline\n"
+        "from normswap.convert import install as pipeline\n"
         "real = pipeline.write_weights\n"
         "def write(*a, **k):\n"
         "    real(*a, **k)\n"

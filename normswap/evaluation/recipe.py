@@ -231,9 +231,9 @@ def convert_kwargs(recipe: Recipe) -> dict[str, Any]:
     """Keyword arguments for ``normswap.convert_checkpoint``: the recipe's, with verification on."""
     import inspect
 
-    import normswap
+    from normswap.convert.pipeline import convert_checkpoint
 
-    accepted = inspect.signature(normswap.convert_checkpoint).parameters
+    accepted = set(inspect.signature(convert_checkpoint).parameters) - {"verifier"}  # the API passes that one
     kwargs = {**recipe.convert, **recipe.verify, "overwrite": False}
     if kwargs.get("verification") == "none":
         raise NormswapError(f"recipe {recipe.path}: a recipe always verifies; remove verification: none")

@@ -46,9 +46,7 @@ def token_ids(vocab_size: int, length: int, tokenizer: Any, generator: torch.Gen
     """Ids [PROBE_BATCH, length] and their kind: the probe text through ``tokenizer`` when there is
     one and the text is long enough, else ids drawn uniformly from the vocabulary."""
     if tokenizer is not None:
-        from normswap.evaluation.perplexity import (
-            tokenize_text,  # longer than the context on purpose: no warning
-        )
+        from normswap.runtime.reference import tokenize_text  # longer than the context on purpose: no warning
 
         ids = tokenize_text(tokenizer, probe_text())
         if ids.numel() >= PROBE_BATCH * length:
