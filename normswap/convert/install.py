@@ -57,6 +57,7 @@ def install(
     out: Path, inputs: list[Path], plan: ConversionPlan, reader: CheckpointReader, source_dir: Path | None,
     provenance: dict, *, config_json: Callable[[dict], dict], verifier: Verifier | None, must_pass: bool,
     overwrite: bool, quiet: bool, verify_options: dict, extra_files: Callable[[Path], None] | None = None,
+    records_as: tuple[str, ...] = ("verification",), model_card: Callable[[dict], str] = card.model_card,
 ) -> None:
     """Write ``plan``'s checkpoint beside ``out``, verify it, and install it at ``out``.
 
@@ -65,7 +66,9 @@ def install(
     (``provenance["verification"]``) once they are known. ``verifier(source_dir, folder,
     **verify_options)`` is ``verify_checkpoint`` or ``verify_rotated``; with ``must_pass`` a
     failed verification raises ``VerificationError`` and nothing is installed. ``source_dir``
-    None (a model from memory) has no side files to copy and cannot be verified.
+    None (a model from memory) has no side files to copy and cannot be verified. The verifier's
+    figures are recorded in the provenance under the keys ``records_as``; the card is
+    ``model_card(provenance)``.
     """
     total = sum(tensor.nbytes for tensor in plan.tensors.values())
     output.check_free_space(out, total)
@@ -81,11 +84,16 @@ def install(
             copy_side_files(source_dir, tmp)
         write_json(tmp / "config.json", config_json(provenance))
         if verifier is not None:
-            result = provenance["verification"] = verifier(source_dir, tmp, **verify_options)
+            result = verifier(source_dir, tmp, **verify_options)
+            *parents, key = records_as
+            block = provenance
+            for parent in parents:
+                block = block[parent]
+            block[key] = result
             write_json(tmp / "config.json", config_json(provenance))
             if must_pass and not result["passed"]:
                 raise VerificationError(_failure_line(result))
-        (tmp / "README.md").write_text(card.model_card(provenance))
+        (tmp / "README.md").write_text(model_card(provenance))
         claim.install()
 
 

@@ -18,7 +18,7 @@ import torch
 from normswap.architectures import Architecture
 from normswap.checkpoint import output
 from normswap.checkpoint.source import CheckpointReader, read_config, resolve_source, source_inputs
-from normswap.convert import card
+from normswap.convert import card, install
 from normswap.errors import NormswapError
 from normswap.rotate import slicing
 from normswap.rotate.calibration import CALIBRATION_WINDOW, DEFAULT_CALIBRATION_TOKENS, read_calibration
@@ -147,6 +147,7 @@ def slice_checkpoint(
     overwrite: bool = False,
     trust_remote_code: bool = False,
     allow_zero: bool = False,
+    quiet: bool = True,
 ) -> dict:
     """Write ``src`` sliced by ``fraction`` (0 < f < 1; ``allow_zero`` admits 0, which keeps every
     dimension and is exact) to ``out``; returns the provenance block, perplexity cost included."""
@@ -175,34 +176,23 @@ def slice_checkpoint(
                                               rotation_plan.source_block)
         del provenance["rotation"]  # the source's block for a checkpoint in a new basis; the basis is sliced
         provenance["slicing"] = slice_plan.block
-        output.check_free_space(out, sum(tensor.nbytes for tensor in plan.tensors.values()))
-        with output.claimed_output(out, inputs=inputs, overwrite=overwrite, kind="checkpoint") as claim:
-            write_checkpoint(claim.tmp, source_dir, slice_plan, reader, provenance, dtype_out)
-            provenance["slicing"]["perplexity"] = perplexity_cost(
-                source_dir, claim.tmp, architecture, texts.held_out, slice_plan.block["calibration"]["window"])
-            finish(claim.tmp, slice_plan, provenance)
-            claim.install()
+        cost = _perplexity_measure(architecture, texts.held_out, slice_plan.block["calibration"]["window"])
+        install.install(
+            out, inputs, slicing.sliced_plan(plan, slice_plan.roles, slice_plan.bases, slice_plan.shortcuts,
+                                             dtype_out, slice_plan.d),
+            reader, source_dir, provenance, config_json=lambda block: sliced_config(slice_plan, block),
+            verifier=cost, must_pass=False, overwrite=overwrite, quiet=quiet, verify_options={},
+            records_as=("slicing", "perplexity"), model_card=model_card,
+        )
     return provenance
 
 
-def write_checkpoint(tmp: Path, source_dir: Path, slice_plan: SlicePlan, reader: CheckpointReader,
-                     provenance: dict, dtype: torch.dtype) -> None:
-    from normswap.convert.write import copy_side_files, write_json
-    from normswap.modeling import MODELING_FILE, modeling_source
+def _perplexity_measure(architecture: Architecture, ids: torch.Tensor, window: int) -> install.Verifier:
+    """The install lifecycle's check for a sliced checkpoint: its perplexity cost, which must be finite."""
+    def measure(source_dir: Path, folder: Path) -> dict:
+        cost = perplexity_cost(source_dir, folder, architecture, ids, window)
+        if not all(math.isfinite(cost[label]) for label in ("original", "sliced")):
+            raise NormswapError(f"the sliced model's perplexity is not finite ({cost['sliced']}); nothing was written")
+        return cost
 
-    slicing.write_sliced(tmp, slice_plan.rotation_plan.plan, reader, slice_plan.roles, slice_plan.bases,
-                         slice_plan.shortcuts, dtype, slice_plan.d)
-    (tmp / MODELING_FILE).write_bytes(modeling_source())
-    copy_side_files(source_dir, tmp)
-    write_json(tmp / "config.json", sliced_config(slice_plan, provenance))
-
-
-def finish(tmp: Path, slice_plan: SlicePlan, provenance: dict) -> None:
-    """config.json with the perplexity cost, and the card."""
-    from normswap.convert.write import write_json
-
-    cost = provenance["slicing"]["perplexity"]
-    if not all(math.isfinite(cost[label]) for label in ("original", "sliced")):
-        raise NormswapError(f"the sliced model's perplexity is not finite ({cost['sliced']}); nothing was written")
-    write_json(tmp / "config.json", sliced_config(slice_plan, provenance))
-    (tmp / "README.md").write_text(model_card(provenance))
+    return measure
