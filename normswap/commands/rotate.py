@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
 
         return run_slice(args)
     from normswap.api import rotate_checkpoint
-    from normswap.commands.verify import describe_mode
+    from normswap.commands.verify import describe_verification
     from normswap.text import format_table
 
     provenance = rotate_checkpoint(
@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     verification = provenance.get("verification")
     if verification:
         print(format_table(verification["loaders"]))
-        print(describe_mode(verification))
+        print(describe_verification(verification))
     if args.json:
         emit_json(args, provenance)
     return 0

@@ -95,7 +95,8 @@ def rotate_checkpoint(
                                                             architecture, block),
             verifier=install.chosen_verifier(verification, verifier), must_pass=True,
             overwrite=overwrite, quiet=quiet, extra_files=lambda folder: save_rotation(folder / ROTATION_FILE, rotation),
-            verify_options={"atol": atol, "rtol": rtol, "layerwise": install.LAYERWISE[verification], "quiet": quiet},
+            verify_options={"atol": atol, "rtol": rtol, "layerwise": install.LAYERWISE[verification], "quiet": quiet,
+                            "plan": plan},
         )
     return provenance
 

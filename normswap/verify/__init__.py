@@ -3,7 +3,7 @@
 - ``checkpoint``: ``verify_checkpoint``, the entry point: checks the pair, runs the pre-check, then
   compares whole models or block by block.
 - ``rotated``: ``verify_rotated``, the same for a rotated checkpoint (its stream is C·h·Q).
-- ``precheck``: the algebraic pre-check of the converted weights, before any model runs.
+- ``proof``: the algebraic proof of every stored tensor against the plan, before any model runs.
 - ``probes``: the inputs both models run on.
 - ``compare``: tolerances and the figures of a comparison.
 - ``loaders``: the ways a converted checkpoint is loaded, and the loop over them.

@@ -1,8 +1,8 @@
 """Verification of a converted checkpoint against its original.
 
-``verify_checkpoint`` checks that the two checkpoints belong together, runs the algebraic
-pre-check (``precheck``), then runs the original and each load of the conversion
-(``loaders``) on one probe and compares the figures (``compare``): whole models
+``verify_checkpoint`` checks that the two checkpoints belong together, proves every stored tensor
+against the conversion plan (``proof``), then runs the original and each load of the conversion
+(``loaders``) on one short probe and compares the figures (``compare``): whole models
 (``whole``), or block by block above a size (``layerwise``).
 """
 
@@ -19,7 +19,7 @@ from torch import nn
 
 from normswap.architectures import Architecture, architecture_for
 from normswap.checkpoint import validation
-from normswap.checkpoint.source import first_non_finite, read_config, resolve_source
+from normswap.checkpoint.source import CheckpointReader, first_non_finite, read_config, resolve_source
 from normswap.convert.plan import ConversionPlan
 from normswap.dtypes import default_tolerance, parse_dtype
 from normswap.errors import NormswapError, VerificationError
@@ -28,15 +28,15 @@ from normswap.runtime.loaders import refusals
 from normswap.runtime.offload import Unsupported, wants_layerwise
 from normswap.runtime.reference import reference_model
 from normswap.verify import layerwise as by_layer
+from normswap.verify import proof as weights
 from normswap.verify.compare import within_tolerance
-from normswap.verify.precheck import precheck as algebraic_precheck
 from normswap.verify.probes import Probe
 from normswap.verify.whole import compare_whole
 
 
 def verify_checkpoint(original: str | Path, converted: str | Path, *, atol: float | None = None,
                       rtol: float | None = None, layerwise: bool | None = None, quiet: bool = True,
-                      trust_remote_code: bool = False, precheck: bool = True,
+                      trust_remote_code: bool = False, proof: bool = True,
                       plan: ConversionPlan | None = None) -> dict:
     """Compare a converted checkpoint with its original on one probe, in float32.
 
@@ -49,10 +49,11 @@ def verify_checkpoint(original: str | Path, converted: str | Path, *, atol: floa
     normswap wrote, by its recorded sha256, or verification fails); with ``trust_remote_code``
     the checkpoint's file itself is imported and run instead.
 
-    First, unless ``precheck`` is False, the weights alone are checked (``precheck``): a failure
-    there raises ``VerificationError`` naming the tensor, before any model runs. ``plan`` is the
-    conversion's plan when the caller has it (``convert`` does); else it is rebuilt from the
-    original with the options the conversion recorded.
+    First, unless ``proof`` is False, every stored tensor is proven to be what the conversion plan
+    makes it (``proof.prove_weights``): a failure raises ``VerificationError`` naming the tensor
+    and element, before any model runs. ``plan`` is the conversion's plan when the caller has it
+    (``convert`` does); else it is rebuilt from the original with the options the conversion
+    recorded.
     """
     from normswap.modeling.registry import register_auto_classes
     from normswap.verify import check_tolerance
@@ -64,10 +65,14 @@ def verify_checkpoint(original: str | Path, converted: str | Path, *, atol: floa
     block, architecture = _check_pair(original_dir, converted_dir, converted)
     if "rotation" in block:  # its stream is C·h·Q, not C·h
         return verify_rotated(original_dir, converted_dir, atol=atol, rtol=rtol, layerwise=layerwise, quiet=quiet,
-                              trust_remote_code=trust_remote_code)
+                              trust_remote_code=trust_remote_code, proof=proof)
     atol, rtol = tolerance(block, atol, rtol)
-    checked = algebraic_precheck(original_dir, converted_dir, plan) if precheck else None
     original_config = read_config(original_dir)
+    if proof and plan is None:
+        plan = weights.rebuilt_conversion_plan(original_dir, original_config, block.get("options", {}),
+                                               stored_tensors(converted_dir))
+    checked = weights.prove_weights(original_dir, converted_dir, plan) if proof else None
+    del plan
     probe, loaders, mode, note = run_comparison(
         original_dir, converted_dir, architecture,
         reference=lambda: build.load_pretrained(build.model_class(original_config, architecture.auto_class),
@@ -77,7 +82,13 @@ def verify_checkpoint(original: str | Path, converted: str | Path, *, atol: floa
     )
     return summarise(probe, loaders, atol=atol, rtol=rtol, mode=mode, note=note,
                      method=block.get("options", {}).get("method", "exact"), paths=(original_dir, converted_dir),
-                     **({"precheck": checked} if checked is not None else {}))
+                     **({"proof": checked} if checked is not None else {}))
+
+
+def stored_tensors(path: Path) -> dict:
+    """Name -> ``TensorInfo`` of the tensors stored at ``path`` (headers only)."""
+    with CheckpointReader(path) as reader:
+        return dict(reader.tensors)
 
 
 def _check_pair(original_dir: Path, converted_dir: Path, converted: str | Path) -> tuple[dict, Architecture]:
@@ -224,9 +235,11 @@ def _worst_layer(loaders: dict[str, dict]) -> dict:
 
 def verify_rotated(reference: str | Path, rotated: str | Path, *, atol: float | None = None,
                    rtol: float | None = None, layerwise: bool | None = None, quiet: bool = True,
-                   trust_remote_code: bool = False) -> dict:
+                   trust_remote_code: bool = False, proof: bool = True, plan: ConversionPlan | None = None) -> dict:
     """Compare a rotated checkpoint with the checkpoint it was rotated from (an original or a
-    folded conversion): logits, and per block the stream, which must be C·h·Q.
+    folded conversion): first every stored tensor against the rotation plan (``proof``; ``plan``
+    is the plan the rotation ran, else it is rebuilt from the recorded method, seed and the
+    stored Q), then logits, and per block the stream, which must be C·h·Q.
 
     The rotated model is built from normswap's own RMSNorm classes; with ``trust_remote_code``
     the checkpoint's ``modeling_normswap.py`` runs instead."""
@@ -240,6 +253,13 @@ def verify_rotated(reference: str | Path, rotated: str | Path, *, atol: float | 
     rotation = load_rotation(rotated_dir, width if isinstance(width, int) else None).clone()
     architecture, _, _ = family_of(reference_dir, reference_config)
     atol, rtol = tolerance(block, atol, rtol)
+    checked = None
+    if proof:
+        if plan is None:
+            plan = weights.rebuilt_rotation_plan(reference_dir, reference_config, block["rotation"], rotation,
+                                                 block.get("options", {}), stored_tensors(rotated_dir))
+        checked = weights.prove_weights(reference_dir, rotated_dir, plan)
+    del plan
     if (reference_config.get("normswap") or {}).get("stock_loadable", True):
         mode = verification_mode(reference_dir, architecture, layerwise)
     else:
@@ -256,4 +276,5 @@ def verify_rotated(reference: str | Path, rotated: str | Path, *, atol: float | 
         stream_map=stream_map, tolerance=(atol, rtol),
     )
     return summarise(probe, loaders, atol=atol, rtol=rtol, mode=mode, note=note, method="exact",
-                     paths=(reference_dir, rotated_dir), reference="source")
+                     paths=(reference_dir, rotated_dir), reference="source",
+                     **({"proof": checked} if checked is not None else {}))
