@@ -67,12 +67,9 @@ def verify_checkpoint(original: str | Path, converted: str | Path, *, atol: floa
         return verify_rotated(original_dir, converted_dir, atol=atol, rtol=rtol, layerwise=layerwise, quiet=quiet,
                               trust_remote_code=trust_remote_code, proof=proof)
     atol, rtol = tolerance(block, atol, rtol)
-    original_config = read_config(original_dir)
-    if proof and plan is None:
-        plan = weights.rebuilt_conversion_plan(original_dir, original_config, block.get("options", {}),
-                                               stored_tensors(converted_dir))
-    checked = weights.prove_weights(original_dir, converted_dir, plan) if proof else None
+    checked = _prove_converted(original_dir, converted_dir, block, plan) if proof else None
     del plan
+    original_config = read_config(original_dir)
     probe, loaders, mode, note = run_comparison(
         original_dir, converted_dir, architecture,
         reference=lambda: build.load_pretrained(build.model_class(original_config, architecture.auto_class),
@@ -83,6 +80,46 @@ def verify_checkpoint(original: str | Path, converted: str | Path, *, atol: floa
     return summarise(probe, loaders, atol=atol, rtol=rtol, mode=mode, note=note,
                      method=block.get("options", {}).get("method", "exact"), paths=(original_dir, converted_dir),
                      **({"proof": checked} if checked is not None else {}))
+
+
+def prove_checkpoint(original: str | Path, converted: str | Path, *, plan: ConversionPlan | None = None) -> dict:
+    """The weights proof alone (``proof.prove_weights``), no model run: the pair is checked as
+    ``verify_checkpoint`` checks it, and every stored tensor of ``converted`` is proven against
+    ``plan``, or the plan rebuilt from the original with what the provenance records (options;
+    for a rotation its method, seed and stored Q). Returns the proof's figures; raises
+    ``VerificationError`` naming the first wrong tensor."""
+    original_dir, converted_dir = resolve_source(original), Path(converted).expanduser()
+    block, _ = _check_pair(original_dir, converted_dir, converted)
+    if "rotation" in block:
+        return prove_rotated(original_dir, converted_dir, plan=plan)
+    return _prove_converted(original_dir, converted_dir, block, plan)
+
+
+def _prove_converted(original_dir: Path, converted_dir: Path, block: dict, plan: ConversionPlan | None) -> dict:
+    if plan is None:
+        plan = weights.rebuilt_conversion_plan(original_dir, read_config(original_dir), block.get("options", {}),
+                                               stored_tensors(converted_dir))
+    return weights.prove_weights(original_dir, converted_dir, plan)
+
+
+def prove_rotated(reference: str | Path, rotated: str | Path, *, plan: ConversionPlan | None = None) -> dict:
+    """``prove_checkpoint`` for a rotated checkpoint and the checkpoint it was rotated from."""
+    reference_dir, rotated_dir = resolve_source(reference), Path(rotated)
+    if plan is None:
+        rotated_config = read_config(rotated_dir)
+        block = rotated_config.get("normswap") or {}
+        plan = weights.rebuilt_rotation_plan(reference_dir, read_config(reference_dir), block.get("rotation") or {},
+                                             rotation_matrix(rotated_dir, rotated_config), block.get("options", {}),
+                                             stored_tensors(rotated_dir))
+    return weights.prove_weights(reference_dir, rotated_dir, plan)
+
+
+def rotation_matrix(rotated_dir: Path, rotated_config: dict) -> torch.Tensor:
+    """Q stored beside a rotated checkpoint, checked against its recorded hash and for orthogonality."""
+    from normswap.rotate.matrices import load_rotation
+
+    width = next((rotated_config[key] for key in ("n_embd", "hidden_size", "d_model") if key in rotated_config), None)
+    return load_rotation(rotated_dir, width if isinstance(width, int) else None).clone()
 
 
 def stored_tensors(path: Path) -> dict:
@@ -243,22 +280,15 @@ def verify_rotated(reference: str | Path, rotated: str | Path, *, atol: float | 
 
     The rotated model is built from normswap's own RMSNorm classes; with ``trust_remote_code``
     the checkpoint's ``modeling_normswap.py`` runs instead."""
-    from normswap.rotate.matrices import load_rotation
     from normswap.rotate.plan import family_of
 
     reference_dir, rotated_dir = resolve_source(reference), Path(rotated)
     reference_config, rotated_config = read_config(reference_dir), read_config(rotated_dir)
     block = rotated_config.get("normswap") or {}
-    width = next((rotated_config[key] for key in ("n_embd", "hidden_size", "d_model") if key in rotated_config), None)
-    rotation = load_rotation(rotated_dir, width if isinstance(width, int) else None).clone()
+    rotation = rotation_matrix(rotated_dir, rotated_config)
     architecture, _, _ = family_of(reference_dir, reference_config)
     atol, rtol = tolerance(block, atol, rtol)
-    checked = None
-    if proof:
-        if plan is None:
-            plan = weights.rebuilt_rotation_plan(reference_dir, reference_config, block["rotation"], rotation,
-                                                 block.get("options", {}), stored_tensors(rotated_dir))
-        checked = weights.prove_weights(reference_dir, rotated_dir, plan)
+    checked = prove_rotated(reference_dir, rotated_dir, plan=plan) if proof else None
     del plan
     if (reference_config.get("normswap") or {}).get("stock_loadable", True):
         mode = verification_mode(reference_dir, architecture, layerwise)
