@@ -1,6 +1,6 @@
 """Verification: run the original and the converted checkpoint on the same probe and compare.
 
-- ``checkpoint``: ``verify_checkpoint``, the entry point: checks the pair, runs the pre-check, then
+- ``checkpoint``: ``verify_checkpoint``, the entry point: checks the pair, proves the weights, then
   compares whole models or block by block.
 - ``rotated``: ``verify_rotated``, the same for a rotated checkpoint (its stream is C·h·Q).
 - ``proof``: the algebraic proof of every stored tensor against the plan, before any model runs.
