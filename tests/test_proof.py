@@ -85,6 +85,18 @@ def _mutated(value: torch.Tensor, how: str, row: int) -> torch.Tensor | None:
     return out
 
 
+def _passes(prove, error: type[Exception] = VerificationError, *, restore: list[tuple[Path, bytes]]) -> bool:
+    """Whether ``prove()`` passes (False when it raises ``error``); the files are restored after."""
+    try:
+        prove()
+        return True
+    except error:
+        return False
+    finally:
+        for path, content in restore:
+            path.write_bytes(content)
+
+
 def _escapes(original: Path, converted: Path, names: dict[str, str], copied: set[str] = frozenset()) -> list[str]:
     """Every mutation of every named tensor that the proof gets wrong (empty when it has full power).
 
@@ -101,13 +113,7 @@ def _escapes(original: Path, converted: Path, names: dict[str, str], copied: set
             if changed is None:
                 continue
             save_file({**state, name: changed}, weights, metadata={"format": "pt"})
-            try:
-                normswap.prove_checkpoint(original, converted)
-                passed = True
-            except VerificationError:
-                passed = False
-            finally:
-                weights.write_bytes(pristine)
+            passed = _passes(lambda: normswap.prove_checkpoint(original, converted), restore=[(weights, pristine)])
             if passed != (how == "one_ulp" and name not in copied):
                 wrong.append(f"{kind} {name} {how}: {'passed' if passed else 'failed'}")
     return wrong
@@ -162,14 +168,8 @@ def test_rotated_tensors_and_the_rotation_matrix(sources, tmp_path):
         block = json.loads(config)
         block["normswap"]["rotation"]["matrix_sha256"] = hashlib.sha256(changed.contiguous().numpy().tobytes()).hexdigest()
         config_file.write_text(json.dumps(block))
-        try:
-            normswap.prove_checkpoint(src, out)
-            passed = True
-        except NormswapError:
-            passed = False
-        finally:
-            file.write_bytes(pristine)
-            config_file.write_text(config)
+        passed = _passes(lambda: normswap.prove_checkpoint(src, out), NormswapError,
+                         restore=[(file, pristine), (config_file, config.encode())])
         assert passed == (how == "one_ulp"), how
 
 
@@ -194,13 +194,7 @@ def test_the_slicing_shortcut(sources, tmp_path):
         for how in MUTATIONS:
             row = state[name].shape[0] - 1
             save_file({**state, name: _mutated(state[name], how, row)}, weights, metadata={"format": "pt"})
-            try:
-                prove_weights(src, out, planned["plan"])
-                passed = True
-            except VerificationError:
-                passed = False
-            finally:
-                weights.write_bytes(pristine)
+            passed = _passes(lambda: prove_weights(src, out, planned["plan"]), restore=[(weights, pristine)])
             assert passed == (how == "one_ulp"), (name, how)
 
 
