@@ -219,3 +219,26 @@ def test_verify_fails_on_rows_no_probe_reads(tmp_path, capsys):
     assert main(["verify", "normswap:austen-gpt2", str(out)]) == 0
     assert "weights proven: 53 tensors" in capsys.readouterr().out
     shutil.rmtree(out)
+
+
+def test_non_finite_values_and_a_wrong_inventory_are_named(sources, tmp_path):
+    src = sources("gpt2")
+    out = tmp_path / "out"
+    normswap.convert_checkpoint(src, out, verification="none")
+    weights = out / "model.safetensors"
+    pristine, state = weights.read_bytes(), load_file(weights)
+    writer = "transformer.h.0.attn.c_proj.weight"
+    nan = state[writer].clone()
+    nan[3, 4] = float("nan")
+    cases = {
+        r"c_proj\.weight\[3, 4\] is nan, .* not finite": {**state, writer: nan},
+        r"has a tensor the conversion does not make: extra": {**state, "extra": torch.zeros(2)},
+        r"lacks the tensor transformer\.h\.0\.attn\.c_proj\.bias": {
+            name: value for name, value in state.items() if name != "transformer.h.0.attn.c_proj.bias"},
+        r"c_proj\.weight is stored as float16": {**state, writer: state[writer].half()},
+    }
+    for message, changed in cases.items():
+        save_file(changed, weights, metadata={"format": "pt"})
+        with pytest.raises(VerificationError, match=message):
+            normswap.prove_checkpoint(src, out)
+        weights.write_bytes(pristine)

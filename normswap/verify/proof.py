@@ -190,9 +190,9 @@ def _prove_recomputed(tensor: TensorPlan, shared: ShardSource, output: Checkpoin
             buffer = torch.empty(count * row * tensor.dtype.itemsize, dtype=torch.uint8)
         stored = _stored_rows(output, tensor.name, start, count, buffer) if expected.dim() else output.get(tensor.name)
         rounded = expected.to(tensor.dtype)
-        differs = rounded != stored
-        if not bool(differs.any()):
+        if torch.equal(rounded, stored):  # bit-exact (NaN never is)
             continue
+        differs = ~(rounded == stored)
         units = _units(stored[differs], rounded[differs], expected, tensor.dtype)
         if not bool((units <= ULP_LIMIT).all()):
             _refuse(tensor, start, differs, units, stored, expected)
