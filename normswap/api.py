@@ -13,15 +13,12 @@ from torch import nn
 
 from normswap.architectures import ARCHITECTURES, architecture_for
 from normswap.checkpoint import validation
+from normswap.checkpoint.provenance import Provenance, family_config
 from normswap.checkpoint.source import StateDictReader, read_config, resolve_source
 from normswap.convert import card
 from normswap.dtypes import dtype_name
 from normswap.errors import NormswapError
 from normswap.modeling import build, registry, remote
-
-
-def _original_type(config: dict) -> str:
-    return (config.get("normswap") or {}).get("original_model_type", config.get("model_type"))
 
 
 def load(path: str | Path, **from_pretrained_kwargs) -> nn.Module:
@@ -32,14 +29,13 @@ def load(path: str | Path, **from_pretrained_kwargs) -> nn.Module:
     registry.register_auto_classes()
     path = resolve_source(path)
     config = read_config(path)
-    block = config.get("normswap")
-    if block is None:
+    provenance = Provenance.of(config, path)
+    if provenance is None:
         raise NormswapError(f"{path} is not a normswap checkpoint; convert it first with `normswap convert`")
-    validation.check_provenance(block, path)
     validation.check_structure(path, config)
-    architecture = architecture_for({**config, "model_type": _original_type(config)})
+    architecture = architecture_for(family_config(config))
     base = build.model_class(config, architecture.auto_class)
-    cls = registry.kernel_class(base, own_type=not block.get("stock_loadable", True))
+    cls = registry.kernel_class(base, own_type=not provenance.stock_loadable)
     return build.load_pretrained(cls, path, **from_pretrained_kwargs)
 
 

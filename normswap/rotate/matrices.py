@@ -86,13 +86,14 @@ def save_rotation(path: Path, rotation: Rotation) -> None:
     path.chmod(0o644)  # as the weights: readable like the rest of the checkpoint
 
 
-def load_rotation(checkpoint: Path, dimension: int | None = None) -> torch.Tensor:
+def load_rotation(checkpoint: Path, dimension: int | None = None, config: dict | None = None) -> torch.Tensor:
     """Q of a rotated checkpoint, checked before use: a float64 ``dimension``-square matrix,
-    orthogonal (|QᵀQ - I| < 1e-9), whose hash is the one its provenance records."""
+    orthogonal (|QᵀQ - I| < 1e-9), whose hash is the one its provenance records (``config``: its
+    config.json, when the caller has read it)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    block = read_config(checkpoint).get("normswap", {}).get("rotation")
+    block = (read_config(checkpoint) if config is None else config).get("normswap", {}).get("rotation")
     if block is None:
         raise NormswapError(f"{checkpoint} is not a rotated normswap checkpoint")
     if not isinstance(block, dict) or not isinstance(block.get("matrix_sha256"), str):

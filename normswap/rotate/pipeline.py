@@ -79,7 +79,7 @@ def rotate_checkpoint(
     with CheckpointReader(source_dir) as reader:
         rotation_plan = plan_rotation(source_dir, config, reader, dtype=out_dtype)
         if method == "pca":
-            rotation = calibrate(source_dir, rotation_plan, calibration, calibration_tokens)
+            rotation = calibrate(source_dir, rotation_plan, calibration, calibration_tokens, config)
         else:
             make = hadamard_rotation if method == "hadamard" else orthogonal_rotation
             rotation = make(hidden_size(rotation_plan.meta), seed)
@@ -95,7 +95,8 @@ def rotate_checkpoint(
                                                             architecture, block),
             verifier=install.chosen_verifier(verification, verifier), must_pass=True,
             overwrite=overwrite, quiet=quiet, extra_files=lambda folder: save_rotation(folder / ROTATION_FILE, rotation),
-            verify_options={"atol": atol, "rtol": rtol, "layerwise": install.LAYERWISE[verification], "quiet": quiet},
+            verify_options={"atol": atol, "rtol": rtol, "layerwise": install.LAYERWISE[verification], "quiet": quiet,
+                            "reference_config": config},
         )
     return provenance
 

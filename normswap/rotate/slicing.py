@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from normswap.architectures import Architecture
+from normswap.checkpoint.provenance import Provenance
 from normswap.convert import fold
 from normswap.convert.plan import ConversionPlan, TensorPlan
 from normswap.dtypes import dtype_name
@@ -107,9 +108,9 @@ def check_sliceable(source_dir: Path, config: dict) -> tuple[Architecture, Slice
     """The adapter and layout of a source that can be sliced; one-line refusals otherwise."""
     from normswap.rotate.plan import check_rotatable
 
-    block = config.get("normswap") or {}
-    if "slicing" in block:
-        raise NormswapError(f"{source_dir} is already sliced (to {block['slicing'].get('hidden_size')} dimensions); "
+    provenance = Provenance.of(config, source_dir)
+    if provenance is not None and provenance.slicing is not None:
+        raise NormswapError(f"{source_dir} is already sliced (to {provenance.slicing.get('hidden_size')} dimensions); "
                             "slice the original instead")
     architecture, family_config, _ = check_rotatable(source_dir, config)
     model_type = family_config.get("model_type")
