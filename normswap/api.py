@@ -19,6 +19,7 @@ from normswap.convert import card
 from normswap.dtypes import dtype_name
 from normswap.errors import NormswapError
 from normswap.modeling import build, registry, remote
+from normswap.rotate.options import DEFAULT_CALIBRATION_TOKENS
 
 
 def load(path: str | Path, **from_pretrained_kwargs) -> nn.Module:
@@ -159,19 +160,36 @@ def _materialise_buffers(converted: nn.Module, original: nn.Module) -> None:
             raise NormswapError(f"the converted model has no value for {name}")
 
 
-def convert_checkpoint(src: str | Path, out: str | Path, **options: Any) -> dict:
-    """``normswap.convert.pipeline.convert_checkpoint`` (its options), verified by
-    ``normswap.verify.checkpoint.verify_checkpoint`` unless ``verification="none"``."""
+def convert_checkpoint(
+    src: str | Path, out: str | Path, *, fold_gains: bool = False, method: str = "exact",
+    dtype: str | torch.dtype | None = None, overwrite: bool = False, trust_remote_code: bool = False,
+    atol: float | None = None, rtol: float | None = None, allow_inexact: bool = False, quiet: bool = True,
+    verification: str = "auto", revision: str | None = None,
+) -> dict:
+    """Convert ``src`` to an exact RMSNorm checkpoint at ``out``, verified against ``src`` by
+    ``normswap.verify.checkpoint.verify_checkpoint`` unless ``verification="none"``; the options
+    are ``normswap.convert.pipeline.convert_checkpoint``'s. The verifier is chosen here, in the
+    public layer, because ``convert`` sits below ``verify`` and never imports it."""
     from normswap.convert.pipeline import convert_checkpoint as convert
     from normswap.verify.checkpoint import verify_checkpoint
 
-    return convert(src, out, verifier=verify_checkpoint, **options)
+    return convert(src, out, fold_gains=fold_gains, method=method, dtype=dtype, overwrite=overwrite,
+                   trust_remote_code=trust_remote_code, atol=atol, rtol=rtol, allow_inexact=allow_inexact,
+                   quiet=quiet, verification=verification, revision=revision, verifier=verify_checkpoint)
 
 
-def rotate_checkpoint(src: str | Path, out: str | Path, **options: Any) -> dict:
-    """``normswap.rotate.pipeline.rotate_checkpoint`` (its options), verified by
-    ``normswap.verify.checkpoint.verify_rotated`` unless ``verification="none"``."""
+def rotate_checkpoint(
+    src: str | Path, out: str | Path, *, method: str = "hadamard", seed: int = 0,
+    calibration: str | Path | None = None, calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS,
+    dtype: str | torch.dtype | None = None, overwrite: bool = False, trust_remote_code: bool = False,
+    atol: float | None = None, rtol: float | None = None, verification: str = "auto", quiet: bool = True,
+) -> dict:
+    """Write ``src`` with its residual basis rotated to ``out``, verified against ``src`` by
+    ``normswap.verify.checkpoint.verify_rotated`` unless ``verification="none"``; the options are
+    ``normswap.rotate.pipeline.rotate_checkpoint``'s (method ``hadamard``, ``orthogonal`` or ``pca``)."""
     from normswap.rotate.pipeline import rotate_checkpoint as rotate
     from normswap.verify.checkpoint import verify_rotated
 
-    return rotate(src, out, verifier=verify_rotated, **options)
+    return rotate(src, out, method=method, seed=seed, calibration=calibration, calibration_tokens=calibration_tokens,
+                  dtype=dtype, overwrite=overwrite, trust_remote_code=trust_remote_code, atol=atol, rtol=rtol,
+                  verification=verification, quiet=quiet, verifier=verify_rotated)

@@ -31,8 +31,7 @@ from normswap.threads import cpu_threads
 if TYPE_CHECKING:
     from normswap.rotate.plan import RotationPlan
 
-# at most this many tokens, in windows of at most this many positions
-DEFAULT_CALIBRATION_TOKENS = 32768
+# windows of at most this many positions
 CALIBRATION_WINDOW = 512
 # windows of the same length run together, this many at a time
 BATCH_WINDOWS = 8

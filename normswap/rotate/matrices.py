@@ -21,7 +21,6 @@ from normswap.convert import fold
 from normswap.errors import NormswapError
 from normswap.rotate import hadamard
 
-METHODS = ("hadamard", "orthogonal", "pca")
 ROTATION_FILE = "normswap_rotation.safetensors"
 
 

@@ -27,14 +27,9 @@ from normswap.checkpoint.source import CheckpointReader, read_config, resolve_so
 from normswap.convert import card, install, pipeline
 from normswap.dtypes import parse_dtype
 from normswap.errors import NormswapError
-from normswap.rotate.calibration import DEFAULT_CALIBRATION_TOKENS, calibrate, read_calibration
-from normswap.rotate.matrices import (
-    METHODS,
-    ROTATION_FILE,
-    hadamard_rotation,
-    orthogonal_rotation,
-    save_rotation,
-)
+from normswap.rotate.calibration import calibrate, read_calibration
+from normswap.rotate.matrices import ROTATION_FILE, hadamard_rotation, orthogonal_rotation, save_rotation
+from normswap.rotate.options import DEFAULT_CALIBRATION_TOKENS, METHODS
 from normswap.rotate.plan import add_rotation, check_rotatable, hidden_size, plan_rotation
 
 

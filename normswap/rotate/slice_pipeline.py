@@ -21,7 +21,8 @@ from normswap.checkpoint.source import CheckpointReader, read_config, resolve_so
 from normswap.convert import card, install
 from normswap.errors import NormswapError
 from normswap.rotate import slicing
-from normswap.rotate.calibration import CALIBRATION_WINDOW, DEFAULT_CALIBRATION_TOKENS, read_calibration
+from normswap.rotate.calibration import CALIBRATION_WINDOW, read_calibration
+from normswap.rotate.options import DEFAULT_CALIBRATION_TOKENS
 from normswap.rotate.plan import RotationPlan, hidden_size, plan_rotation
 
 
