@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from normswap.checkpoint.reads import RecentReads as RecentReads  # re-exported for the writer
-from normswap.checkpoint.safetensors_io import SafetensorsShard, tensor_nbytes
-from normswap.dtypes import dtype_name, torch_dtype
+from normswap.checkpoint.safetensors_io import SafetensorsShard, StoredTensor
+from normswap.dtypes import dtype_name
 from normswap.errors import NormswapError, first_line
 
 if TYPE_CHECKING:  # torch is imported where tensors are read: resolving a source stays light
@@ -87,7 +87,7 @@ def read_config(path: Path) -> dict:
 
 
 @dataclass(frozen=True)
-class TensorInfo:
+class TensorInfo(StoredTensor):
     """Where a tensor lives and what it is, known before reading it.
 
     The dtype is kept by name (``float32``; a ``torch.dtype`` given is stored as its name), so that
@@ -101,14 +101,6 @@ class TensorInfo:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype_name", dtype_name(self.dtype_name))
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return torch_dtype(self.dtype_name)
-
-    @property
-    def nbytes(self) -> int:
-        return tensor_nbytes(self.shape, self.dtype_name)
 
 
 class CheckpointReader:
