@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from normswap.architectures import Architecture
+from normswap.checkpoint.names import shard_names
 from normswap.checkpoint.provenance import Provenance
 from normswap.convert import fold
 from normswap.convert.plan import ConversionPlan, TensorPlan
@@ -268,8 +269,7 @@ def _assign_shards(tensors: list[TensorPlan]) -> list[str]:
             size = 0
         groups[-1].append(tensor)
         size += tensor.nbytes
-    files = ["model.safetensors"] if len(groups) == 1 else [
-        f"model-{index + 1:05d}-of-{len(groups):05d}.safetensors" for index in range(len(groups))]
+    files = shard_names(len(groups))
     for file, group in zip(files, groups, strict=True):
         for tensor in group:
             tensor.shard = file

@@ -23,8 +23,8 @@ import transformers
 from torch import nn
 
 from normswap.architectures import Architecture
+from normswap.checkpoint.names import canonical_names
 from normswap.checkpoint.source import CheckpointReader, read_config
-from normswap.convert.plan import canonical_names
 from normswap.errors import NormswapError
 from normswap.memory import map_large_allocations, release_memory
 from normswap.modeling import build
