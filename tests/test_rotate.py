@@ -46,25 +46,25 @@ def test_rotations_are_one_contraction_in_every_storage_layout():
     # Conv1D writer W: [in, d], u·W + b written into x
     w_conv, b = torch.randn(n, d, generator=generator, dtype=torch.float64), torch.randn(d, generator=generator,
                                                                                          dtype=torch.float64)
-    assert torch.allclose(u @ fold.rotate_writer(w_conv, q, 1) + fold.rotate_writer(b, q, 0), (u @ w_conv + b) @ q)
+    assert torch.allclose(u @ fold.rotate_axis(w_conv, q, 1) + fold.rotate_axis(b, q, 0), (u @ w_conv + b) @ q)
     # nn.Linear writer stores Wᵀ: [d, in]
     w_linear = w_conv.T.contiguous()
-    assert torch.allclose(u @ fold.rotate_writer(w_linear, q, 0).T, (u @ w_conv) @ q)
+    assert torch.allclose(u @ fold.rotate_axis(w_linear, q, 0).T, (u @ w_conv) @ q)
     # readers: (x·Q)·W' = x·W, Conv1D [d, out] and nn.Linear [out, d]
     r_conv = torch.randn(d, n, generator=generator, dtype=torch.float64)
-    assert torch.allclose((x @ q) @ fold.rotate_reader(r_conv, q, 0), x @ r_conv)
-    assert torch.allclose((x @ q) @ fold.rotate_reader(r_conv.T.contiguous(), q, 1).T, x @ r_conv)
+    assert torch.allclose((x @ q) @ fold.rotate_axis(r_conv, q, 0), x @ r_conv)
+    assert torch.allclose((x @ q) @ fold.rotate_axis(r_conv.T.contiguous(), q, 1).T, x @ r_conv)
     head = torch.randn(11, d, generator=generator, dtype=torch.float64)
-    assert torch.allclose((x @ q) @ fold.rotate_head(head, q).T, x @ head.T)
+    assert torch.allclose((x @ q) @ fold.rotate_axis(head, q, 1).T, x @ head.T)
     table = torch.randn(11, d, generator=generator, dtype=torch.float64)
-    assert torch.allclose(fold.rotate_embedding(table, q), table @ q)
+    assert torch.allclose(fold.rotate_axis(table, q, 1), table @ q)
     # a kept bias: RMSNorm(x·Q) + (β⊘γ)·Q = (RMSNorm(x) + β⊘γ)·Q
     kept = torch.randn(d, generator=generator, dtype=torch.float64)
 
     def rms(v):
         return v / v.pow(2).mean(-1, keepdim=True).sqrt()
 
-    assert torch.allclose(rms(x @ q) + fold.rotate_norm_bias(kept, q), (rms(x) + kept) @ q)
+    assert torch.allclose(rms(x @ q) + fold.rotate_axis(kept, q, 0), (rms(x) + kept) @ q)
     # a 3-D tensor along its middle axis
     cube = torch.randn(2, d, 3, generator=generator, dtype=torch.float64)
     assert torch.allclose(fold.rotate_axis(cube, q, 1), torch.einsum("akb,kj->ajb", cube, q))

@@ -128,6 +128,14 @@ def chunked_bias_fold(
 def rotate_axis(tensor: torch.Tensor, rotation: torch.Tensor, axis: int) -> torch.Tensor:
     """t'[.., j, ..] = Σ_k t[.., k, ..]·Q[k, j] along ``axis``, in float64.
 
+    Every rotation identity is this contraction on the tensor's stream axis:
+
+    * a writer's output side, W·Q (and b·Q): Conv1D stores W [in, d] (axis 1); nn.Linear stores
+      Wᵀ [d, in] (axis 0), which becomes Qᵀ·Wᵀ; an embedding table E [vocab, d] becomes E·Q;
+    * a reader's input side, Qᵀ·W, so that (n·Q)·W' = n·W: Conv1D W [d, out] (axis 0); nn.Linear
+      and the head store Wᵀ [out, d] (axis 1), which becomes Wᵀ·Q;
+    * the bias a weightless norm keeps, n + β⊘γ, becomes (β⊘γ)·Q (axis 0).
+
     Acts independently on every slice across ``axis``, so it can run on slices of a tensor.
     """
     tensor, rotation = tensor.double(), rotation.double()
@@ -136,39 +144,6 @@ def rotate_axis(tensor: torch.Tensor, rotation: torch.Tensor, axis: int) -> torc
     if axis == 0 and tensor.dim() == 2:
         return rotation.T @ tensor
     return torch.movedim(torch.movedim(tensor, axis, -1) @ rotation, -1, axis)
-
-
-def rotate_writer(weight: torch.Tensor, rotation: torch.Tensor, hidden_axis: int) -> torch.Tensor:
-    """W·Q (and b·Q for a bias): a writer's output side, whose stream axis is ``hidden_axis``.
-
-    An nn.Linear writer stores Wᵀ ([d, in], hidden_axis 0), so its stored form becomes Qᵀ·Wᵀ;
-    a Conv1D writer stores W ([in, d], hidden_axis 1) and becomes W·Q.
-    """
-    return rotate_axis(weight, rotation, hidden_axis)
-
-
-def rotate_embedding(table: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
-    """E·Q: every row of a [vocab, d] (or [positions, d]) table that writes the stream."""
-    return rotate_axis(table, rotation, 1)
-
-
-def rotate_reader(weight: torch.Tensor, rotation: torch.Tensor, input_axis: int) -> torch.Tensor:
-    """Qᵀ·W: a reader's input side, whose stream axis is ``input_axis``.
-
-    For n·W with W: [d, out] (Conv1D, input_axis 0) this is Qᵀ·W; an nn.Linear stores Wᵀ
-    ([out, d], input_axis 1) and becomes Wᵀ·Q. Either way (n·Q)·W' = n·W.
-    """
-    return rotate_axis(weight, rotation, input_axis)
-
-
-def rotate_head(weight: torch.Tensor, rotation: torch.Tensor, input_axis: int = 1) -> torch.Tensor:
-    """Qᵀ·W_head: the head reads the final norm like any reader (nn.Linear [vocab, d]: W_head·Q)."""
-    return rotate_reader(weight, rotation, input_axis)
-
-
-def rotate_norm_bias(kept_bias: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
-    """(β⊘γ)·Q: the bias a weightless norm keeps, n + β⊘γ, expressed in the rotated basis."""
-    return rotate_axis(kept_bias, rotation, 0)
 
 
 def random_signs(d: int, seed: int) -> torch.Tensor:
