@@ -3,8 +3,9 @@
 The interpreter checks what the kernels compute but not that they compile. Triton ships its own
 PTX assembler, so ``triton.compile`` can build for a target architecture on a CPU-only machine;
 this module does so for every specialisation the launchers use (``launch.aot_variants``: both
-designs, three dtypes, model-like shapes) and reports each one's registers, spill bytes and
-shared memory, read from the bundled ``ptxas -v`` on the generated PTX. Exit status 1 if any
+designs by row length, three dtypes, model-like shapes, pointers specialised as 16-byte aligned
+as on a model's tensors) and reports each one's registers, spill bytes and shared memory, read
+from the bundled ``ptxas -v`` on the generated PTX, and its widest global load and store. Exit status 1 if any
 variant fails to compile or spills registers to local memory.
 """
 
@@ -56,6 +57,18 @@ def _ptxas(arch: int) -> str:
         return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
 
+_ACCESS = re.compile(r"\b(ld|st)\.global(?:\.[a-z0-9_]+)*?(?:\.v(\d))?\.[bfsu](\d+)\b")
+
+
+def access_bits(ptx: str) -> dict[str, int]:
+    """The widest global load and store in ``ptx``, in bits (128: 16-byte vectors)."""
+    widest = {"load_bits": 0, "store_bits": 0}
+    for op, vec, bits in _ACCESS.findall(ptx):
+        key = "load_bits" if op == "ld" else "store_bits"
+        widest[key] = max(widest[key], int(vec or 1) * int(bits))
+    return widest
+
+
 _VARIANTS: list = []
 
 
@@ -69,9 +82,12 @@ def _compile(index_and_arch: tuple[int, int]) -> dict:
     variant = _VARIANTS[index]
     row = {"variant": variant.label, "num_warps": variant.num_warps}
     try:
-        src = ASTSource(variant.kernel, variant.signature, constexprs=variant.constexprs)
+        names = variant.kernel.arg_names
+        attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in variant.aligned}
+        src = ASTSource(variant.kernel, variant.signature, constexprs=variant.constexprs, attrs=attrs)
         compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": variant.num_warps})
         row.update(ptxas_usage(compiled.asm["ptx"], arch, _ptxas(arch)))
+        row.update(access_bits(compiled.asm["ptx"]))
     except Exception as exc:  # report every failing variant, not just the first
         row["error"] = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
     return row
@@ -101,8 +117,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         spills = row["spill_stores"] + row["spill_loads"]
         failures += spills > 0
-        print(f"{'SPILL' if spills else 'ok   '} {row['variant']:<72} regs {row['registers']:>3} "
-              f"spill {spills:>4} B  smem {row['smem']:>6} B", flush=True)  # fmt: skip
+        print(f"{'SPILL' if spills else 'ok   '} {row['variant']:<76} regs {row['registers']:>3} "
+              f"spill {spills:>4} B  smem {row['smem']:>6} B  ld/st {row['load_bits']}/{row['store_bits']} bit",
+              flush=True)  # fmt: skip
     print(f"{len(report)} variants, {failures} failing or spilling")
     if args.json:
         with open(args.json, "w") as f:

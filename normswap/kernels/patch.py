@@ -32,7 +32,7 @@ __all__ = ["is_rmsnorm", "patch", "unpatch"]
 def _rmsnorm_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """RMSNorm.forward through the kernels: same math, same rounding points; the output the
     block before computed for this very ``x``, if it did (``fusion.end_add``)."""
-    if self.__dict__.get(fusion._PENDING) is not None and not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling() and self.__dict__.get(fusion._PENDING) is not None:
         y = fusion.take_pending(self, x)
         if y is not None:
             return y
