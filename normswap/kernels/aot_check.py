@@ -57,7 +57,9 @@ def _ptxas(arch: int) -> str:
         return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
 
-_ACCESS = re.compile(r"\b(ld|st)\.global(?:\.[a-z0-9_]+)*?(?:\.v(\d))?\.[bfsu](\d+)\b")
+_ACCESS = re.compile(r"\b(ld|st)\.global(?:\.[a-zA-Z0-9_:]+)*?(?:\.v(\d))?\.[bfsu](\d+)\b")
+# pipelined loads (num_stages > 1) copy global to shared memory asynchronously: cp.async ..., BYTES
+_ASYNC = re.compile(r"\bcp\.async\.\w+\.shared\.global\S*\s+\[[^\]]+\],\s*\[[^\]]+\],\s*(0x[0-9a-fA-F]+|\d+)")
 
 
 def access_bits(ptx: str) -> dict[str, int]:
@@ -66,6 +68,8 @@ def access_bits(ptx: str) -> dict[str, int]:
     for op, vec, bits in _ACCESS.findall(ptx):
         key = "load_bits" if op == "ld" else "store_bits"
         widest[key] = max(widest[key], int(vec or 1) * int(bits))
+    for size in _ASYNC.findall(ptx):
+        widest["load_bits"] = max(widest["load_bits"], 8 * int(size, 0))
     return widest
 
 
