@@ -100,35 +100,48 @@ def _compile(index_and_arch: tuple[int, int]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="compute capability x10 (default 90: H100/H200)")
-    parser.add_argument("--json", help="also write the report to this JSON file")
+    parser.add_argument("--json", help="also write the report to this JSON file (rewritten after every variant)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compiles")
+    parser.add_argument("--limit", type=int, help="compile only every k-th variant, about this many (a quick check)")
     args = parser.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)  # must compile, not interpret
     import triton  # noqa: PLC0415
 
     _VARIANTS[:] = launch.aot_variants()
-    jobs = [(i, args.arch) for i in range(len(_VARIANTS))]
-    if args.jobs > 1:
-        with multiprocessing.get_context("fork").Pool(args.jobs) as pool:
-            report = pool.map(_compile, jobs)
-    else:
-        report = [_compile(job) for job in jobs]
+    step = max(1, len(_VARIANTS) // args.limit) if args.limit else 1
+    jobs = [(i, args.arch) for i in range(0, len(_VARIANTS), step)]
+    report: list[dict] = []
+
+    def save() -> None:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"arch": args.arch, "triton": triton.__version__, "variants_total": len(jobs),
+                           "variants": report}, f, indent=1)  # fmt: skip
+
     failures = 0
-    for row in report:
-        if "error" in row:
-            failures += 1
-            print(f"FAIL {row['variant']}: {row['error']}", flush=True)
-            continue
-        spills = row["spill_stores"] + row["spill_loads"]
-        failures += spills > 0
-        print(f"{'SPILL' if spills else 'ok   '} {row['variant']:<76} regs {row['registers']:>3} "
-              f"spill {spills:>4} B  smem {row['smem']:>6} B  ld/st {row['load_bits']}/{row['store_bits']} bit",
-              flush=True)  # fmt: skip
+    pool = multiprocessing.get_context("fork").Pool(args.jobs) if args.jobs > 1 else None
+    try:
+        for row in pool.imap(_compile, jobs) if pool else map(_compile, jobs):
+            report.append(row)
+            failures += _print_row(row)
+            save()
+    finally:
+        if pool:
+            pool.terminate()
     print(f"{len(report)} variants, {failures} failing or spilling")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"arch": args.arch, "triton": triton.__version__, "variants": report}, f, indent=1)
     return 1 if failures else 0
+
+
+def _print_row(row: dict) -> bool:
+    """Print one report row; whether it failed or spilled."""
+    if "error" in row:
+        print(f"FAIL {row['variant']}: {row['error']}", flush=True)
+        return True
+    spills = row["spill_stores"] + row["spill_loads"]
+    print(f"{'SPILL' if spills else 'ok   '} {row['variant']:<76} regs {row['registers']:>3} "
+          f"spill {spills:>4} B  smem {row['smem']:>6} B  ld/st {row['load_bits']}/{row['store_bits']} bit",
+          flush=True)  # fmt: skip
+    return spills > 0
 
 
 if __name__ == "__main__":

@@ -27,6 +27,8 @@ def compile_for_generation(
     """
     set_compile_path(norm_path)
     model.generation_config.cache_implementation = "static"
+    model.generation_config.disable_compile = True  # transformers' own decode-step compile: this replaces it
     options = {"mode": mode} if mode is not None else {}
-    model.forward = torch.compile(model.forward, fullgraph=True, backend=backend, **options)
+    # dynamic=False: one graph per shape, as CUDA graphs want (a prompt length, the decode step)
+    model.forward = torch.compile(model.forward, fullgraph=True, dynamic=False, backend=backend, **options)
     return model
