@@ -155,3 +155,50 @@ def test_unpatch_removes_handoffs():
     unpatch(model)
     assert not any(fusion._NEXT in m.__dict__ or fusion._PENDING in m.__dict__ or "forward" in m.__dict__
                    for m in model.modules())  # fmt: skip
+
+
+@pytest.mark.slow
+def test_parallel_family_under_the_interpreter():
+    from normswap.kernels.testing import interpreter_env, interpreter_unavailable
+
+    reason = interpreter_unavailable() if not torch.cuda.is_available() else "CUDA: see test_kernels"
+    if reason:
+        pytest.skip(reason)
+    model = converted("gptj")
+    fused = patch(copy.deepcopy(model))
+    with interpreter_env(), torch.no_grad():
+        got = run(fused, ids(5))[0]
+    with torch.no_grad():
+        want = run(model, ids(5))[0]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["gpt2", "gpt_neox-parallel"])
+def test_patched_blocks_compile_fullgraph(case):
+    model = patch(converted(case))
+    block = blocks(model)[0]
+    x = torch.randn(2, 5, 32)
+    kwargs = {"position_embeddings": model.gpt_neox.rotary_emb(x, torch.arange(5)[None])} if "neox" in case else {}
+    torch._dynamo.reset()
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        got = compiled(x, **kwargs)
+        assert not any(fusion._PENDING in m.__dict__ for m in model.modules())  # no handoff inside a graph
+        want = block(x, **kwargs)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_compile_for_generation_generates_what_eager_does():
+    model = normswap.kernels.patch(converted("gpt2"))
+    prompt = ids(4)
+    model.generation_config.pad_token_id = model.generation_config.eos_token_id = None
+    want = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=3, do_sample=False)
+    torch._dynamo.reset()
+    normswap.kernels.compile_for_generation(model, mode=None, backend="eager")
+    try:
+        got = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=3, do_sample=False)
+    finally:
+        del model.forward
+        torch._dynamo.reset()
+    assert torch.equal(got, want)
