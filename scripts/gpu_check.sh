@@ -51,7 +51,8 @@ export PYTHONPATH="$PWD:${PYTHONPATH:-}"
     echo "dry_run=$DRY dest=$DEST"
 } >>"$summary" 2>&1
 
-KERNEL_TESTS=(tests/test_kernels.py tests/test_kernels_designs.py tests/test_patch.py tests/test_kernels_fusion.py)
+# the new designs and fusions first: a step cut short has tested them
+KERNEL_TESTS=(tests/test_kernels_designs.py tests/test_kernels_fusion.py tests/test_patch.py tests/test_kernels.py)
 if [ "$DRY" = 0 ]; then
     step aot 35 python3 -m normswap.kernels.aot_check --json "$DEST/aot.json"
     step tests 80 python3 -m pytest -v -p no:cacheprovider -m "not slow" "${KERNEL_TESTS[@]}"

@@ -105,3 +105,52 @@ def test_compile_paths_trace_fullgraph_and_match_eager():
         torch._dynamo.reset()
     with pytest.raises(ValueError, match="compile path"):
         set_compile_path("triton")
+
+
+class _FakeCompiled:
+    """The parts of triton's CompiledKernel a direct launch uses."""
+
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self):
+        self.calls = []
+
+    def _init_handles(self):
+        pass
+
+    def run(self, *args):
+        self.calls.append(args)
+
+    def __getitem__(self, grid):
+        return lambda *args: self.calls.append(("runner", grid, *args))
+
+
+def test_direct_launcher_calls_the_entry_point_with_the_current_stream(monkeypatch):
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 1000 + index, raising=False)
+    compiled = _FakeCompiled()
+    launcher = launch.direct_launcher(compiled, (7,), torch.device("cuda", 1))
+    launcher("x", "y")
+    assert compiled.calls == [(7, 1, 1, 1001, "function", "metadata", None, None, None, "x", "y")]
+    other = type("OtherCompiled", (), {"_init_handles": lambda self: None, "run": None, "function": None})()
+    assert launch.direct_launcher(other, (7,), torch.device("cuda", 1)) is None  # no packed_metadata
+
+
+def test_a_refused_direct_launch_falls_back_to_tritons_launcher(monkeypatch):
+    compiled = _FakeCompiled()
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, num_warps: compiled
+
+    def refused(*args):
+        raise TypeError("calling convention")
+
+    monkeypatch.setattr(launch, "direct_launcher", lambda *a: None)
+    monkeypatch.setattr(launch, "DIRECT_LAUNCH", True)
+    plan = launch._Plan(Kernel(), (3,), (), 4, False, False, True, True, (1, 0, 0), (1, 0, 0))
+    plan.launcher = plan.direct = refused
+    launch._launch(plan, (torch.zeros(1),))
+    assert launch.FAST_LAUNCH and not launch.DIRECT_LAUNCH
+    assert plan.direct is None and plan.launcher is not None
+    plan.launcher("a")
+    assert compiled.calls == [("runner", (3, 1, 1), "a")]

@@ -224,6 +224,7 @@ class _Plan:
     like_x: bool = False  # x is contiguous: outputs come from empty_like(x), the cheaper allocation
     native: bool = False  # NATIVE_MAX_ROWS: the torch composite computes this call
     launcher: object = None  # the compiled kernel's launcher (CUDA), once known
+    direct: object = None  # that launcher when it is a direct_launcher
 
     @property
     def fixups(self) -> bool:
@@ -277,6 +278,11 @@ def _make_plan(x, weight, bias, residual, store_rstd: bool, m: int, n: int, conf
                  contiguous_w, contiguous_b, x_layout, r_layout, m, n, x.is_contiguous(), native)  # fmt: skip
 
 
+def _hooked(hook) -> bool:
+    """Whether a launch hook is set: None, or an empty HookChain (newer triton), is none."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 def direct_launcher(compiled, grid: tuple[int], device: torch.device):
     """A launcher calling ``compiled``'s entry point directly: what ``compiled[grid]`` does per
     call minus its device query and hook look-ups (no launch hooks are installed). None where
@@ -284,7 +290,7 @@ def direct_launcher(compiled, grid: tuple[int], device: torch.device):
     try:
         from triton import knobs  # noqa: PLC0415
 
-        if knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None:
+        if _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
             return None
         compiled._init_handles()
         run, function, packed = compiled.run, compiled.function, compiled.packed_metadata
@@ -299,18 +305,27 @@ def direct_launcher(compiled, grid: tuple[int], device: torch.device):
     return launch
 
 
+# False once a direct launcher was refused: Triton's own launcher (``compiled[grid]``) from then on
+DIRECT_LAUNCH = True
+
+
 def _launch(plan: _Plan, args: tuple) -> None:
-    global FAST_LAUNCH
+    global FAST_LAUNCH, DIRECT_LAUNCH
     if plan.launcher is not None and FAST_LAUNCH:
         try:
             plan.launcher(*args)
             return
-        except Exception:  # the launcher's calling convention differs in this triton version
-            FAST_LAUNCH = False
+        except Exception:  # the calling convention differs in this triton version: a slower launcher
+            if plan.launcher is plan.direct:
+                DIRECT_LAUNCH = False
+                plan.launcher = plan.direct = None
+            else:
+                FAST_LAUNCH = False
     compiled = plan.kernel[plan.grid](*args, num_warps=plan.num_warps)
     if FAST_LAUNCH and compiled is not None and hasattr(type(compiled), "__getitem__"):
         # a CompiledKernel (CUDA; the interpreter returns None)
-        plan.launcher = direct_launcher(compiled, plan.grid, args[0].device) or compiled[(plan.grid[0], 1, 1)]
+        plan.direct = direct_launcher(compiled, plan.grid, args[0].device) if DIRECT_LAUNCH else None
+        plan.launcher = plan.direct or compiled[(plan.grid[0], 1, 1)]
 
 
 def _tune(x, weight, bias, residual, store_rstd, m, n, outputs) -> int:
