@@ -202,8 +202,8 @@ def warp_candidates(config: FwdConfig, element_size: int) -> list[int]:
 
 # Eager kernel-path calls of at most this many rows run the exact torch composite (``fallback``,
 # several native launches) instead of one Triton launch: the rule for where a Triton launch's host
-# time would exceed the native ops'. 0: every call launches the kernel (``bench_kernels.py --cpu`` measures
-# normswap's host time per call; on CUDA the decode section times both paths side by side).
+# time would exceed the native ops'. 0: every call launches the kernel (``bench_kernels.py --host``
+# measures normswap's host time per call; on CUDA the decode section times both paths side by side).
 NATIVE_MAX_ROWS = 0
 
 
