@@ -17,15 +17,20 @@ Forward, per row (fp32 throughout, roundings marked R):
     rstd = rsqrt(sum(s * s) / N + eps)
     y = R(s * rstd * w + b)
 
-The grid is a few programs per SM; each loops over row tiles (``BLOCK_M`` rows: more than one
-for short rows, e.g. per-head q/k norms) with ``tl.range(..., num_stages=NUM_STAGES)``, so the next
-tile's loads are in flight while this one is reduced, and loads W and B once. A row that fits in
-registers is two power-of-two sub-tiles, ``TILE_A`` + ``TILE_B`` (768 = 512 + 256, 5120 = 4096 +
-1024), so few lanes idle; longer rows (``LOOP``) take two passes over ``TILE_A``-sized chunks:
-sum of squares, then scale.
+One forward kernel serves the four designs ``launch.FWD_DESIGNS`` chooses between by row length
+(the host picks the grid and the constexprs): each program loops over row tiles (``BLOCK_M``
+rows) ``pid, pid + programs, ...`` with ``tl.range(..., num_stages=NUM_STAGES)``, so with fewer
+programs than tiles the next tile's loads are in flight while this one is reduced; W and B are
+loaded once per program. A row that fits in registers is two power-of-two sub-tiles, ``TILE_A`` +
+``TILE_B`` (768 = 512 + 256, 5120 = 4096 + 1024), so few lanes idle; longer rows (``LOOP``) take
+two passes over ``TILE_A``-sized chunks, sum of squares then scale, the second pass re-reading
+the row while it is still in L2 (one program per row, so a row is re-read soon after it was
+first read). Contiguous rows with 16-byte aligned pointers and N a multiple of 8 compile to
+128-bit loads and stores (``aot_check`` reports the widths).
 
-Backward: dx per row, rows pipelined; dw and db as per-program partial sums (skipping db without
-a bias), or for long rows from a separate column-parallel kernel.
+Backward: dx per row tile (several short rows a tile), pipelined; dw and db as per-program
+partial sums (skipping db without a bias), or for long rows from a separate column-parallel
+kernel.
 """
 
 from __future__ import annotations
@@ -182,16 +187,17 @@ def rms_norm_fwd_kernel(
 def rms_norm_bwd_kernel(
     DY, X, W, RSTD, DS, DX, DW_PART, DB_PART,
     M, N, x_inner, sx_outer, sx_inner,
-    BLOCK_N: tl.constexpr, LOOP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOOP: tl.constexpr,
     HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_DS: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):  # fmt: skip
-    """Backward of y = x * rstd * w + b for rows ``pid, pid + programs, ...``, rows pipelined.
+    """Backward of y = x * rstd * w + b for row tiles ``pid, pid + programs, ...``, pipelined.
 
     With x̂ = x * rstd and g = dy * w:  dx = rstd * (g - x̂ * sum(g * x̂) / N) + ds.
 
-    Without LOOP each program also writes its partial sums of dy * x̂ (and of dy when HAS_B) to
-    its row of DW_PART / DB_PART, summed by the host. With LOOP, dw and db are left to
-    ``rms_norm_bwd_dw_kernel``, and each row takes two passes over BLOCK_N-sized chunks.
+    Without LOOP a tile is BLOCK_M whole rows (several for short rows, so each step has enough
+    bytes in flight), and each program also writes its partial sums of dy * x̂ (and of dy when
+    HAS_B) to its row of DW_PART / DB_PART, summed by the host. With LOOP (BLOCK_M == 1), dw and
+    db are left to ``rms_norm_bwd_dw_kernel``, and each row takes two passes over BLOCK_N chunks.
     """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -204,22 +210,26 @@ def rms_norm_bwd_kernel(
         dw = tl.full([BLOCK_N], 0.0, tl.float32)
         if HAS_B:
             db = tl.full([BLOCK_N], 0.0, tl.float32)
-        for r in tl.range(pid, M, programs, num_stages=NUM_STAGES):
-            row = tl.cast(r, tl.int64)
-            x = tl.load(X + _row_offsets(row, x_inner, sx_outer, sx_inner) + cols, mask=col_ok, other=0.0)
-            dy = tl.load(DY + row * N + cols, mask=col_ok, other=0.0).to(tl.float32)
-            rstd = tl.load(RSTD + row)
-            xhat = x.to(tl.float32) * rstd
+        for tile in tl.range(pid, tl.cdiv(M, BLOCK_M), programs, num_stages=NUM_STAGES):
+            rows = tl.cast(tile, tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+            row_ok = rows < M
+            mask = row_ok[:, None] & col_ok[None, :]
+            out = (rows * N)[:, None] + cols[None, :]
+            x = tl.load(X + _row_offsets(rows, x_inner, sx_outer, sx_inner)[:, None] + cols[None, :], mask=mask,
+                        other=0.0)  # fmt: skip
+            dy = tl.load(DY + out, mask=mask, other=0.0).to(tl.float32)
+            rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+            xhat = x.to(tl.float32) * rstd[:, None]
             g = dy
             if HAS_W:
-                g = dy * w
-            dx = (g - xhat * (_sum(g * xhat, axis=0) / N)) * rstd
+                g = dy * w[None, :]
+            dx = (g - xhat * (_sum(g * xhat, axis=1) / N)[:, None]) * rstd[:, None]
             if HAS_DS:
-                dx += tl.load(DS + row * N + cols, mask=col_ok, other=0.0).to(tl.float32)
-            tl.store(DX + row * N + cols, dx.to(DX.dtype.element_ty), mask=col_ok)
-            dw += dy * xhat
+                dx += tl.load(DS + out, mask=mask, other=0.0).to(tl.float32)
+            tl.store(DX + out, dx.to(DX.dtype.element_ty), mask=mask)
+            dw += _sum(dy * xhat, axis=0)
             if HAS_B:
-                db += dy
+                db += _sum(dy, axis=0)
         part_row = tl.cast(pid, tl.int64) * N
         tl.store(DW_PART + part_row + cols, dw, mask=col_ok)
         if HAS_B:

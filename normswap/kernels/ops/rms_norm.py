@@ -4,10 +4,13 @@
 launched by ``launch.py``) on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (how
 the tests exercise them); everywhere else it runs the exact torch fallback (``fallback.py``).
 
-The kernel path goes through two custom ops, ``normswap::rms_norm_fwd`` and
+Under autograd the kernel path goes through two custom ops, ``normswap::rms_norm_fwd`` and
 ``normswap::rms_norm_bwd``, each with a fake (meta) implementation, and the forward op has a
-registered autograd formula; ``torch.compile(fullgraph=True)`` therefore traces through them
-without a graph break, and ``eps`` is a runtime float, so new eps values do not recompile.
+registered autograd formula; ``eps`` is a runtime float, so new eps values do not recompile.
+Eager inference calls skip the custom-op dispatch (``launch.forward_eager``). Inside
+``torch.compile`` the op is, by ``set_compile_path``, either the fallback's torch ops (the
+default: Inductor fuses them with the residual add and the casts around them) or the custom op
+(normswap's kernel, opaque to Inductor); both trace with ``fullgraph=True``.
 
 Rounding points (identical to ``normswap.modeling.remote.RMSNorm`` preceded by an unfused add)::
 
@@ -144,6 +147,21 @@ rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
 # --------------------------------------------------------------------------- public function
 
 
+# How ``rms_norm`` appears in a graph torch.compile traces on the kernel path: "decompose", the
+# torch ops of the fallback, which Inductor fuses with their neighbours (the residual add, the
+# casts) into its own kernels; or "kernel", the opaque custom op running normswap's kernel.
+COMPILE_PATHS = ("decompose", "kernel")
+compile_path = "decompose"
+
+
+def set_compile_path(path: str) -> None:
+    """Choose how compiled graphs compute the norm (``COMPILE_PATHS``); recompile afterwards."""
+    global compile_path
+    if path not in COMPILE_PATHS:
+        raise ValueError(f"compile path must be one of {COMPILE_PATHS}, not {path!r}")
+    compile_path = path
+
+
 def rms_norm(
     x: torch.Tensor,
     weight: torch.Tensor | None = None,
@@ -162,12 +180,17 @@ def rms_norm(
         s = x + residual  # broadcasting or type promotion: leave it to torch, then normalise
         return rms_norm(s, weight, bias, eps), s
     if use_kernels(x):
-        if torch.compiler.is_compiling() or needs_graph(x, weight, bias, residual):
+        if torch.compiler.is_compiling():
+            if compile_path == "kernel":
+                y, s, _ = torch.ops.normswap.rms_norm_fwd(x, weight, bias, residual, float(eps))
+                return (y, s) if residual is not None else y
+        elif needs_graph(x, weight, bias, residual):
             y, s, _ = torch.ops.normswap.rms_norm_fwd(x, weight, bias, residual, float(eps))
+            return (y, s) if residual is not None else y
         else:
-            # eager inference: skip the custom-op dispatch (Python-level, ~µs that matter at decode)
-            y, s, _ = launch.forward(x, weight, bias, residual, float(eps), store_rstd=False)
-        return (y, s) if residual is not None else y
+            # eager inference: no custom-op dispatch, a cached launch plan (host time is what
+            # decode steps pay)
+            return launch.forward_eager(x, weight, bias, residual, float(eps))
     if residual is None:
         return rms_norm_torch(x, weight, bias, eps)
     return add_rms_norm_torch(x, residual, weight, bias, eps)
