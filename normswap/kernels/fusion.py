@@ -92,6 +92,15 @@ def end_add(block: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.
 # that feed a norm routed through add_norm / end_add.
 
 
+def _require_cross_attention(block) -> None:
+    """The upstream blocks' refusal of encoder states when built without cross-attention."""
+    if not hasattr(block, "crossattention"):
+        raise ValueError(
+            f"If `encoder_hidden_states` are passed, {block} has to be instantiated with "
+            "cross-attention layers by setting `config.add_cross_attention=True`"
+        )
+
+
 def _gpt2_block(self, hidden_states, cache=None, attention_mask=None, encoder_hidden_states=None,
                 encoder_attention_mask=None, use_cache=False, **kwargs):  # fmt: skip
     if "past_key_values" in kwargs:  # the older name, by keyword
@@ -101,11 +110,7 @@ def _gpt2_block(self, hidden_states, cache=None, attention_mask=None, encoder_hi
     attn_output, _ = self.attn(self.ln_1(hidden_states), **cache_kw, attention_mask=attention_mask,
                                use_cache=use_cache, **kwargs)  # fmt: skip
     if encoder_hidden_states is not None:
-        if not hasattr(self, "crossattention"):
-            raise ValueError(
-                f"If `encoder_hidden_states` are passed, {self} has to be instantiated with "
-                "cross-attention layers by setting `config.add_cross_attention=True`"
-            )
+        _require_cross_attention(self)
         normed, residual = add_norm(self.ln_cross_attn, attn_output, residual)
         attn_output, _ = self.crossattention(normed, **cache_kw, attention_mask=attention_mask,
                                              encoder_hidden_states=encoder_hidden_states,
@@ -120,11 +125,7 @@ def _gpt_bigcode_block(self, hidden_states, encoder_hidden_states=None, layer_pa
     attn_output, _ = self.attn(self.ln_1(hidden_states), layer_past=layer_past, attention_mask=attention_mask,
                                use_cache=use_cache, output_attentions=output_attentions, **kwargs)  # fmt: skip
     if encoder_hidden_states is not None:
-        if not hasattr(self, "crossattention"):
-            raise ValueError(
-                f"If `encoder_hidden_states` are passed, {self} has to be instantiated with "
-                "cross-attention layers by setting `config.add_cross_attention=True`"
-            )
+        _require_cross_attention(self)
         normed, residual = add_norm(self.ln_cross_attn, attn_output, residual)
         attn_output, _ = self.crossattention(normed, attention_mask=attention_mask,
                                              encoder_hidden_states=encoder_hidden_states,

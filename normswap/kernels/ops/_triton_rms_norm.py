@@ -77,6 +77,28 @@ def _row_offsets(rows, inner, s_outer, s_inner):
 
 
 @triton.jit
+def _load_sum(X, R, S, x_off, r_off, s_off, mask, HAS_R: tl.constexpr):
+    """s = R(x + residual), stored at ``s_off`` (x alone without a residual), as float32."""
+    x = tl.load(X + x_off, mask=mask, other=0.0)
+    if HAS_R:
+        res = tl.load(R + r_off, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + res.to(tl.float32)).to(S.dtype.element_ty)
+        tl.store(S + s_off, x, mask=mask)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _store_normed(Y, y_off, x, rstd, w, b, mask, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
+    """y = R(x * rstd * w + b) for a row tile, stored at ``y_off``; w, b loaded once per program."""
+    y = x * rstd[:, None]
+    if HAS_W:
+        y = y * w[None, :]
+    if HAS_B:
+        y = y + b[None, :]
+    tl.store(Y + y_off, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def rms_norm_fwd_kernel(
     X, R, W, B, Y, S, RSTD,
     M, N,
@@ -97,6 +119,10 @@ def rms_norm_fwd_kernel(
     ca = tl.arange(0, TILE_A)
 
     if not LOOP:
+        wa = 0.0  # stand-ins for absent weight / bias, never read where HAS_W / HAS_B is off
+        ba = 0.0
+        wb = 0.0
+        bb = 0.0
         if HAS_W:
             wa = tl.load(W + ca).to(tl.float32)
         if HAS_B:
@@ -115,36 +141,16 @@ def rms_norm_fwd_kernel(
             r_row = _row_offsets(rows, r_inner, sr_outer, sr_inner)[:, None]
             out_row = (rows * N)[:, None]
             ma = row_ok[:, None] & (ca < N)[None, :]
-            xa = tl.load(X + x_row + ca[None, :], mask=ma, other=0.0)
-            if HAS_R:
-                ra = tl.load(R + r_row + ca[None, :], mask=ma, other=0.0)
-                xa = (xa.to(tl.float32) + ra.to(tl.float32)).to(S.dtype.element_ty)
-                tl.store(S + out_row + ca[None, :], xa, mask=ma)
-            xa = xa.to(tl.float32)
+            xa = _load_sum(X, R, S, x_row + ca[None, :], r_row + ca[None, :], out_row + ca[None, :], ma, HAS_R)
             ss = _sum(xa * xa, axis=1)
             if TILE_B > 0:
                 mb = row_ok[:, None] & cb_ok[None, :]
-                xb = tl.load(X + x_row + cb[None, :], mask=mb, other=0.0)
-                if HAS_R:
-                    rb = tl.load(R + r_row + cb[None, :], mask=mb, other=0.0)
-                    xb = (xb.to(tl.float32) + rb.to(tl.float32)).to(S.dtype.element_ty)
-                    tl.store(S + out_row + cb[None, :], xb, mask=mb)
-                xb = xb.to(tl.float32)
+                xb = _load_sum(X, R, S, x_row + cb[None, :], r_row + cb[None, :], out_row + cb[None, :], mb, HAS_R)
                 ss += _sum(xb * xb, axis=1)
             rstd = tl.rsqrt(ss / N + eps)
-            ya = xa * rstd[:, None]
-            if HAS_W:
-                ya = ya * wa[None, :]
-            if HAS_B:
-                ya = ya + ba[None, :]
-            tl.store(Y + out_row + ca[None, :], ya.to(Y.dtype.element_ty), mask=ma)
+            _store_normed(Y, out_row + ca[None, :], xa, rstd, wa, ba, ma, HAS_W, HAS_B)
             if TILE_B > 0:
-                yb = xb * rstd[:, None]
-                if HAS_W:
-                    yb = yb * wb[None, :]
-                if HAS_B:
-                    yb = yb + bb[None, :]
-                tl.store(Y + out_row + cb[None, :], yb.to(Y.dtype.element_ty), mask=mb)
+                _store_normed(Y, out_row + cb[None, :], xb, rstd, wb, bb, mb, HAS_W, HAS_B)
             if STORE_RSTD:
                 tl.store(RSTD + rows, rstd, mask=row_ok)
     else:
@@ -155,13 +161,7 @@ def rms_norm_fwd_kernel(
             acc = tl.full([TILE_A], 0.0, tl.float32)
             for start in tl.range(0, N, TILE_A, num_stages=NUM_STAGES):
                 c = start + ca
-                mask = c < N
-                x = tl.load(X + x_row + c, mask=mask, other=0.0)
-                if HAS_R:
-                    res = tl.load(R + r_row + c, mask=mask, other=0.0)
-                    x = (x.to(tl.float32) + res.to(tl.float32)).to(S.dtype.element_ty)
-                    tl.store(S + row * N + c, x, mask=mask)
-                xf = x.to(tl.float32)
+                xf = _load_sum(X, R, S, x_row + c, r_row + c, row * N + c, c < N, HAS_R)
                 acc += xf * xf
             rstd = tl.rsqrt(_sum(acc, axis=0) / N + eps)
             if HAS_R:

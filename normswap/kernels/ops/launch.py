@@ -397,11 +397,9 @@ def forward_eager(
     key = _plan_key(x, weight, bias, residual, False)
     plan = _PLANS.get(key) or _plan(x, weight, bias, residual, False, key)
     if plan.native:
-        from .fallback import add_rms_norm_torch, rms_norm_torch  # noqa: PLC0415
+        from .fallback import forward_torch  # noqa: PLC0415
 
-        if residual is None:
-            return rms_norm_torch(x, weight, bias, eps)
-        return add_rms_norm_torch(x, residual, weight, bias, eps)
+        return forward_torch(x, weight, bias, residual, eps)
     y = torch.empty_like(x) if plan.like_x else torch.empty(x.shape, dtype=x.dtype, device=x.device)
     s = None if residual is None else torch.empty_like(y)
     if plan.m:
@@ -410,13 +408,9 @@ def forward_eager(
 
 
 def forward(
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    residual: torch.Tensor | None,
-    eps: float,
-    store_rstd: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, residual: torch.Tensor | None,
+    eps: float, store_rstd: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
     """(y, s or None, rstd or None) through the kernels; residual, if given, matches x's shape."""
     key = _plan_key(x, weight, bias, residual, store_rstd)
     plan = _PLANS.get(key) or _plan(x, weight, bias, residual, store_rstd, key)

@@ -31,6 +31,7 @@ import torch
 from . import launch
 from .fallback import (
     add_rms_norm_torch,
+    forward_torch,
     needs_graph,
     rms_norm_backward_torch,
     rms_norm_rstd_torch,
@@ -191,6 +192,4 @@ def rms_norm(
             # eager inference: no custom-op dispatch, a cached launch plan (host time is what
             # decode steps pay)
             return launch.forward_eager(x, weight, bias, residual, float(eps))
-    if residual is None:
-        return rms_norm_torch(x, weight, bias, eps)
-    return add_rms_norm_torch(x, residual, weight, bias, eps)
+    return forward_torch(x, weight, bias, residual, eps)
