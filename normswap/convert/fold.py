@@ -17,7 +17,6 @@ conversion runs.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -144,56 +143,6 @@ def rotate_axis(tensor: torch.Tensor, rotation: torch.Tensor, axis: int) -> torc
     if axis == 0 and tensor.dim() == 2:
         return rotation.T @ tensor
     return torch.movedim(torch.movedim(tensor, axis, -1) @ rotation, -1, axis)
-
-
-def random_signs(d: int, seed: int) -> torch.Tensor:
-    """d signs ±1 (float64) drawn from a generator seeded with ``seed``."""
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 2, (d,), generator=generator).double() * 2 - 1
-
-
-def randomised_hadamard(hadamard: torch.Tensor, seed: int) -> torch.Tensor:
-    """Q = diag(s)·H/√d for a Hadamard matrix H (entries ±1, HHᵀ = d·I) and seeded signs s.
-
-    QQᵀ = diag(s)·HHᵀ·diag(s)/d = I. Every entry of Q is ±1/√d, so each coordinate of the rotated
-    stream x·Q is an equal-weight mix of all of x's, which spreads a few large coordinates evenly.
-    This is the issue's H·diag(±1)/√d written for row vectors: the signs act on x before H mixes
-    it (x·diag(s)·H). Signs applied after H (x·H·diag(s)) would only flip coordinates of x·H,
-    which no symmetric quantiser or outlier statistic can see: every seed would give the same
-    model up to signs.
-    """
-    d = hadamard.shape[0]
-    return random_signs(d, seed)[:, None] * hadamard.double() / math.sqrt(d)
-
-
-def random_orthogonal(d: int, seed: int) -> torch.Tensor:
-    """A Haar-random orthogonal d×d matrix: QR of a seeded Gaussian matrix, with the sign fix.
-
-    For G = QR, Q·diag(sign(diag R)) is distributed uniformly over O(d) (without the fix the
-    distribution depends on the QR routine's sign convention).
-    """
-    generator = torch.Generator().manual_seed(seed)
-    gaussian = torch.randn(d, d, generator=generator, dtype=torch.float64)
-    q, r = torch.linalg.qr(gaussian)
-    signs = torch.sign(torch.diagonal(r))
-    signs[signs == 0] = 1.0
-    return q * signs
-
-
-def principal_rotation(second_moment: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q whose columns are the eigenvectors of M = Σ xᵀx, by decreasing eigenvalue; and those.
-
-    x·Q then has its coordinates sorted by how much of the stream's energy they carry (the
-    first column is the stream's principal direction). Each column's sign is fixed so that its
-    largest-magnitude entry is positive, making Q a function of M alone.
-    """
-    values, vectors = torch.linalg.eigh(second_moment.double())
-    order = torch.argsort(values, descending=True, stable=True)
-    values, vectors = values[order], vectors[:, order]
-    largest = vectors.abs().argmax(dim=0)
-    signs = torch.sign(vectors[largest, torch.arange(vectors.shape[1])])
-    signs[signs == 0] = 1.0
-    return vectors * signs, values
 
 
 # ---------------------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ from normswap.convert import fold
 from normswap.convert.plan import ConversionPlan, TensorPlan
 from normswap.dtypes import dtype_name
 from normswap.errors import NormswapError
+from normswap.rotate import matrices
 
 # Held out from the calibration text when no --held-out text is given: this share of its tokens,
 # and at most this many (the perplexity cost is measured on them).
@@ -135,7 +136,7 @@ def kept_bases(moments: dict[str, torch.Tensor], norms: list[str], k: int) -> tu
     stream's energy each keeps."""
     bases, kept = [], []
     for name in norms:
-        matrix, values = fold.principal_rotation(moments[name])
+        matrix, values = matrices.principal_rotation(moments[name])
         values = values.clamp(min=0)
         total = float(values.sum())
         bases.append(matrix[:, :k].contiguous())
