@@ -11,7 +11,9 @@ from normswap.commands import (
     check_report_out,
     check_source,
     emit_json,
+    json_text,
     local_inputs,
+    write_reports,
 )
 from normswap.errors import VerificationError
 
@@ -44,7 +46,6 @@ def run(args: argparse.Namespace) -> int:
     text = summary(result)
     print(text)
     if args.out is not None:
-        from normswap.commands import json_text, write_reports
 
         def write(folder: Path) -> list[Path]:
             files = {"report.json": json_text(result), "report.md": to_markdown(args, text)}
