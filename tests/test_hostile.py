@@ -814,6 +814,7 @@ def _dead_pid() -> int:
 def test_stale_temporary_folder_is_removed(source, tmp_path, capsys):
     stale = tmp_path / f"out{temporaries.TMP_TAG}{_dead_pid()}-0-deadbeef"
     stale.mkdir()
+    (stale / temporaries.TMP_MARKER).write_text("deadbeef\n")
     (stale / "model.safetensors").write_bytes(b"\0" * 1024)
     live = tmp_path / f"out{temporaries.TMP_TAG}{os.getpid()}-{temporaries.process_start(os.getpid())}-cafecafe"
     live.mkdir()

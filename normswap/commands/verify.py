@@ -10,8 +10,8 @@ from normswap.commands import (
     add_tolerance_options,
     check_report_out,
     check_source,
+    command_inputs,
     emit_json,
-    local_inputs,
 )
 from normswap.errors import VerificationError
 
@@ -35,7 +35,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     check_source(args.original)
     check_source(args.converted)
-    inputs = local_inputs(args.original, args.converted)
+    inputs = command_inputs(args)
     check_report_out(args, inputs)
     from normswap.verify.checkpoint import verify_checkpoint
 

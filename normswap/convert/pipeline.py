@@ -56,7 +56,7 @@ def convert_checkpoint(
     source_dir = resolve_source(src, trust_remote_code=trust_remote_code, revision=revision)
     out = output.absolute(out)
     inputs = source_inputs(source_dir)
-    output.check_out(out, inputs, overwrite)
+    output.check_out(out, inputs, overwrite, kind="checkpoint")
     config = read_config(source_dir)
     architecture = check_convertible(source_dir, config)  # before reading any weights
     with CheckpointReader(source_dir) as reader:

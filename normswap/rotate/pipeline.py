@@ -66,7 +66,7 @@ def rotate_checkpoint(
     source_dir = resolve_source(src, trust_remote_code=trust_remote_code)
     out = output.absolute(out)
     inputs = source_inputs(source_dir) + ([Path(calibration)] if calibration is not None else [])
-    output.check_out(out, inputs, overwrite)
+    output.check_out(out, inputs, overwrite, kind="checkpoint")
     config = read_config(source_dir)
     check_rotatable(source_dir, config)  # refusals before any weight is read
     if calibration is not None:

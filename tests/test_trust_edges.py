@@ -1,0 +1,405 @@
+"""Trust at the edges: permissions a recipe cannot grant, checkpoint files that point elsewhere,
+removals that stay on their filesystem, interrupts, ambiguous weights, output kinds, task folders
+that hold code, and a Python API that checks its arguments at the door."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import leftovers, make_hard, save
+from test_hostile import Guard, assert_refused, run_cli
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from normswap.checkpoint import output, temporaries
+from normswap.errors import NormswapError
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    """A tiny two-layer GPT-2 (safetensors, tied head), never modified by any test."""
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=50, n_positions=16, bos_token_id=0, eos_token_id=0)
+    return save(make_hard(GPT2LMHeadModel(config)), tmp_path_factory.mktemp("edges") / "gpt2")
+
+
+def copy_source(source: Path, tmp_path: Path, name: str = "src") -> Path:
+    shutil.copytree(source, tmp_path / name, symlinks=True)
+    return tmp_path / name
+
+
+# ---------------------------------------------------------------------------------------------
+# a recipe may narrow a permission, never grant it
+
+
+def _recipe(tmp_path: Path, source: Path, convert: dict) -> Path:
+    path = tmp_path / "recipe.yaml"
+    path.write_text(json.dumps({"source": str(source), "convert": convert, "eval": {"tasks": []}}))
+    return path
+
+
+def test_recipe_cannot_grant_remote_code(source, tmp_path, capsys):
+    src = copy_source(source, tmp_path)
+    marker = tmp_path / "ran"
+    (src / "custom_generate").mkdir()
+    (src / "custom_generate" / "generate.py").write_text(f"open({str(marker)!r}, 'w')\n")
+    recipe = _recipe(tmp_path, src, {"trust_remote_code": True})
+    guard = Guard(tmp_path)
+    code, _, err = run_cli(capsys, "run", recipe, "--out", tmp_path / "run", "--no-progress")
+    assert_refused(code, err, "convert.trust_remote_code", "--trust-remote-code")
+    assert not marker.exists()
+    guard.unchanged()
+
+
+def test_recipe_narrows_but_never_widens():
+    from normswap.evaluation.recipe import Recipe, permitted
+
+    def recipe(value):
+        return Recipe(name="r", source="s", path=Path("r.yaml"), convert={} if value is None else
+                      {"trust_remote_code": value})
+
+    assert permitted(recipe(None), {"--trust-remote-code": True}) == {"trust_remote_code": True}
+    assert permitted(recipe(False), {"--trust-remote-code": True}) == {"trust_remote_code": False}
+    assert permitted(recipe(True), {"--trust-remote-code": True}) == {"trust_remote_code": True}
+    assert permitted(recipe(None), {}) == {"trust_remote_code": False}
+    with pytest.raises(NormswapError, match="--trust-remote-code"):
+        permitted(recipe(True), {})
+
+
+def test_run_recipe_api_refuses_a_granting_recipe(tmp_path):
+    from normswap.evaluation.recipe import Recipe, run_recipe
+    from normswap.evaluation.runner import EvalSettings
+
+    recipe = Recipe(name="r", source="normswap:austen-gpt2", path=tmp_path / "r.yaml",
+                    convert={"trust_remote_code": True})
+    with pytest.raises(NormswapError, match="convert.trust_remote_code"):
+        run_recipe(recipe, tmp_path / "out", settings=EvalSettings(), tolerances=None)
+    assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# every file read or copied from a checkpoint is a regular file inside it
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "config.json", "generation_config.json",
+                                  "preprocessor_config.json", "modeling_x.py", "model.safetensors"])
+def test_link_out_of_the_checkpoint_is_refused(source, tmp_path, capsys, name):
+    src = copy_source(source, tmp_path)
+    outside = tmp_path / "secret.json"
+    outside.write_text(json.dumps({"secret": "do not copy"}))
+    if (src / name).exists():
+        (src / name).unlink()
+    (src / name).symlink_to(outside)
+    guard = Guard(tmp_path)
+    code, _, err = run_cli(capsys, "convert", src, "--out", tmp_path / "out", "--quiet")
+    assert_refused(code, err, name, "outside the checkpoint")
+    guard.unchanged()
+
+
+def test_fifo_side_file_is_refused(source, tmp_path, capsys):
+    src = copy_source(source, tmp_path)
+    os.mkfifo(src / "tokenizer_config.json")
+    code, _, err = run_cli(capsys, "convert", src, "--out", tmp_path / "out", "--quiet")
+    assert_refused(code, err, "tokenizer_config.json", "not a regular file")
+    assert not (tmp_path / "out").exists()
+
+
+def test_links_inside_the_checkpoint_and_hub_blobs_are_read(source, tmp_path, capsys):
+    """The hub cache's layout: snapshot files linking to ../../blobs/ are inside."""
+    repo = tmp_path / "models--org--tiny"
+    snapshot = repo / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    for entry in source.iterdir():
+        shutil.copyfile(entry, repo / "blobs" / entry.name)
+        (snapshot / entry.name).symlink_to(Path("../../blobs") / entry.name)
+    (snapshot / "tokenizer.json").symlink_to(Path("../../blobs") / "config.json")  # a link inside the repository
+    code, _, err = run_cli(capsys, "convert", snapshot, "--out", tmp_path / "out", "--quiet", "--verify", "none")
+    assert code == 0, err
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (source / "config.json").read_bytes()
+
+
+# ---------------------------------------------------------------------------------------------
+# ambiguous weights
+
+
+def test_index_beside_a_single_file_is_ambiguous(source, tmp_path, capsys):
+    src = copy_source(source, tmp_path)
+    shutil.copyfile(src / "model.safetensors", src / "model-00001-of-00001.safetensors")
+    index = {"metadata": {}, "weight_map": {name: "model-00001-of-00001.safetensors"
+                                            for name in json.loads(_header(src / "model.safetensors"))
+                                            if name != "__metadata__"}}
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    code, _, err = run_cli(capsys, "convert", src, "--out", tmp_path / "out", "--quiet")
+    assert_refused(code, err, "model.safetensors", "model.safetensors.index.json", "ambiguous")
+
+
+def test_safetensors_wins_over_a_disagreeing_bin_as_in_transformers(source, tmp_path, capsys):
+    from normswap.checkpoint.source import _weight_shards
+
+    src = copy_source(source, tmp_path)
+    torch.save({"transformer.wte.weight": torch.zeros(50, 16)}, src / "pytorch_model.bin")
+    assert _weight_shards(src) == ["model.safetensors"]
+    code, _, err = run_cli(capsys, "convert", src, "--out", tmp_path / "out", "--quiet")
+    assert code == 0, err
+
+
+def _header(path: Path) -> str:
+    raw = path.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    return raw[8:8 + length].decode()
+
+
+# ---------------------------------------------------------------------------------------------
+# outputs: temporary markers, kinds, inputs inside --out
+
+
+@pytest.fixture(scope="module")
+def converted(source, tmp_path_factory) -> Path:
+    from normswap.cli import main
+
+    out = tmp_path_factory.mktemp("edges-converted") / "rms"
+    assert main(["convert", str(source), "--out", str(out), "--quiet", "--verify", "none"]) == 0
+    return out
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+@pytest.mark.parametrize("marker", [None, "wrong-token", "link"])
+def test_folder_that_only_looks_temporary_is_kept(tmp_path, marker):
+    out = tmp_path / "out"
+    lookalike = tmp_path / f"out{temporaries.TMP_TAG}{_dead_pid()}-0-deadbeefdeadbeef"
+    lookalike.mkdir()
+    (lookalike / "thesis.tex").write_text("years of work")
+    if marker == "wrong-token":
+        (lookalike / temporaries.TMP_MARKER).write_text("cafecafecafecafe\n")
+    elif marker == "link":
+        (tmp_path / "token").write_text("deadbeefdeadbeef\n")
+        (lookalike / temporaries.TMP_MARKER).symlink_to(tmp_path / "token")
+    assert temporaries.remove_stale_temporaries(out) == []
+    assert (lookalike / "thesis.tex").read_text() == "years of work"
+
+
+def test_stale_temporary_with_its_marker_is_removed(tmp_path):
+    out = tmp_path / "out"
+    stale = tmp_path / f"out{temporaries.TMP_TAG}{_dead_pid()}-0-0123456789abcdef"
+    stale.mkdir()
+    (stale / temporaries.TMP_MARKER).write_text("0123456789abcdef\n")
+    (stale / "model.safetensors").write_bytes(b"\0" * 64)
+    assert temporaries.remove_stale_temporaries(out) == [stale]
+    assert not stale.exists()
+
+
+def test_a_fresh_temporary_is_marked_and_the_output_is_not(tmp_path):
+    with output.claimed_output(tmp_path / "out", inputs=[], overwrite=False, kind="report") as claim:
+        token = claim.tmp.name.rsplit("-", 1)[1]
+        assert (claim.tmp / temporaries.TMP_MARKER).read_text().strip() == token
+        claim.install()
+    assert not (tmp_path / "out" / temporaries.TMP_MARKER).exists()
+    assert output.marked_kind(tmp_path / "out") == "report"
+
+
+def test_report_never_replaces_a_checkpoint(converted, tmp_path, capsys):
+    guard = Guard(converted)
+    code, _, err = run_cli(capsys, "eval", "normswap:austen-gpt2", "--out", converted, "--overwrite", "--no-progress")
+    assert_refused(code, err, "checkpoint", "same kind")
+    guard.unchanged()
+
+
+def test_checkpoint_never_replaces_a_report(source, tmp_path, capsys):
+    report = tmp_path / "report"
+    with output.claimed_output(report, inputs=[], overwrite=False, kind="report") as claim:
+        (claim.tmp / "report.json").write_text("{}")
+        claim.install()
+    code, _, err = run_cli(capsys, "convert", source, "--out", report, "--overwrite", "--quiet")
+    assert_refused(code, err, "report", "same kind")
+    assert (report / "report.json").read_text() == "{}"
+
+
+@pytest.mark.parametrize("option", ["--text", "--audio", "--images"])
+def test_eval_input_inside_out_is_refused(converted, tmp_path, capsys, option):
+    out = tmp_path / "report"
+    with output.claimed_output(out, inputs=[], overwrite=False, kind="report") as claim:
+        (claim.tmp / "mine.txt").write_text("the user's text")
+        claim.install()
+    code, _, err = run_cli(capsys, "eval", converted, option, out / "mine.txt", "--out", out, "--overwrite",
+                           "--no-progress")
+    assert_refused(code, err, "input")
+    assert (out / "mine.txt").read_text() == "the user's text"
+
+
+def test_geometry_text_inside_out_is_refused(converted, tmp_path, capsys):
+    out = tmp_path / "report"
+    with output.claimed_output(out, inputs=[], overwrite=False, kind="report") as claim:
+        (claim.tmp / "mine.txt").write_text("the user's text")
+        claim.install()
+    code, _, err = run_cli(capsys, "geometry", converted, "--text", out / "mine.txt", "--out", out, "--overwrite")
+    assert_refused(code, err, "input")
+    assert (out / "mine.txt").read_text() == "the user's text"
+
+
+# ---------------------------------------------------------------------------------------------
+# --overwrite never removes across filesystems
+
+
+def _bind(source: Path, target: Path) -> bool:
+    import subprocess
+
+    target.mkdir(parents=True, exist_ok=True)
+    return subprocess.run(["mount", "--bind", str(source), str(target)], capture_output=True).returncode == 0
+
+
+def _unbind(target: Path) -> None:
+    import subprocess
+
+    subprocess.run(["umount", str(target)], capture_output=True)
+
+
+def test_overwrite_refuses_an_output_holding_a_bind_mount(source, converted, tmp_path, capsys):
+    src = copy_source(source, tmp_path)
+    out = tmp_path / "out"
+    shutil.copytree(converted, out)
+    if not _bind(src, out / "mounted"):
+        pytest.skip("bind mounts need root here")
+    try:
+        guard = Guard(src)
+        code, _, err = run_cli(capsys, "convert", src, "--out", out, "--overwrite", "--quiet")
+        assert_refused(code, err, "mount point")
+        guard.unchanged()
+        assert leftovers(tmp_path) == []
+    finally:
+        _unbind(out / "mounted")
+
+
+def test_remove_tree_leaves_a_mount_in_place(tmp_path):
+    from normswap.checkpoint.removal import remove_tree
+
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "precious").write_text("x")
+    root = tmp_path / "root"
+    (root / "a").mkdir(parents=True)
+    (root / "a" / "file").write_text("y")
+    if not _bind(kept, root / "a" / "mnt"):
+        pytest.skip("bind mounts need root here")
+    try:
+        assert remove_tree(root) == [root / "a" / "mnt"]
+        assert (kept / "precious").read_text() == "x"
+        assert not (root / "a" / "file").exists()
+    finally:
+        _unbind(root / "a" / "mnt")
+
+
+def test_remove_tree_stays_on_its_device_and_never_follows_links(tmp_path, monkeypatch):
+    from normswap.checkpoint import removal
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious").write_text("x")
+    root = tmp_path / "root"
+    (root / "other-device").mkdir(parents=True)
+    (root / "other-device" / "data").write_text("z")
+    (root / "link").symlink_to(outside)
+    (root / "plain").write_text("y")
+    real_stat = os.stat
+
+    def stat(path, *args, **kwargs):
+        result = real_stat(path, *args, **kwargs)
+        if str(path).endswith("other-device"):
+            fields = list(result)
+            fields[2] += 1  # st_dev
+            return os.stat_result(fields)
+        return result
+
+    monkeypatch.setattr(removal.os, "stat", stat)
+    assert removal.remove_tree(root) == [root / "other-device"]
+    assert (root / "other-device" / "data").read_text() == "z"
+    assert (outside / "precious").read_text() == "x"
+    assert sorted(path.name for path in root.iterdir()) == ["other-device"]
+
+
+# ---------------------------------------------------------------------------------------------
+# interrupts: from the first line, twice in a row, and after the output is installed
+
+_AFTER_INSTALL = """
+import os, signal, sys
+from normswap.checkpoint import output
+installed = output.Claim.install
+def install(self):
+    installed(self)
+    os.kill(os.getpid(), signal.SIGINT)
+output.Claim.install = install
+from normswap.cli import main
+sys.exit(main())
+"""
+
+
+def _normswap(args: list, *, code: str | None = None):
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "TQDM_DISABLE": "1"}
+    command = [sys.executable, "-c", code, *map(str, args)] if code else [sys.executable, "-m", "normswap",
+                                                                          *map(str, args)]
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_default_sigint)
+
+
+def _default_sigint() -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # as from a terminal, whatever ran the tests
+
+
+@pytest.mark.parametrize("command", ["convert", "rotate"])
+def test_interrupt_after_install_says_the_output_is_complete(source, tmp_path, command):
+    out = tmp_path / "out"
+    process = _normswap([command, source, "--out", out, "--quiet", "--verify", "none"], code=_AFTER_INSTALL)
+    _, err = process.communicate(timeout=300)
+    assert process.returncode == 130, err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].endswith(f"interrupted after the output was complete: {out} is installed "
+                                                  "and whole")
+    assert output.marked_kind(out) == "checkpoint" and (out / "model.safetensors").is_file()
+    assert leftovers(tmp_path) == []
+
+
+def test_interrupt_after_a_report_is_installed(source, tmp_path):
+    out = tmp_path / "report"
+    process = _normswap(["geometry", source, "--random-tokens", "--max-tokens", "16", "--seq-len", "8", "--out", out],
+                        code=_AFTER_INSTALL)
+    _, err = process.communicate(timeout=300)
+    assert process.returncode == 130, err
+    assert "Traceback" not in err and "is installed and whole" in err.strip().splitlines()[-1]
+    assert output.marked_kind(out) == "report"
+
+
+@pytest.mark.parametrize("delays", [(0.3,), (0.3, 0.02), (1.0, 0.02)])
+def test_early_and_repeated_interrupts_are_one_line(source, tmp_path, delays):
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    process = _normswap(["convert", source, "--out", out, "--quiet"])
+    for delay in delays:
+        time.sleep(delay)
+        process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=300)
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    lines = err.strip().splitlines()
+    if process.returncode == 0:  # finished before the interrupt came
+        return
+    assert process.returncode == 130, err
+    assert len(lines) == 1 and "interrupted" in lines[0], err
+    assert leftovers(tmp_path) == [] and not out.exists()
