@@ -403,3 +403,92 @@ def test_early_and_repeated_interrupts_are_one_line(source, tmp_path, delays):
     assert process.returncode == 130, err
     assert len(lines) == 1 and "interrupted" in lines[0], err
     assert leftovers(tmp_path) == [] and not out.exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# a task folder is code
+
+
+_TASK = """task: user_task
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: data.jsonl
+test_split: test
+output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{target}"
+metric_list:
+  - metric: word_perplexity
+"""
+
+
+def _task_folder(tmp_path: Path, target: str = "{{text}}", extra: str = "") -> Path:
+    folder = tmp_path / "tasks"
+    folder.mkdir()
+    (folder / "data.jsonl").write_text('{"text": "a b c"}\n')
+    (folder / "task.yaml").write_text(_TASK.replace("{target}", target) + extra)
+    return folder
+
+
+@pytest.mark.parametrize("case", ["function", "include", "class", "jinja-globals", "jinja-attr", "jinja-concat"])
+def test_task_folder_code_needs_the_flag(tmp_path, monkeypatch, case):
+    from normswap.evaluation.local_tasks import materialise_tasks
+
+    marker = tmp_path / "ran"
+    payload = tmp_path / "payload.py"
+    payload.write_text(f"open({str(marker)!r}, 'w')\ndef f(x):\n    return x\n")
+    evil = tmp_path / "evil.yaml"
+    evil.write_text(f"process_docs: !function {tmp_path / 'payload'}.f\n")
+    target, extra = "{{text}}", ""
+    if case == "function":
+        extra = f"process_docs: !function {tmp_path / 'payload'}.f\n"
+    elif case == "include":
+        extra = f"include: {evil}\n"
+    elif case == "class":
+        extra = "class: payload.Task\n"
+    elif case == "jinja-globals":
+        target = "{{ cycler.__init__.__globals__.os.system('touch x') }}"
+    elif case == "jinja-attr":
+        target = "{{ text|attr('__class__') }}"
+    else:
+        target = "{{ text['__cla' ~ 'ss__'] }}"
+    monkeypatch.setenv("NORMSWAP_EVALS_DIR", str(_task_folder(tmp_path, target, extra)))
+    with pytest.raises(NormswapError, match="--trust-remote-code") as refused:
+        materialise_tasks(tmp_path / "work", ["user_task"])
+    assert "task.yaml" in str(refused.value)
+    assert not marker.exists()
+
+
+def test_trusted_task_folder_keeps_its_code_beside_it(tmp_path, monkeypatch):
+    import yaml
+
+    from normswap.evaluation.local_tasks import materialise_tasks
+
+    folder = _task_folder(tmp_path, extra="process_docs: !function utils.f\n")
+    monkeypatch.setenv("NORMSWAP_EVALS_DIR", str(folder))
+    work = materialise_tasks(tmp_path / "work", ["user_task"], trust_remote_code=True)
+    written = yaml.safe_load((work / "task.yaml").read_text())
+    assert written["include"] == str((folder / "task.yaml").resolve())
+    assert written["dataset_kwargs"]["data_files"]["test"] == str((folder / "data.jsonl").resolve())
+
+
+def test_plain_user_task_runs_without_the_flag_and_bundled_tasks_stay_trusted(tmp_path, monkeypatch):
+    from normswap.evaluation.local_tasks import local_tasks, materialise_tasks
+
+    monkeypatch.delenv("NORMSWAP_EVALS_DIR", raising=False)
+    bundled = sorted(local_tasks())
+    materialise_tasks(tmp_path / "bundled", bundled)
+    monkeypatch.setenv("NORMSWAP_EVALS_DIR", str(_task_folder(tmp_path, "{{text.split(' ')[:-1]|join(' ')}}")))
+    assert (materialise_tasks(tmp_path / "work", ["user_task"]) / "task.yaml").is_file()
+
+
+def test_sandbox_stops_a_template_the_check_missed():
+    from jinja2.exceptions import SecurityError
+    from lm_eval import utils
+
+    from normswap.evaluation.task_code import sandboxed_templates
+
+    with sandboxed_templates(True), pytest.raises(SecurityError):
+        utils.apply_template("{{ doc[key].__init__ }}", {"doc": {"k": ""}, "key": "k"})
+    assert utils.apply_template("{{ a }}", {"a": "plain"}) == "plain"
