@@ -492,3 +492,107 @@ def test_sandbox_stops_a_template_the_check_missed():
     with sandboxed_templates(True), pytest.raises(SecurityError):
         utils.apply_template("{{ doc[key].__init__ }}", {"doc": {"k": ""}, "key": "k"})
     assert utils.apply_template("{{ a }}", {"a": "plain"}) == "plain"
+
+
+# ---------------------------------------------------------------------------------------------
+# the Python API checks its arguments at the door
+
+
+@pytest.fixture(scope="module")
+def tiny_model(source):
+    return GPT2LMHeadModel.from_pretrained(source)
+
+
+def _api_calls(source, converted, tiny_model, tmp_path):
+    import normswap
+    from normswap.evaluation.api import evaluate
+    from normswap.evaluation.runner import EvalSettings
+
+    linear = torch.nn.Linear(2, 2)
+    return {
+        # wrong types: TypeError naming the parameter
+        "save-None": (TypeError, "folder", lambda: normswap.save(normswap.convert_model(tiny_model), None)),
+        "save-int": (TypeError, "folder", lambda: normswap.save(normswap.convert_model(tiny_model), 5)),
+        "save-overwrite": (TypeError, "overwrite", lambda: normswap.save(tiny_model, tmp_path / "x", overwrite="yes")),
+        "settings-tasks-str": (TypeError, "tasks", lambda: EvalSettings(tasks="local")),
+        "settings-batch-str": (TypeError, "batch_size", lambda: EvalSettings(batch_size="8")),
+        "settings-tasks-ints": (TypeError, "tasks", lambda: EvalSettings(tasks=[1, 2])),
+        "settings-progress": (TypeError, "progress", lambda: EvalSettings(progress=1)),
+        "fold-gains-str": (TypeError, "fold_gains", lambda: normswap.convert_model(tiny_model, fold_gains="yes")),
+        "load-None": (TypeError, "path", lambda: normswap.load(None)),
+        "load-dtype-int": (TypeError, "dtype", lambda: normswap.load(converted, dtype=5)),
+        "load-model-None": (TypeError, "src", lambda: normswap.load_model(None)),
+        "load-model-trust": (TypeError, "trust_remote_code", lambda: normswap.load_model(converted,
+                                                                                          trust_remote_code="no")),
+        "convert-model-None": (TypeError, "model", lambda: normswap.convert_model(None)),
+        "convert-model-linear": (TypeError, "model", lambda: normswap.convert_model(linear)),
+        "patch-str": (TypeError, "model", lambda: normswap.patch("x")),
+        "convert-checkpoint-int": (TypeError, "src", lambda: normswap.convert_checkpoint(123, tmp_path / "o")),
+        "convert-checkpoint-out": (TypeError, "out", lambda: normswap.convert_checkpoint(source, None)),
+        "convert-checkpoint-flag": (TypeError, "fold_gains", lambda: normswap.convert_checkpoint(
+            source, tmp_path / "o", fold_gains=1)),
+        "rotate-seed": (TypeError, "seed", lambda: normswap.rotate_checkpoint(source, tmp_path / "o", seed="0")),
+        "verify-None": (TypeError, "original", lambda: normswap.verify_checkpoint(None, None)),
+        "verify-layerwise": (TypeError, "layerwise", lambda: normswap.verify_checkpoint(source, converted,
+                                                                                        layerwise="yes")),
+        "evaluate-None": (TypeError, "model", lambda: evaluate(None)),
+        "evaluate-settings": (TypeError, "settings", lambda: evaluate(str(converted), settings={"batch_size": 8})),
+        # wrong values: NormswapError or ValueError saying why
+        "load-device-map": (ValueError, "device_map", lambda: normswap.load(converted, device_map="evil")),
+        "load-dtype-name": (NormswapError, "dtype", lambda: normswap.load(converted, dtype="float13")),
+        "convert-model-method": (NormswapError, "method", lambda: normswap.convert_model(tiny_model, method="magic")),
+        "settings-batch-zero": (NormswapError, "batch_size", lambda: EvalSettings(batch_size=0)),
+        "settings-limit-inf": (NormswapError, "limit", lambda: EvalSettings(limit=float("inf"))),
+        "settings-dtype": (NormswapError, "float13", lambda: EvalSettings(dtype="float13")),
+        "convert-checkpoint-method": (NormswapError, "naive", lambda: normswap.convert_checkpoint(
+            source, tmp_path / "o", method="naive")),
+        "convert-checkpoint-atol": (NormswapError, "atol", lambda: normswap.convert_checkpoint(
+            source, tmp_path / "o", atol=float("nan"))),
+        "convert-checkpoint-missing": (NormswapError, "absent", lambda: normswap.convert_checkpoint(
+            tmp_path / "absent", tmp_path / "o")),
+        "save-not-converted": (NormswapError, "convert_model", lambda: normswap.save(tiny_model, tmp_path / "x")),
+    }
+
+
+CALLS = ["save-None", "save-int", "save-overwrite", "settings-tasks-str", "settings-batch-str", "settings-tasks-ints",
+         "settings-progress", "fold-gains-str", "load-None", "load-dtype-int", "load-model-None", "load-model-trust",
+         "convert-model-None", "convert-model-linear", "patch-str", "convert-checkpoint-int", "convert-checkpoint-out",
+         "convert-checkpoint-flag", "rotate-seed", "verify-None", "verify-layerwise", "evaluate-None",
+         "evaluate-settings", "load-device-map", "load-dtype-name", "convert-model-method", "settings-batch-zero",
+         "settings-limit-inf", "settings-dtype", "convert-checkpoint-method", "convert-checkpoint-atol",
+         "convert-checkpoint-missing", "save-not-converted"]
+
+
+@pytest.mark.parametrize("case", CALLS)
+def test_public_api_checks_arguments(source, converted, tiny_model, tmp_path, monkeypatch, case):
+    monkeypatch.chdir(tmp_path)
+    error, needle, call = _api_calls(source, converted, tiny_model, tmp_path)[case]
+    with pytest.raises(error, match=needle) as raised:
+        call()
+    if error is TypeError:
+        assert "must be" in str(raised.value) or "list of" in str(raised.value)
+    assert sorted(path.name for path in tmp_path.iterdir()) == []  # nothing written, no ./None or ./5
+
+
+def test_convert_model_refuses_a_nan_gain(tiny_model):
+    import copy
+
+    import normswap
+
+    model = copy.deepcopy(tiny_model)
+    with torch.no_grad():
+        model.transformer.h[0].ln_1.weight[3] = float("nan")
+    with pytest.raises(NormswapError, match=r"h\.0\.ln_1\.weight.*NaN"):
+        normswap.convert_model(model)
+
+
+def test_api_edge_values_are_accepted(source, tiny_model, tmp_path):
+    import normswap
+    from normswap.evaluation.runner import EvalSettings
+
+    assert EvalSettings(limit=0.5, tasks=[], batch_size=1).limit == 0.5
+    converted = normswap.convert_model(tiny_model, fold_gains=True)
+    normswap.save(converted, Path(tmp_path / "saved"))
+    normswap.save(converted, str(tmp_path / "saved"), overwrite=True)
+    assert normswap.patch(converted) is converted
+    assert isinstance(normswap.load(tmp_path / "saved", dtype=torch.float64, device_map="cpu"), torch.nn.Module)

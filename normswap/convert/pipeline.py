@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from normswap.arguments import checked
 from normswap.checkpoint import output
 from normswap.checkpoint.source import CheckpointReader, read_config, resolve_source, source_inputs
 from normswap.convert import card, install
@@ -19,6 +20,7 @@ from normswap.dtypes import dtype_name, parse_dtype
 from normswap.errors import NormswapError
 
 
+@checked
 def convert_checkpoint(
     src: str | Path,
     out: str | Path,

@@ -51,6 +51,22 @@ class EvalSettings:
     threads: int | None = None  # CPU intra-op threads; None: the idle cores (normswap.threads)
     share_contexts: bool = True  # False: lm-eval's plain HFLM path (see evaluation/shared_context.py)
 
+    def __post_init__(self) -> None:
+        """Every field checked when the settings are made, not deep inside a run."""
+        from normswap.arguments import check_fields
+
+        if isinstance(self.tasks, str):
+            raise TypeError(f"EvalSettings: tasks must be a list of task names, not the string {self.tasks!r:.40} "
+                            f"(pass [{self.tasks!r:.40}])")
+        check_fields(self)
+        parse_dtype(self.dtype)
+        for name in ("batch_size", "max_length", "stride", "threads"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise NormswapError(f"EvalSettings: {name} must be at least 1, not {value}")
+        if self.limit is not None and not (0 < self.limit < float("inf")):
+            raise NormswapError(f"EvalSettings: limit must be a positive count or a fraction below 1, not {self.limit}")
+
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 

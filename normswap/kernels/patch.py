@@ -29,6 +29,8 @@ import types
 import torch
 from torch import nn
 
+from normswap.arguments import checked
+
 from .ops.rms_norm import rms_norm
 
 
@@ -148,6 +150,7 @@ def _is_stock_gpt2_block(module: nn.Module) -> bool:
 _FUSED_BLOCKS = [(_is_stock_gpt2_block, _gpt2_block_forward)]
 
 
+@checked
 def patch(model: nn.Module) -> nn.Module:
     """Route ``model``'s normswap RMSNorms through the kernels and fuse residual adds; returns it.
 

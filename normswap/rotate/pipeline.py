@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from normswap.arguments import checked
 from normswap.checkpoint import output
 from normswap.checkpoint.source import CheckpointReader, read_config, resolve_source, source_inputs
 from normswap.convert import card, install, pipeline
@@ -33,6 +34,7 @@ from normswap.rotate.options import DEFAULT_CALIBRATION_TOKENS, METHODS
 from normswap.rotate.plan import add_rotation, check_rotatable, hidden_size, plan_rotation
 
 
+@checked
 def rotate_checkpoint(
     src: str | Path,
     out: str | Path,
