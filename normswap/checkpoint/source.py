@@ -303,25 +303,19 @@ def _weight_map(index: Path) -> dict[str, str]:
 
 
 def _weight_shards(path: Path) -> list[str]:
-    """Weight file names of a checkpoint: the ones ``from_pretrained`` reads, so that normswap and
-    transformers always see the same weights.
-
-    transformers takes the first of ``model.safetensors``, ``model.safetensors.index.json``,
-    ``pytorch_model.bin``, ``pytorch_model.bin.index.json``. A folder holding both a single file
-    and an index of the same format is refused: which one is meant cannot be known, and the two
-    readers (or two versions of one) could disagree.
-    """
+    """Weight file names of a checkpoint, in ``from_pretrained``'s order (single safetensors file,
+    its index, ``.bin``, its index), so that normswap and transformers read the same weights. A
+    single file beside an index of the same format is refused: which one is meant is ambiguous."""
     for single, index_name in ((SAFETENSORS_FILE, SAFETENSORS_INDEX), (PICKLE_FILE, PICKLE_INDEX)):
         index = path / index_name
         has_single, has_index = os.path.lexists(path / single), os.path.lexists(index)
         if has_single and has_index:
             raise NormswapError(f"{path} holds both {single} and {index_name}: two sets of weights, and which one is "
                                 f"meant is ambiguous (transformers reads {single}); remove one")
+        inside_file(path, single if has_single else index_name)
         if has_single:
-            inside_file(path, single)
             return [single]
         if has_index:
-            inside_file(path, index_name)
             shards = sorted(set(_weight_map(index).values()))
             missing = [shard for shard in shards if inside_file(path, shard) is None]
             if missing:

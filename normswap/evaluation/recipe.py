@@ -49,6 +49,7 @@ from typing import Any
 import yaml
 
 from normswap.checkpoint import output
+from normswap.checkpoint.removal import remove_tree
 from normswap.errors import NormswapError
 
 SECTIONS = {"name", "description", "source", "convert", "verify", "eval", "tolerances", "reference"}
@@ -309,6 +310,7 @@ def run_recipe(recipe: Recipe, out: Path, *, settings, tolerances, overwrite: bo
         report["conversion"] = provenance
         log(f"[3/3] report -> {out}")
         write_report(report, folder, plot=plot)
-        shutil.rmtree(folder / "work", ignore_errors=True)
+        for path in remove_tree(folder / "work"):
+            log(f"left {path} in place: it cannot be removed safely (another filesystem, a mount point, or denied)")
         claim.install()
     return report

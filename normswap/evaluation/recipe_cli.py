@@ -24,7 +24,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_eval_options(parser)
 
 
-def _merged_settings(recipe, args: argparse.Namespace, trust_remote_code: bool):
+def _merged_settings(recipe, args: argparse.Namespace, trust_remote_code: bool = False):
     """Recipe eval settings, overridden by the command-line options that were given."""
     from normswap.evaluation.runner import EvalSettings
 

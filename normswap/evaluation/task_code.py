@@ -18,8 +18,9 @@ from typing import Any
 
 import yaml
 
-# keys whose value lm-eval turns into Python objects by name
-_CODE_KEYS = {"class", "include", "custom_dataset", "process_docs", "process_results", "filter_list"}
+# keys through which lm-eval builds a class or reads another file (which may hold a tag); the
+# other keys run code only through a ``!function`` tag, found as ``Tagged``
+_CODE_KEYS = {"class", "include"}
 # Jinja filters and tests that reach attributes by a computed name
 _ATTRIBUTE_FILTERS = {"attr", "map", "selectattr", "rejectattr", "groupby", "sort", "unique", "min", "max", "sum"}
 
