@@ -22,7 +22,6 @@ from normswap.errors import NormswapError
 from normswap.modeling import build, registry, remote
 from normswap.rotate.options import DEFAULT_CALIBRATION_TOKENS
 
-
 _DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 
 
