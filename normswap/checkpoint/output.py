@@ -167,9 +167,8 @@ class Claim:
             if _open_claims and _open_claims[0] == self.out:
                 installed.append(self.out)
         left = remove_tree(self.tmp)
-        if left:
-            self.log(f"left {left[0]} in place: it cannot be removed safely (another filesystem, a mount point, "
-                     f"or denied); the rest of the old {self.out.name} at {self.tmp} was removed")
+        for path in left:
+            self.log(f"left {path} in place: it cannot be removed safely (another filesystem, a mount point, or denied)")
 
 
 @contextmanager
@@ -198,18 +197,20 @@ def claimed_output(out: Path, *, inputs: Sequence[Path], overwrite: bool, kind: 
     _open_claims.append(out)
     try:
         with _output_errors(out):
-            created = _make_parents(out.parent)
+            # each folder is recorded as it is made, with interrupts held, so clean-up knows them all
+            with _signals_held(in_main_thread):
+                created = _make_parents(out.parent)
             for stale in remove_stale_temporaries(out):
                 log(f"removed {stale}, left by a normswap process that no longer runs")
-            try:
-                os.mkdir(out)
-                created.append(out)
-            except FileExistsError:
-                pass
-            fd = _lock(out)
-            check_out(out, inputs, overwrite, kind=kind)  # again, now that nobody else can write here
-            tmp = make_temporary(out)
-            claim = Claim(out, tmp, fd, kind, log)
+            with _signals_held(in_main_thread):
+                try:
+                    os.mkdir(out)
+                    created.append(out)
+                except FileExistsError:
+                    pass
+                fd = _lock(out)
+                check_out(out, inputs, overwrite, kind=kind)  # again, now that nobody else can write here
+                claim = Claim(out, make_temporary(out), fd, kind, log)
             yield claim
     finally:
         with _signals_held(in_main_thread):

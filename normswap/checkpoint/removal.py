@@ -53,10 +53,11 @@ def mounts_inside(root: Path) -> list[Path]:
     return sorted(set(found))
 
 
-def remove_tree(root: Path) -> list[Path]:
+def remove_tree(root: Path, last: str | None = None) -> list[Path]:
     """Remove ``root`` and everything in it that lies on its filesystem; the paths left in place.
 
-    Nothing is followed: links are unlinked, other devices and mount points are not entered.
+    Nothing is followed: links are unlinked, other devices and mount points are not entered. The
+    top-level entry named ``last`` goes last (a marker that must outlive an interrupted removal).
     """
     try:
         device = os.lstat(root).st_dev
@@ -70,7 +71,7 @@ def remove_tree(root: Path) -> list[Path]:
     except OSError:
         return [root]
     try:
-        left = _empty(fd, root, device, mounts, Path(os.path.realpath(root)))
+        left = _empty(fd, root, device, mounts, Path(os.path.realpath(root)), last)
     finally:
         os.close(fd)
     if left:
@@ -82,10 +83,15 @@ def remove_tree(root: Path) -> list[Path]:
     return []
 
 
-def _empty(fd: int, path: Path, device: int, mounts: set[Path], real: Path) -> list[Path]:
-    """Remove the entries of the open folder ``fd`` (at ``path``); the ones left in place."""
+def _empty(fd: int, path: Path, device: int, mounts: set[Path], real: Path, last: str | None = None) -> list[Path]:
+    """Remove the entries of the open folder ``fd`` (at ``path``), ``last`` last; the ones left in place."""
     left: list[Path] = []
-    for name in os.listdir(fd):
+    names = os.listdir(fd)
+    if last in names and len(names) > 1:
+        names = [name for name in names if name != last] + [last]
+    for name in names:
+        if name == last and left:
+            break  # something stays: so does the marker
         try:
             info = os.stat(name, dir_fd=fd, follow_symlinks=False)
         except FileNotFoundError:

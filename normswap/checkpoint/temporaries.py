@@ -92,6 +92,6 @@ def remove_stale_temporaries(out: Path) -> list[Path]:
         if _alive(int(parts[0]), parts[1]):
             continue
         path = out.parent / name
-        if _marked(path, parts[2]) and not remove_tree(path):
+        if _marked(path, parts[2]) and not remove_tree(path, last=TMP_MARKER):
             removed.append(path)
     return removed
