@@ -596,3 +596,51 @@ def test_api_edge_values_are_accepted(source, tiny_model, tmp_path):
     normswap.save(converted, str(tmp_path / "saved"), overwrite=True)
     assert normswap.patch(converted) is converted
     assert isinstance(normswap.load(tmp_path / "saved", dtype=torch.float64, device_map="cpu"), torch.nn.Module)
+
+
+@pytest.mark.parametrize("case", ["x-list", "weight-shape", "bias-type", "eps-nan", "eps-str", "x-scalar"])
+def test_rms_norm_checks_its_arguments(case):
+    from normswap.kernels import rms_norm
+
+    x = torch.randn(2, 4)
+    error, call = {
+        "x-list": (TypeError, lambda: rms_norm([1.0, 2.0])),
+        "weight-shape": (ValueError, lambda: rms_norm(x, torch.ones(3))),
+        "bias-type": (TypeError, lambda: rms_norm(x, torch.ones(4), bias=0.5)),
+        "eps-nan": (ValueError, lambda: rms_norm(x, eps=float("nan"))),
+        "eps-str": (TypeError, lambda: rms_norm(x, eps="1e-5")),
+        "x-scalar": (ValueError, lambda: rms_norm(torch.tensor(1.0))),
+    }[case]
+    with pytest.raises(error, match="rms_norm"):
+        call()
+
+
+def test_run_refuses_a_recipe_text_inside_its_out(source, tmp_path, capsys):
+    out = tmp_path / "run"
+    with output.claimed_output(out, inputs=[], overwrite=False, kind="run") as claim:
+        (claim.tmp / "notes.txt").write_text("the user's text")
+        claim.install()
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(json.dumps({"source": str(source), "eval": {"text": str(out / "notes.txt"), "tasks": []}}))
+    code, _, err = run_cli(capsys, "run", recipe, "--out", out, "--overwrite", "--no-progress")
+    assert_refused(code, err, "input")
+    assert (out / "notes.txt").read_text() == "the user's text"
+
+
+def test_an_interrupted_stale_removal_keeps_the_marker_until_last(tmp_path, monkeypatch):
+    from normswap.checkpoint import removal
+
+    stale = tmp_path / "stale"
+    stale.mkdir()
+    for name in ("a", temporaries.TMP_MARKER, "b"):
+        (stale / name).write_text(name)
+    order = []
+    unlink = os.unlink
+
+    def recording(name, *args, **kwargs):
+        order.append(name)
+        return unlink(name, *args, **kwargs)
+
+    monkeypatch.setattr(removal.os, "unlink", recording)
+    assert removal.remove_tree(stale, last=temporaries.TMP_MARKER) == []
+    assert order[-1] == temporaries.TMP_MARKER and not stale.exists()
