@@ -644,3 +644,16 @@ def test_an_interrupted_stale_removal_keeps_the_marker_until_last(tmp_path, monk
     monkeypatch.setattr(removal.os, "unlink", recording)
     assert removal.remove_tree(stale, last=temporaries.TMP_MARKER) == []
     assert order[-1] == temporaries.TMP_MARKER and not stale.exists()
+
+
+@pytest.mark.parametrize("command", ["verify", pytest.param("eval", marks=pytest.mark.slow)])
+def test_interrupt_after_a_report_of_verify_or_eval(source, converted, tmp_path, command):
+    out = tmp_path / "report"
+    args = {"verify": ["verify", source, converted, "--quiet"],
+            "eval": ["eval", "normswap:austen-gpt2", "--max-length", "64", "--no-progress"]}[command]
+    process = _normswap([*args, "--out", out], code=_AFTER_INSTALL)
+    _, err = process.communicate(timeout=600)
+    assert process.returncode == 130, err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].endswith(f"{out} is installed and whole")
+    assert output.marked_kind(out) == "report"

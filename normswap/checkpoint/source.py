@@ -80,6 +80,7 @@ def resolve_source(src: str | Path, *, trust_remote_code: bool = False, revision
 def read_config(path: Path) -> dict:
     """The checkpoint's config.json as a dict."""
     file = path / "config.json"
+    inside_file(path, "config.json")  # a link out of the checkpoint, or not a regular file: refused
     try:
         config = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:

@@ -7,7 +7,7 @@
       fold_gains: false
       method: exact
       dtype: null
-      trust_remote_code: false
+      trust_remote_code: false        # may turn --trust-remote-code off; only the flag turns it on
     verify:                           # the conversion's built-in logit check
       atol: null                      # max |Δlogit|; null: the default for the dtype
       rtol: null
