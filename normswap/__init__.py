@@ -51,8 +51,9 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'normswap' has no attribute {name!r}")
 
 
-def patch(model):
-    """Substitute normswap's fused RMSNorm kernels into ``model`` (see ``normswap.kernels.patch``)."""
+def patch(model: Any) -> Any:
+    """Substitute normswap's fused RMSNorm kernels into ``model`` (see ``normswap.kernels.patch``);
+    ``model`` must be a ``torch.nn.Module`` (a ``TypeError`` otherwise)."""
     from normswap.kernels.patch import patch as _patch
 
     return _patch(model)

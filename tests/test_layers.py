@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent / "normswap"
 
 # lowest first; a module's layer is the first entry its dotted name starts with
 LAYERS: list[tuple[str, ...]] = [
-    ("normswap.errors", "normswap.lazy", "normswap.dtypes", "normswap.extras", "normswap.memory",
+    ("normswap.errors", "normswap.arguments", "normswap.lazy", "normswap.dtypes", "normswap.extras", "normswap.memory",
      "normswap.threads"),
     ("normswap.text",),
     ("normswap.checkpoint",),

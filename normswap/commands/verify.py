@@ -10,9 +10,9 @@ from normswap.commands import (
     add_tolerance_options,
     check_report_out,
     check_source,
+    command_inputs,
     emit_json,
     json_text,
-    local_inputs,
     write_reports,
 )
 from normswap.errors import VerificationError
@@ -37,7 +37,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     check_source(args.original)
     check_source(args.converted)
-    inputs = local_inputs(args.original, args.converted)
+    inputs = command_inputs(args)
     check_report_out(args, inputs)
     from normswap.verify.checkpoint import verify_checkpoint
 

@@ -22,6 +22,8 @@ import types
 import torch
 from torch import nn
 
+from normswap.arguments import checked
+
 from . import fusion
 from .fusion import is_rmsnorm
 from .ops.rms_norm import rms_norm
@@ -39,6 +41,7 @@ def _rmsnorm_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return rms_norm(x, self.weight, self.bias, self.eps)
 
 
+@checked
 def patch(model: nn.Module) -> nn.Module:
     """Route ``model``'s normswap RMSNorms through the kernels and fuse residual adds; returns it.
 

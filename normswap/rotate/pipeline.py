@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from normswap.arguments import checked
 from normswap.checkpoint import output
 from normswap.checkpoint.source import CheckpointReader, read_config, resolve_source, source_inputs
 from normswap.convert import card, install, pipeline
@@ -33,6 +34,7 @@ from normswap.rotate.options import DEFAULT_CALIBRATION_TOKENS, METHODS
 from normswap.rotate.plan import add_rotation, check_rotatable, hidden_size, plan_rotation
 
 
+@checked
 def rotate_checkpoint(
     src: str | Path,
     out: str | Path,
@@ -66,7 +68,7 @@ def rotate_checkpoint(
     source_dir = resolve_source(src, trust_remote_code=trust_remote_code)
     out = output.absolute(out)
     inputs = source_inputs(source_dir) + ([Path(calibration)] if calibration is not None else [])
-    output.check_out(out, inputs, overwrite)
+    output.check_out(out, inputs, overwrite, kind="checkpoint")
     config = read_config(source_dir)
     check_rotatable(source_dir, config)  # refusals before any weight is read
     if calibration is not None:

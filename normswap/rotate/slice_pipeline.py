@@ -165,7 +165,7 @@ def slice_checkpoint(
     source_dir = resolve_source(src, trust_remote_code=trust_remote_code)
     out = output.absolute(out)
     inputs = [*source_inputs(source_dir), Path(calibration), *([Path(held_out)] if held_out else [])]
-    output.check_out(out, inputs, overwrite)
+    output.check_out(out, inputs, overwrite, kind="checkpoint")
     config = read_config(source_dir)
     architecture, layout = slicing.check_sliceable(source_dir, config)
     texts = slice_texts(source_dir, calibration, held_out, calibration_tokens)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from normswap.architectures import Architecture, architecture_for
+from normswap.arguments import checked
 from normswap.checkpoint import validation
 from normswap.checkpoint.provenance import Provenance
 from normswap.checkpoint.source import first_non_finite, read_config, resolve_source
@@ -35,6 +36,7 @@ from normswap.verify.probes import Probe
 from normswap.verify.whole import compare_whole
 
 
+@checked
 def verify_checkpoint(original: str | Path, converted: str | Path, *, atol: float | None = None,
                       rtol: float | None = None, layerwise: bool | None = None, quiet: bool = True,
                       trust_remote_code: bool = False, precheck: bool = True,
@@ -228,6 +230,7 @@ def _worst_layer(loaders: dict[str, dict]) -> dict:
     return {"loader": name, **loaders[name]["worst_layer"]}
 
 
+@checked
 def verify_rotated(reference: str | Path, rotated: str | Path, *, atol: float | None = None,
                    rtol: float | None = None, layerwise: bool | None = None, quiet: bool = True,
                    trust_remote_code: bool = False, reference_config: dict | None = None,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import math
 import os
 import warnings
 
@@ -177,6 +178,7 @@ def rms_norm(
     one pass over memory on the kernel path. Statistics, weight multiply and bias add are in
     float32; s and y are each rounded once to x's dtype (see the module docstring).
     """
+    _check_arguments(x, weight, bias, eps, residual)
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         s = x + residual  # broadcasting or type promotion: leave it to torch, then normalise
         return rms_norm(s, weight, bias, eps), s
@@ -193,3 +195,23 @@ def rms_norm(
             # decode steps pay)
             return launch.forward_eager(x, weight, bias, residual, float(eps))
     return forward_torch(x, weight, bias, residual, eps)
+
+
+def _check_arguments(x, weight, bias, eps, residual) -> None:
+    """``rms_norm``'s arguments at the door: tensors where tensors belong, gains and biases of the
+    normalised size, a finite ``eps`` >= 0 (a few isinstance checks: nothing a kernel launch notices)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"rms_norm: x must be a torch.Tensor, not {type(x).__name__}")
+    if x.dim() == 0:
+        raise ValueError("rms_norm: x must have at least one dimension (the one normalised)")
+    for name, value in (("weight", weight), ("bias", bias), ("residual", residual)):
+        if value is not None and not isinstance(value, torch.Tensor):
+            raise TypeError(f"rms_norm: {name} must be a torch.Tensor or None, not {type(value).__name__}")
+    for name, value in (("weight", weight), ("bias", bias)):
+        if value is not None and tuple(value.shape) != (x.shape[-1],):
+            raise ValueError(f"rms_norm: {name} must have shape ({x.shape[-1]},) to match x's last dimension, "
+                             f"not {tuple(value.shape)}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"rms_norm: eps must be a float, not {type(eps).__name__}")
+    if not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"rms_norm: eps must be a finite number >= 0, not {eps}")
