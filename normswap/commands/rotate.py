@@ -6,8 +6,7 @@ from __future__ import annotations
 import argparse
 
 from normswap.commands import add_checkpoint_out, add_json_option, add_verification_options, emit_json
-
-METHODS = ("hadamard", "orthogonal", "pca")
+from normswap.rotate.options import DEFAULT_CALIBRATION_TOKENS, METHODS
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -20,8 +19,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "(the default, and the only method, with --slice)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random signs / random matrix (default 0)")
     parser.add_argument("--calibration", metavar="TEXT_FILE", help="UTF-8 text the pca directions are measured on")
-    parser.add_argument("--calibration-tokens", type=int, default=32768,
-                        help="use at most this many calibration tokens (default 32768)")
+    parser.add_argument("--calibration-tokens", type=int, default=DEFAULT_CALIBRATION_TOKENS,
+                        help=f"use at most this many calibration tokens (default {DEFAULT_CALIBRATION_TOKENS})")
     parser.add_argument("--slice", type=float, metavar="FRACTION",
                         help="delete this share (0 < f < 1) of the stream's dimensions, the least-variance principal "
                              "directions at every norm input (SliceGPT); needs --calibration. NOT exact: the "
