@@ -10,11 +10,13 @@ from typing import TYPE_CHECKING
 from normswap.analysis import DEFAULT_TEXT
 from normswap.commands import (
     add_device_option,
+    add_progress_option,
     add_report_options,
     at_least,
     check_report_out,
     emit_json,
     local_inputs,
+    quiet_progress_bars,
     write_reports,
 )
 from normswap.errors import NormswapError
@@ -32,8 +34,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="model to measure: hub id, local directory or normswap:austen-gpt2")
     parser.add_argument("--compare", metavar="CONVERTED",
                         help="also measure this (converted) model on the same tokens and print both side by side")
-    parser.add_argument("--text", type=Path, default=None,
-                        help=f"text to run the model on (default: the bundled excerpt {DEFAULT_TEXT.name})")
+    parser.add_argument("--text", type=_text_file, default=None,
+                        help=f"text file to run the model on, or 'bundled' (the default: the bundled excerpt "
+                             f"{DEFAULT_TEXT.name})")
     parser.add_argument("--random-tokens", action="store_true",
                         help="use uniformly random token ids instead of text (for models without a tokenizer)")
     parser.add_argument("--audio", metavar="PATH",
@@ -54,9 +57,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-dims", type=at_least(1), default=5, help="dimensions listed per norm as carrying the mean")
     parser.add_argument("--seed", type=int, default=0, help="seed for --random-tokens")
     add_report_options(parser)
+    add_progress_option(parser)
     parser.add_argument("--outliers", action="store_true",
                         help="also measure max|x|/RMS(x) and kurtosis at every linear layer's input "
                              "(what a rotation changes); with --plot, also report-outliers.png")
+
+
+def _text_file(spec: str) -> Path:
+    from normswap.evaluation.text import text_file
+
+    return text_file(spec)
 
 
 def read_text(path: Path, max_chars: int) -> str:
@@ -214,6 +224,7 @@ def _check_seq_len(seq_len: int, sources: list[str], configs: list[dict]) -> Non
 
 
 def run(args: argparse.Namespace) -> int:
+    quiet_progress_bars(args)
     _check_arguments(args)
     from normswap.analysis.report import format_comparison, format_report
 

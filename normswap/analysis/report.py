@@ -16,6 +16,7 @@ from collections import defaultdict
 import torch
 
 from normswap.analysis import stats
+from normswap.text import count
 
 # The per-norm figures whose dependence on depth is reported: (label, getter).
 _METRICS = {
@@ -201,7 +202,7 @@ def format_summary(report: dict) -> list[str]:
              + ", ".join(f"{_g(v)} (d={d})" for d, v in o["isotropic_mean_share"].items())]
     if len(o.get("by_stack", {})) > 1:
         for stack, v in o["by_stack"].items():
-            lines.append(f"side {stack}: {v['norms']} norms over {v['tokens']} positions, mean share average "
+            lines.append(f"side {stack}: {count(v['norms'], 'norm')} over {count(v['tokens'], 'position')}, mean share average "
                          f"{_g(v['mean_share_avg'])} (range {_g(v['mean_share_min'])}-{_g(v['mean_share_max'])}), "
                          f"naive err average {_g(v['naive_error_avg'])}")
     if o["mean_at_noise"]:
@@ -218,7 +219,7 @@ def format_summary(report: dict) -> list[str]:
                  for kind, v in kinds.items()]
         lines.append(f"by role ({stack}): " + "; ".join(parts))
     if report["dominant_dims"]:
-        dims = ", ".join(f"{r['dim']} ({r['norms']} norms, median {r['median_share_of_mean']:+.2f})"
+        dims = ", ".join(f"{r['dim']} ({count(r['norms'], 'norm')}, median {r['median_share_of_mean']:+.2f})"
                          for r in report["dominant_dims"][:5])
         lines.append(f"dimensions carrying the mean (share >= 0.1 at a norm): {dims}")
     return lines
