@@ -96,7 +96,8 @@ def token_ids(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase | Non
     text = read_text(path, args.max_tokens * _CHARS_PER_TOKEN)
     if tokenizer is None:
         raise NormswapError(f"{args.model} has no tokenizer; pass --random-tokens to measure on random token ids")
-    ids = torch.tensor(tokenizer(text)["input_ids"][: args.max_tokens], dtype=torch.long)
+    # the text is longer than the model's context on purpose: it is cut into windows below
+    ids = torch.tensor(tokenizer(text, verbose=False)["input_ids"][: args.max_tokens], dtype=torch.long)
     if ids.numel() < 2:
         raise NormswapError(f"{path} gives fewer than 2 tokens")
     return ids, str(path)
@@ -257,7 +258,10 @@ def _write_files(folder: Path, payload: dict, reports: dict, text: str, plot: bo
         from normswap.analysis.plot import plot_reports
 
         written.append(plot_reports(reports, folder / "report.png"))
-        layers = {label: report["outliers"]["layers"] for label, report in reports.items() if "outliers" in report}
+        from normswap.analysis.report import display_label
+
+        layers = {display_label(label, report): report["outliers"]["layers"]
+                  for label, report in reports.items() if "outliers" in report}
         if layers:
             from normswap.analysis.outliers import plot_outliers
 
@@ -269,10 +273,12 @@ def _write_files(folder: Path, payload: dict, reports: dict, text: str, plot: bo
 def _outliers(args: argparse.Namespace, models: dict, ids: torch.Tensor, reports: dict) -> str:
     """Linear-input outlier statistics per model, added to each report; returns their table."""
     from normswap.analysis.outliers import format_outliers, geometry_outliers
+    from normswap.analysis.report import display_label
     from normswap.runtime.reference import context_length
 
     seq_len = min([args.seq_len or 1024] + [context_length(model) for model in models.values()])
     results = geometry_outliers(models, ids, seq_len, args.batch_size)
     for label, result in results.items():
         reports[label]["outliers"] = result
-    return format_outliers({label: result["summary"] for label, result in results.items()})
+    return format_outliers({display_label(label, reports[label]): result["summary"]
+                            for label, result in results.items()})

@@ -225,6 +225,11 @@ def format_summary(report: dict) -> list[str]:
     return lines
 
 
+def display_label(label: str, report: dict) -> str:
+    """What a measured model is called in tables and plots: a rotated checkpoint is "rotated"."""
+    return "rotated" if label == "converted" and report.get("rotated") else label
+
+
 def format_comparison(original: dict, converted: dict) -> str:
     """Original and converted statistics side by side, matched by norm name (else by order)."""
     by_name = {n["name"]: n for n in converted["norms"]}
@@ -237,12 +242,13 @@ def format_comparison(original: dict, converted: dict) -> str:
     rows = [[a["name"], _where(a), _g(a["mean_share"]), _g(b["mean_share"]), _g(a["pooled_share"]),
              _g(b["pooled_share"]), _ratio(a["rms_over_std"]["mean"]), _ratio(b["rms_over_std"]["mean"]),
              _g(a["naive_error"]["mean"]), _g(b["naive_error"]["mean"])] for a, b in pairs]
-    lines = [f"original:  {original['model']}", f"converted: {converted['model']}",
+    name = display_label("converted", converted)
+    lines = [f"original:  {original['model']}", f"{name}:{' ' * max(1, 10 - len(name))}{converted['model']}",
              f"{original['tokens']} tokens of {original['text']}, {original['dtype']}", "",
-             _table(header, rows), "", "original:", *format_summary(original), "", "converted:",
+             _table(header, rows), "", "original:", *format_summary(original), "", f"{name}:",
              *format_summary(converted)]
     if converted.get("rotated"):
-        lines.append("note: the converted checkpoint is rotated: its stream is C·h·Q, which is not orthogonal "
+        lines.append("note: the compared checkpoint is rotated: its stream is C·h·Q, which is not orthogonal "
                      "to 1 by design (its norms are weightless RMSNorms, which a rotation commutes with)")
     elif not converted["overall"]["mean_at_noise"]:
         lines.append(f"warning: the converted model's norm inputs are NOT orthogonal to 1 "

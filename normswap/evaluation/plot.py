@@ -66,7 +66,7 @@ def _metric_panel(ax, comparison: dict[str, Any]) -> None:
         ax.text(shown * 1.15, y, "Δ 0" if ratio == 0 else text, va="center", fontsize=7)
     ax.axvline(1.0, color=LINE_COLOUR, linestyle="--", linewidth=1)
     ax.set_xscale("log")
-    ax.set_xlim(floor, ceiling * 100)
+    ax.set_xlim(floor, ceiling * 30)
     ax.set_yticks(range(len(rows)), [row["key"] for row in rows], fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("|Δ| / tolerance (dashed line: the tolerance; past it fails)", fontsize=8)
