@@ -5,7 +5,8 @@ With a comparison the chart has two panels:
 * every metric's difference as a multiple of its tolerance, |rel Δ| / ppl_rtol for perplexities
   and bits per byte, |Δ| / acc_atol otherwise: a bar past 1 is a failure;
 * per task, the distribution of the per-document |Δ loglikelihood| (box p25-p75, whiskers p5-p95,
-  median tick, worst document as a dot) on a log scale, with the tolerance as a line.
+  median tick, worst document as a dot) on a log scale, with the tolerance as a line;
+* with published reference figures, each model's relative difference from them.
 
 Both use log scales: an exact conversion sits orders of magnitude left of the line, a broken one
 on or past it. A difference of exactly 0 is drawn at the axis floor and labelled 0. Without a
@@ -98,6 +99,23 @@ def _document_panel(ax, comparison: dict[str, Any]) -> None:
     ax.set_title("per-document differences: box p25–p75, whiskers p5–p95, dot the worst", fontsize=9)
 
 
+def _reference_panel(ax, report: dict[str, Any]) -> None:
+    """Each model's relative difference from the published figure, per metric."""
+    rows = report["reference"]["rows"]
+    labels = list(report["models"])
+    height = 0.8 / max(1, len(labels))
+    for index, label in enumerate(labels):
+        values = [(row[label] - row["reference"]) / row["reference"] if row.get(label) is not None and row["reference"]
+                  else float("nan") for row in rows]
+        ax.barh([y + index * height for y in range(len(rows))], values, height=height, label=label)
+    ax.axvline(0.0, color=LINE_COLOUR, linewidth=1)
+    ax.set_yticks(range(len(rows)), [row["key"] for row in rows], fontsize=7)
+    ax.invert_yaxis()
+    ax.legend(fontsize=7)
+    ax.set_xlabel("(model − published) / published", fontsize=8)
+    ax.set_title(f"against the published figures ({report['reference'].get('source') or 'reference'})", fontsize=9)
+
+
 def _scores_panel(ax, report: dict[str, Any]) -> None:
     """One model (no baseline): each metric's value."""
     models = report["models"]
@@ -120,15 +138,17 @@ def plot_report(report: dict[str, Any], path: Path) -> Path:
     comparison = report.get("comparison")
     documents = [d for d in (comparison or {}).get("documents", []) if d.get("abs_delta_quantiles")]
     metrics = (comparison or {}).get("metrics") or []
-    heights = [max(len(metrics), 1)] + ([len(documents)] if metrics and documents else [])
+    reference = (report.get("reference") or {}).get("rows") or []
+    panels = [(_metric_panel, comparison, len(metrics))] if metrics else [(_scores_panel, report, 1)]
+    if metrics and documents:
+        panels.append((_document_panel, comparison, len(documents)))
+    if reference:
+        panels.append((_reference_panel, report, len(reference)))
+    heights = [max(rows, 1) for _, _, rows in panels]
     fig, axes = plt.subplots(len(heights), 1, figsize=(9, 1.2 + 0.32 * sum(heights) + 0.8 * len(heights)),
                              squeeze=False, gridspec_kw={"height_ratios": heights})
-    if metrics:
-        _metric_panel(axes[0][0], comparison)
-        if documents:
-            _document_panel(axes[1][0], comparison)
-    else:
-        _scores_panel(axes[0][0], report)
+    for (draw, data, _), row in zip(panels, axes, strict=True):
+        draw(row[0], data)
     verdict = report.get("verdict")
     models = " vs ".join(f"{label}: {m['source']}" for label, m in report["models"].items())
     fig.suptitle(("normswap eval" + (f": {verdict.upper()}" if verdict else "")) + f"\n{models}", fontsize=9)
