@@ -215,7 +215,8 @@ def run_commands(names: list[str], folder: Path) -> dict[str, str]:
     for name in names:
         text = []
         for argv in COMMANDS[name]:
-            print(f"$ {' '.join(argv[2:] if argv[:3] == NORMSWAP else argv[1:])}", file=sys.stderr, flush=True)
+            shown = ["normswap", *argv[3:]] if argv[:3] == NORMSWAP else ["python3", *argv[1:]]
+            print(f"$ {' '.join(shown)}", file=sys.stderr, flush=True)
             result = subprocess.run(argv, cwd=folder, env=env, capture_output=True, text=True, timeout=1800)
             text += [result.stdout, result.stderr]
         outputs[name] = "\n".join(text)
