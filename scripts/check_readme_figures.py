@@ -186,6 +186,7 @@ SKIPPED: dict[str, str] = {
         "needs the 1.5B gpt2-xl checkpoint from the hub, and measures time",
     "bash scripts/gpu_check.sh": "needs an NVIDIA GPU (figures measured on an H200)",
     "python3 scripts/bench_cli.py --only startup,inspect": "timings: they depend on the machine and its load",
+    "python3 scripts/bench_kernels.py --host": "timings (host time of a kernel call): they depend on the machine and its load",
     "python3 scripts/bench_cli.py --only eval,run": "timings: they depend on the machine and its load",
     "normswap geometry whisper-tiny --compare out/whisper-tiny-rms --audio bundled":
         "the tiny random Whisper it measures is built by the tests, not by a command in the docs",
