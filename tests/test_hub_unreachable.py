@@ -8,6 +8,7 @@ ever (a silent server) or tens of seconds (retries), not speed measurements.
 from __future__ import annotations
 
 import socket
+import threading
 import time
 
 import pytest
@@ -18,13 +19,19 @@ from normswap.checkpoint import hub
 
 
 def test_the_probe_gives_up_on_a_resolver_or_connect_that_hangs(monkeypatch):
+    release = threading.Event()
+
     def hang(*args, **kwargs):
-        time.sleep(30)
+        release.wait(30)
+        raise OSError("released")
 
     monkeypatch.setattr(socket, "create_connection", hang)
     start = time.monotonic()
-    assert hub.hub_reachable("https://huggingface.co", timeout=0.2) is False
-    assert time.monotonic() - start < 5
+    try:
+        assert hub.hub_reachable("https://huggingface.co", timeout=0.2) is False
+        assert time.monotonic() - start < 5
+    finally:
+        release.set()  # the probe thread ends here, inside this test
 
 
 def test_the_probe_sees_a_listening_server_and_a_closed_port():
