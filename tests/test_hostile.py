@@ -1256,7 +1256,7 @@ def test_impossible_numbers_are_refused_before_any_work(capsys, args, needle):
     assert_refused(code, capsys.readouterr().err, needle)
 
 
-@pytest.mark.parametrize("mode, needle", [("--full", "rerun with --layerwise"), ("--layerwise", "worst block ")])
+@pytest.mark.parametrize("mode, needle", [("--full", "rerun with --verify layerwise"), ("--layerwise", "worst block ")])
 def test_failed_verify_names_the_block_or_how_to_find_it(source, converted, tmp_path, capsys, mode, needle):
     """A converted checkpoint whose config changes every norm (eps) passes the weight pre-check;
     the comparison fails, and the one error line says where to look."""
