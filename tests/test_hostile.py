@@ -1258,7 +1258,7 @@ def test_impossible_numbers_are_refused_before_any_work(capsys, args, needle):
 
 @pytest.mark.parametrize("mode, needle", [("--full", "rerun with --verify layerwise"), ("--layerwise", "worst block ")])
 def test_failed_verify_names_the_block_or_how_to_find_it(source, converted, tmp_path, capsys, mode, needle):
-    """A converted checkpoint whose config changes every norm (eps) passes the weight pre-check;
+    """A converted checkpoint whose config changes every norm (eps) passes the weights proof;
     the comparison fails, and the one error line says where to look."""
     bad = tmp_path / "bad"
     shutil.copytree(converted, bad)

@@ -38,7 +38,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     check_source(args.src, trust_remote_code=args.trust_remote_code)
     from normswap.api import convert_checkpoint
-    from normswap.commands.verify import describe_mode
+    from normswap.commands.verify import describe_verification
     from normswap.text import count, format_table
 
     provenance = convert_checkpoint(
@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     verification = provenance.get("verification")
     if verification:
         print(format_table(verification["loaders"]))
-        print(describe_mode(verification))
+        print(describe_verification(verification))
         if args.method == "naive":
             print("warning: --method naive is inexact by design; the figures above are its measured degradation",
                   file=sys.stderr)

@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
 
         return run_slice(args)
     from normswap.api import rotate_checkpoint
-    from normswap.commands.verify import describe_mode
+    from normswap.commands.verify import describe_verification
     from normswap.text import count, format_table
 
     provenance = rotate_checkpoint(
@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     verification = provenance.get("verification")
     if verification:
         print(format_table(verification["loaders"]))
-        print(describe_mode(verification))
+        print(describe_verification(verification))
     if args.json:
         emit_json(args, provenance)
     return 0

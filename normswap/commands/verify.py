@@ -69,10 +69,28 @@ def summary(result: dict) -> str:
     verdict = "verified: outputs match" if result["passed"] else "FAILED: outputs differ beyond tolerance"
     return "\n".join([
         format_table(result["loaders"]),
-        describe_mode(result),
+        describe_verification(result),
         f"probe: {result['probe']} {result['probe_shape']}, tolerance {result['tolerance']['limit']:.3g}",
         verdict,
     ])
+
+
+def describe_verification(result: dict) -> str:
+    """How a verification result was obtained: the weights proof, then the forward comparison."""
+    return "\n".join(line for line in (describe_proof(result), describe_mode(result)) if line)
+
+
+def describe_proof(result: dict) -> str:
+    """One line on the weights proof: how many tensors, and the worst one in ulps of its dtype."""
+    proof = result.get("proof")
+    if not proof:
+        return ""
+    worst = proof["worst"]
+    how = ("every recomputed tensor bit-exact to its correctly rounded value" if worst["tensor"] is None else
+           f"worst: {worst['tensor']}, {worst['ulp']:.3g} ulp of {worst['dtype']} from its correctly rounded value "
+           f"({worst['elements_off_by_rounding']} elements off by rounding)")
+    return (f"weights proven: {proof['tensors']} tensors ({proof['byte_identical']} byte-identical to the source, "
+            f"{proof['recomputed']} recomputed in float64); {how}")
 
 
 def describe_mode(result: dict) -> str:

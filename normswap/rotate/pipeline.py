@@ -93,7 +93,7 @@ def rotate_checkpoint(
             verifier=install.chosen_verifier(verification, verifier), must_pass=True,
             overwrite=overwrite, quiet=quiet, extra_files=lambda folder: save_rotation(folder / ROTATION_FILE, rotation),
             verify_options={"atol": atol, "rtol": rtol, "layerwise": install.LAYERWISE[verification], "quiet": quiet,
-                            "reference_config": config},
+                            "reference_config": config, "plan": plan},
         )
     return provenance
 
