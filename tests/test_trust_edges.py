@@ -431,7 +431,8 @@ def _task_folder(tmp_path: Path, target: str = "{{text}}", extra: str = "") -> P
     return folder
 
 
-@pytest.mark.parametrize("case", ["function", "include", "class", "jinja-globals", "jinja-attr", "jinja-concat"])
+@pytest.mark.parametrize("case", ["function", "include", "class", "jinja-globals", "jinja-attr", "jinja-concat",
+                                  "metric-folder", "metric-hub", "hf-evaluate"])
 def test_task_folder_code_needs_the_flag(tmp_path, monkeypatch, case):
     from normswap.evaluation.local_tasks import materialise_tasks
 
@@ -451,9 +452,15 @@ def test_task_folder_code_needs_the_flag(tmp_path, monkeypatch, case):
         target = "{{ cycler.__init__.__globals__.os.system('touch x') }}"
     elif case == "jinja-attr":
         target = "{{ text|attr('__class__') }}"
-    else:
+    elif case == "jinja-concat":
         target = "{{ text['__cla' ~ 'ss__'] }}"
-    monkeypatch.setenv("NORMSWAP_EVALS_DIR", str(_task_folder(tmp_path, target, extra)))
+    folder = _task_folder(tmp_path, target, extra)
+    metric = {"metric-folder": f"metric: {tmp_path}", "metric-hub": "metric: org/metric",
+              "hf-evaluate": "metric: word_perplexity\n    hf_evaluate: true"}.get(case)
+    if metric:
+        task = folder / "task.yaml"
+        task.write_text(task.read_text().replace("metric: word_perplexity", metric))
+    monkeypatch.setenv("NORMSWAP_EVALS_DIR", str(folder))
     with pytest.raises(NormswapError, match="--trust-remote-code") as refused:
         materialise_tasks(tmp_path / "work", ["user_task"])
     assert "task.yaml" in str(refused.value)
