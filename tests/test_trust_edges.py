@@ -227,6 +227,24 @@ def test_checkpoint_never_replaces_a_report(source, tmp_path, capsys):
     assert (report / "report.json").read_text() == "{}"
 
 
+@pytest.mark.parametrize("added", ["my-notes.txt", "sub/notes.txt", "unlisted-marker"])
+def test_overwrite_refuses_an_output_holding_what_normswap_did_not_write(source, tmp_path, capsys, added):
+    report = tmp_path / "report"
+    with output.claimed_output(report, inputs=[], overwrite=False, kind="report") as claim:
+        (claim.tmp / "sub").mkdir()
+        (claim.tmp / "report.json").write_text("{}")
+        claim.install()
+    assert output.foreign_paths(report) == []
+    if added == "unlisted-marker":  # a marker that lists nothing proves nothing
+        (report / output.MARKER).write_text(json.dumps({"written_by": "normswap", "kind": "report"}))
+    else:
+        (report / added).write_text("mine")
+    guard = Guard(report)
+    code, _, err = run_cli(capsys, "eval", source, "--out", report, "--overwrite", "--no-progress")
+    assert_refused(code, err, "normswap did not write", "report.json" if added == "unlisted-marker" else added)
+    guard.unchanged()
+
+
 @pytest.mark.parametrize("option", ["--text", "--audio", "--images"])
 def test_eval_input_inside_out_is_refused(converted, tmp_path, capsys, option):
     out = tmp_path / "report"
