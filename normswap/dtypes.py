@@ -32,12 +32,17 @@ def canonical_name(name: str) -> str:
 
 
 def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
-    """The ``torch.dtype`` for a name (case ignored); a dtype or None is returned as it is."""
+    """The ``torch.dtype`` for a name (case ignored); None is returned as it is, and a
+    ``torch.dtype`` too when it is one of the floating dtypes named in ``DTYPE_NAMES`` (any other,
+    ``torch.int8`` or ``torch.complex64``, is refused as its name is)."""
     if name is None:
         return None
     import torch
 
     if isinstance(name, torch.dtype):
+        if dtype_name(name) not in DTYPE_NAMES.values():
+            raise NormswapError(f"dtype {name} is not one normswap computes or stores in; use one of "
+                                f"{', '.join(DTYPE_NAMES)}")
         return name
     return getattr(torch, canonical_name(name))
 

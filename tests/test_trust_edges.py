@@ -573,6 +573,9 @@ def _api_calls(source, converted, tiny_model, tmp_path):
             source, tmp_path / "o", method="naive")),
         "convert-checkpoint-atol": (NormswapError, "atol", lambda: normswap.convert_checkpoint(
             source, tmp_path / "o", atol=float("nan"))),
+        "convert-checkpoint-int8": (NormswapError, "torch.int8", lambda: normswap.convert_checkpoint(
+            source, tmp_path / "o", dtype=torch.int8)),
+        "load-int8": (NormswapError, "torch.int8", lambda: normswap.load(converted, dtype=torch.int8)),
         "convert-checkpoint-missing": (NormswapError, "absent", lambda: normswap.convert_checkpoint(
             tmp_path / "absent", tmp_path / "o")),
         "save-not-converted": (NormswapError, "convert_model", lambda: normswap.save(tiny_model, tmp_path / "x")),
@@ -585,7 +588,7 @@ CALLS = ["save-None", "save-int", "save-overwrite", "settings-tasks-str", "setti
          "convert-checkpoint-flag", "rotate-seed", "verify-None", "verify-layerwise", "evaluate-None",
          "evaluate-settings", "load-device-map", "load-dtype-name", "convert-model-method", "settings-batch-zero",
          "settings-limit-inf", "settings-dtype", "convert-checkpoint-method", "convert-checkpoint-atol",
-         "convert-checkpoint-missing", "save-not-converted"]
+         "convert-checkpoint-missing", "save-not-converted", "convert-checkpoint-int8", "load-int8"]
 
 
 @pytest.mark.parametrize("case", CALLS)
