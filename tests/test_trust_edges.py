@@ -519,6 +519,23 @@ def test_sandbox_stops_a_template_the_check_missed():
     assert utils.apply_template("{{ a }}", {"a": "plain"}) == "plain"
 
 
+@pytest.mark.parametrize("body", [
+    "reference: {source: {a: 1}, figures: {a/b: 1.0}}",
+    "reference: {source: x, figures: {1: 1.0}}",
+    "reference: {source: x, figures: [a/b]}",
+    "convert: {1: true, fold_gains: true}",
+    "description: {a: [1, 2]}",
+    "? [1, 2]\n: x",
+])
+def test_recipe_types_are_checked_when_read(tmp_path, body):
+    from normswap.evaluation.recipe import load_recipe
+
+    path = tmp_path / "recipe.yaml"
+    path.write_text(f"source: {tmp_path}\n{body}\n")
+    with pytest.raises(NormswapError, match="recipe"):
+        load_recipe(path)
+
+
 # ---------------------------------------------------------------------------------------------
 # the Python API checks its arguments at the door
 

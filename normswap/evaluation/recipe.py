@@ -50,7 +50,7 @@ import yaml
 
 from normswap.checkpoint import output
 from normswap.checkpoint.removal import remove_tree
-from normswap.errors import NormswapError
+from normswap.errors import NormswapError, quoted
 
 SECTIONS = {"name", "description", "source", "convert", "verify", "eval", "tolerances", "reference"}
 CONVERT_KEYS = {"fold_gains": bool, "method": str, "dtype": str, "trust_remote_code": bool}
@@ -108,10 +108,19 @@ def _coerce(value: Any, kind: type, where: str) -> Any:
     raise NormswapError(f"{where} must be {'a list of names' if kind is list else kind.__name__} (got {value!r})")
 
 
+def _mapping(value: Any, where: str, origin: str) -> dict[str, Any]:
+    """``value`` (None read as empty) as a mapping whose keys are all strings, else a refusal."""
+    value = value or {}
+    if not isinstance(value, dict):
+        raise NormswapError(f"{origin}: '{where}' must be a mapping")
+    for key in value:
+        if not isinstance(key, str):
+            raise NormswapError(f"{origin}: '{where}' has the key {quoted(key)}, not a name")
+    return value
+
+
 def _section(data: dict[str, Any], name: str, keys: dict[str, type], origin: str) -> dict[str, Any]:
-    section = data.get(name) or {}
-    if not isinstance(section, dict):
-        raise NormswapError(f"{origin}: '{name}' must be a mapping")
+    section = _mapping(data.get(name), name, origin)
     unknown = sorted(set(section) - set(keys))
     if unknown:
         raise NormswapError(f"{origin}: unknown key(s) in '{name}': {', '.join(unknown)} "
@@ -142,18 +151,21 @@ def load_recipe(spec: str | Path) -> Recipe:
         raise NormswapError(f"cannot read {origin}: {error}") from None
     if not isinstance(data, dict):
         raise NormswapError(f"{origin} must be a YAML mapping with at least 'source'")
+    _mapping(data, "the top level", origin)
     unknown = sorted(set(data) - SECTIONS)
     if unknown:
         raise NormswapError(f"{origin}: unknown section(s) {', '.join(unknown)} (allowed: {', '.join(sorted(SECTIONS))})")
     source = data.get("source")
     if not isinstance(source, str) or not source.strip():
         raise NormswapError(f"{origin}: 'source' (the model to convert) is required")
-    reference = data.get("reference") or {}
-    if not isinstance(reference, dict) or set(reference) - {"source", "figures"}:
+    reference = _mapping(data.get("reference"), "reference", origin)
+    if set(reference) - {"source", "figures"}:
         raise NormswapError(f"{origin}: 'reference' must be a mapping with 'source' and 'figures'")
-    figures = reference.get("figures") or {}
-    if not isinstance(figures, dict):
-        raise NormswapError(f"{origin}: reference.figures must map task/metric to a number")
+    if not isinstance(reference.get("source"), str | None):
+        raise NormswapError(f"{origin}: reference.source must be a text naming where the figures come from")
+    figures = _mapping(reference.get("figures"), "reference.figures", origin)
+    if not isinstance(data.get("description"), str | None):
+        raise NormswapError(f"{origin}: 'description' must be a text")
     name = data.get("name") or path.stem
     if not isinstance(name, str) or not _PLAIN_NAME.fullmatch(name) or name in (".", ".."):
         raise NormswapError(f"{origin}: 'name' must be a plain name (letters, digits, '.', '_', '-'), "
@@ -167,7 +179,7 @@ def load_recipe(spec: str | Path) -> Recipe:
         verify=_section(data, "verify", VERIFY_KEYS, origin),
         eval=_section(data, "eval", EVAL_KEYS, origin),
         tolerances=_section(data, "tolerances", TOLERANCE_KEYS, origin),
-        reference={str(k): _coerce(v, float, f"{origin}: reference.figures.{k}") for k, v in figures.items()},
+        reference={k: _coerce(v, float, f"{origin}: reference.figures.{k}") for k, v in figures.items()},
         reference_source=reference.get("source"),
     )
     for key in recipe.reference:
