@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from normswap.architectures import ARCHITECTURES, architecture_for
-from normswap.arguments import checked
+from normswap.arguments import check_device_map, checked
 from normswap.checkpoint import validation
 from normswap.checkpoint.provenance import Provenance, family_config
 from normswap.checkpoint.source import StateDictReader, read_config, resolve_source
@@ -21,8 +21,6 @@ from normswap.dtypes import dtype_name
 from normswap.errors import NormswapError
 from normswap.modeling import build, registry, remote
 from normswap.rotate.options import DEFAULT_CALIBRATION_TOKENS
-
-_DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 
 
 def _check_loading(where: str, kwargs: dict) -> None:
@@ -34,16 +32,7 @@ def _check_loading(where: str, kwargs: dict) -> None:
         from normswap.dtypes import parse_dtype
 
         parse_dtype(dtype)
-    device_map = kwargs.get("device_map")
-    if device_map is None or isinstance(device_map, dict) or device_map in _DEVICE_MAPS:
-        return
-    if isinstance(device_map, bool) or not isinstance(device_map, (str, int, torch.device)):
-        raise TypeError(f"{where}: device_map must be a str, int, torch.device or dict, not {type(device_map).__name__}")
-    try:
-        torch.device(device_map)
-    except (RuntimeError, ValueError):
-        raise ValueError(f"{where}: device_map {device_map!r:.40} is neither a device nor one of "
-                         f"{', '.join(_DEVICE_MAPS)}") from None
+    check_device_map(where, kwargs.get("device_map"))
 
 
 @checked

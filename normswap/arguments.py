@@ -20,6 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from normswap.errors import quoted
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -133,3 +135,24 @@ def check_fields(instance: Any) -> None:
     hints = _hints(type(instance))
     for field in dataclasses.fields(instance):
         check_argument(type(instance).__name__, field.name, getattr(instance, field.name), hints.get(field.name))
+
+
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def check_device_map(where: str, device_map: Any) -> None:
+    """Refuse a ``device_map`` that ``from_pretrained`` would reject deep inside a run: a
+    ``TypeError`` for a wrong type, an ``ArgumentError`` (a ``ValueError``) for a bad value."""
+    from normswap.errors import ArgumentError
+
+    if device_map is None or isinstance(device_map, dict) or device_map in DEVICE_MAPS:
+        return
+    import torch
+
+    if isinstance(device_map, bool) or not isinstance(device_map, (str, int, torch.device)):
+        raise TypeError(f"{where}: device_map must be a str, int, torch.device or dict, not {type(device_map).__name__}")
+    try:
+        torch.device(device_map)
+    except (RuntimeError, ValueError):
+        raise ArgumentError(f"{where}: device_map {quoted(device_map, 40)} is neither a device nor one of "
+                            f"{', '.join(DEVICE_MAPS)}") from None

@@ -13,6 +13,10 @@ class NormswapError(Exception):
     exit_code: int = 2
 
 
+class ArgumentError(NormswapError, ValueError):
+    """A bad value of an API argument: a ``ValueError`` to Python callers, one line at the CLI."""
+
+
 def first_line(error: BaseException) -> str:
     """The first line of an exception's message, or its type's name when it has none."""
     text = str(error).strip()

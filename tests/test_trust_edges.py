@@ -536,6 +536,16 @@ def test_recipe_types_are_checked_when_read(tmp_path, body):
         load_recipe(path)
 
 
+@pytest.mark.parametrize("device_map", ["{'':0}", "gpu:x"])
+def test_a_bad_device_map_is_one_line_before_any_work(converted, capsys, device_map):
+    from normswap.evaluation.runner import EvalSettings
+
+    code, _, err = run_cli(capsys, "eval", converted, "--device-map", device_map, "--no-progress")
+    assert_refused(code, err, "device_map")
+    with pytest.raises(ValueError, match="device_map"):
+        EvalSettings(device_map=device_map)
+
+
 # ---------------------------------------------------------------------------------------------
 # the Python API checks its arguments at the door
 

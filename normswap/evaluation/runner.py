@@ -53,13 +53,14 @@ class EvalSettings:
 
     def __post_init__(self) -> None:
         """Every field checked when the settings are made, not deep inside a run."""
-        from normswap.arguments import check_fields
+        from normswap.arguments import check_device_map, check_fields
 
         if isinstance(self.tasks, str):
             raise TypeError(f"EvalSettings: tasks must be a list of task names, not the string {self.tasks!r:.40} "
                             f"(pass [{self.tasks!r:.40}])")
         check_fields(self)
         parse_dtype(self.dtype)
+        check_device_map("EvalSettings", self.device_map)
         for name in ("batch_size", "max_length", "stride", "threads"):
             value = getattr(self, name)
             if value is not None and value < 1:
