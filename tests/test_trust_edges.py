@@ -546,6 +546,22 @@ def test_a_bad_device_map_is_one_line_before_any_work(converted, capsys, device_
         EvalSettings(device_map=device_map)
 
 
+@pytest.mark.parametrize("kind", ["latin-1", "fifo"])
+def test_eval_and_geometry_read_text_files_alike(converted, tmp_path, capsys, kind):
+    text = tmp_path / "text.txt"
+    if kind == "fifo":
+        os.mkfifo(text)
+    else:
+        text.write_bytes("caf\xe9 au lait\n\n".encode("latin-1") * 50)
+    needle = "not UTF-8" if kind == "latin-1" else "not a regular file"
+    code, _, err = run_cli(capsys, "geometry", converted, "--text", text, "--out", tmp_path / "g")
+    assert_refused(code, err, needle)
+    code, _, err = run_cli(capsys, "eval", converted, "--text", text, "--no-progress")
+    if kind == "latin-1":
+        assert_refused(code, err, needle)
+    assert not (tmp_path / "g").exists()
+
+
 # ---------------------------------------------------------------------------------------------
 # the Python API checks its arguments at the door
 

@@ -71,13 +71,9 @@ def _text_file(spec: str) -> Path:
 
 def read_text(path: Path, max_chars: int) -> str:
     """The first ``max_chars`` characters of a UTF-8 text file; one-line error if unreadable or empty."""
-    if not path.is_file():
-        raise NormswapError(f"text file not found: {path}")
-    try:
-        with path.open(encoding="utf-8", errors="replace") as handle:
-            text = handle.read(max_chars)
-    except OSError as error:
-        raise NormswapError(f"cannot read text file {path}: {error.strerror or error}") from None
+    from normswap.evaluation.text import read_text_file
+
+    text = read_text_file(path, max_chars)
     if not text.strip():
         raise NormswapError(f"text file is empty: {path}")
     return text
@@ -190,8 +186,10 @@ def _check_arguments(args: argparse.Namespace) -> None:
         raise NormswapError("--text, --random-tokens and --outliers are for text models; drop them with --audio/--images")
     if args.max_tokens < 2:
         raise NormswapError("--max-tokens must be at least 2")
-    if args.text is not None and not args.random_tokens and not args.text.is_file():
-        raise NormswapError(f"text file not found: {args.text}")
+    if args.text is not None and not args.random_tokens:
+        from normswap.evaluation.text import check_text_file
+
+        check_text_file(args.text)
     check_report_out(args, command_inputs(args))
     if args.plot:
         require("plot", "normswap geometry --plot")

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from normswap.errors import NormswapError
+from normswap.errors import NormswapError, quoted
 
 BUNDLED_TEXT = Path(__file__).resolve().parent.parent / "data" / "text" / "persuasion-excerpt.txt"
 BUNDLED_NAMES = ("bundled", "default", "persuasion-excerpt")
@@ -65,20 +65,34 @@ def group_paragraphs(paragraphs: list[str], doc_chars: int = DEFAULT_DOC_CHARS) 
     return documents
 
 
-def _read_text_file(path: Path) -> str:
+def check_text_file(path: Path) -> None:
+    """Refuse, before any work, a text path that is missing or not a regular file."""
+    if not path.exists():
+        raise NormswapError(f"text file not found: {quoted(str(path))}")
+    if not path.is_file():
+        raise NormswapError(f"text file {quoted(str(path))} is not a regular file (a pipe, device or folder); "
+                            "save the text to a file and pass that")
+
+
+def read_text_file(path: Path, max_chars: int | None = None) -> str:
+    """A UTF-8 text file (its first ``max_chars`` characters when given), for every command that
+    reads one (eval's and geometry's ``--text``): a missing path, something other than a regular
+    file, a file that is not UTF-8 or cannot be read is one ``NormswapError`` line."""
+    check_text_file(path)
     try:
-        return path.read_text(encoding="utf-8")
+        with path.open(encoding="utf-8", errors="strict") as handle:
+            return handle.read(-1 if max_chars is None else max_chars)
     except UnicodeDecodeError as error:
-        raise NormswapError(f"text file {path} is not UTF-8 ({error.reason} at byte {error.start})") from None
+        raise NormswapError(f"text file {quoted(str(path))} is not UTF-8 ({error.reason})") from None
     except OSError as error:
-        raise NormswapError(f"cannot read text file {path}: {error.strerror}") from None
+        raise NormswapError(f"cannot read text file {quoted(str(path))}: {error.strerror or error}") from None
 
 
 def _from_paths(name: str, files: list[Path], doc_chars: int) -> TextSource:
     paragraphs: list[str] = []
     documents: list[str] = []
     for file in files:
-        file_paragraphs = split_paragraphs(_read_text_file(file))
+        file_paragraphs = split_paragraphs(read_text_file(file))
         paragraphs.extend(file_paragraphs)
         documents.extend(group_paragraphs(file_paragraphs, doc_chars))
     if not paragraphs:
