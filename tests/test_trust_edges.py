@@ -562,6 +562,23 @@ def test_eval_and_geometry_read_text_files_alike(converted, tmp_path, capsys, ki
     assert not (tmp_path / "g").exists()
 
 
+def test_a_limit_selects_whole_documents(converted, capsys):
+    from types import SimpleNamespace
+
+    from normswap.evaluation.lmeval import check_fraction
+    from normswap.evaluation.runner import EvalSettings
+
+    code, _, err = run_cli(capsys, "eval", converted, "--limit", "2.5", "--no-progress")
+    assert_refused(code, err, "whole count")
+    with pytest.raises(NormswapError, match="limit"):
+        EvalSettings(limit=2.5)
+    task = SimpleNamespace(eval_docs=list(range(40)), config=SimpleNamespace(task="t\x00"))
+    with pytest.raises(NormswapError, match=r"one of the 40 documents of task 't\\x00'"):
+        check_fraction(1e-300, [task])
+    check_fraction(1 / 40, [task])
+    check_fraction(3, [task])
+
+
 # ---------------------------------------------------------------------------------------------
 # the Python API checks its arguments at the door
 

@@ -85,6 +85,8 @@ def _limit(value: float | None) -> int | float | None:
         return None
     if not math.isfinite(value) or value <= 0:
         raise NormswapError(f"--limit must be a positive number (a count, or a fraction below 1), not {value}")
+    if value >= 1 and value != int(value):
+        raise NormswapError(f"--limit {value:g} is neither a whole count nor a fraction below 1")
     return int(value) if value >= 1 else value
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from normswap.errors import NormswapError, first_line
+from normswap.errors import NormswapError, first_line, quoted
 from normswap.evaluation.local_tasks import (  # noqa: F401  (re-exported: the task folder's names)
     BUNDLED_EVALS,
     LOCAL_ALIAS,
@@ -280,6 +280,7 @@ def run_tasks(lm, task_manager, tasks: list, *, limit: int | float | None = None
 
     for name in ("lm_eval", "lm_eval.api.task", "lm_eval.evaluator"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    check_fraction(limit, tasks)
     try:
         with (_no_git_probe(), _versions_only_env_info(), transformers_errors_only(), sandboxed_templates(sandboxed),
               _template_errors()):
@@ -301,6 +302,20 @@ def run_tasks(lm, task_manager, tasks: list, *, limit: int | float | None = None
     if raw is None:  # non-zero ranks under accelerate launch get nothing back
         return TaskResults()
     return parse_results(raw)
+
+
+def check_fraction(limit: int | float | None, tasks: list) -> None:
+    """Refuse a fractional ``limit`` that stands for less than one document of a loaded task
+    (lm-eval would round it up to one, which a count says plainly)."""
+    if limit is None or limit >= 1:
+        return
+    for task in tasks:
+        docs = getattr(task, "eval_docs", None)
+        if docs is not None and len(docs) * limit < 1:
+            name = getattr(task, "config", None) and task.config.task
+            raise NormswapError(f"--limit {limit:g} is less than one of the {len(docs)} documents of task "
+                                f"{quoted(str(name))}; pass a count (--limit 1) or a fraction of at least "
+                                f"1/{len(docs)}")
 
 
 def _continuation_too_long(error: AssertionError) -> bool:

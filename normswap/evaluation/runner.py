@@ -65,7 +65,8 @@ class EvalSettings:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise NormswapError(f"EvalSettings: {name} must be at least 1, not {value}")
-        if self.limit is not None and not (0 < self.limit < float("inf")):
+        if self.limit is not None and not (0 < self.limit < float("inf")) or (
+                self.limit is not None and self.limit >= 1 and self.limit != int(self.limit)):
             raise NormswapError(f"EvalSettings: limit must be a positive count or a fraction below 1, not {self.limit}")
 
     def as_dict(self) -> dict[str, Any]:
