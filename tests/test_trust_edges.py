@@ -572,7 +572,7 @@ def test_a_limit_selects_whole_documents(converted, capsys):
     assert_refused(code, err, "whole count")
     with pytest.raises(NormswapError, match="limit"):
         EvalSettings(limit=2.5)
-    task = SimpleNamespace(eval_docs=list(range(40)), config=SimpleNamespace(task="t\x00"))
+    task = SimpleNamespace(eval_docs=list(range(40)), task_name="t\x00")
     with pytest.raises(NormswapError, match=r"one of the 40 documents of task 't\\x00'"):
         check_fraction(1e-300, [task])
     check_fraction(1 / 40, [task])

@@ -312,7 +312,7 @@ def check_fraction(limit: int | float | None, tasks: list) -> None:
     for task in tasks:
         docs = getattr(task, "eval_docs", None)
         if docs is not None and len(docs) * limit < 1:
-            name = getattr(task, "config", None) and task.config.task
+            name = getattr(task, "task_name", "")
             raise NormswapError(f"--limit {limit:g} is less than one of the {len(docs)} documents of task "
                                 f"{quoted(str(name))}; pass a count (--limit 1) or a fraction of at least "
                                 f"1/{len(docs)}")
