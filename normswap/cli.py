@@ -25,7 +25,7 @@ import sys
 import threading
 from typing import NoReturn
 
-from normswap.errors import NormswapError
+from normswap.errors import NormswapError, one_line
 
 # (subcommand, module implementing it, one-line help)
 SUBCOMMANDS: list[tuple[str, str, str]] = [
@@ -175,7 +175,7 @@ def _run(argv: list[str], interrupts: _Interrupts) -> int:
 
 def _one_line(text: str) -> str:
     """Messages may quote a file's content or an exception's text: keep them to one line."""
-    return " ".join(text.split())
+    return one_line(text)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,23 @@ def quoted(value: object, limit: int = 120) -> str:
     return text[: limit - 1] + f"…({len(text)} characters)"
 
 
+def quoted_list(values: list, shown: int = 5) -> str:
+    """The first ``shown`` of ``values``, each ``quoted``, and how many more there are."""
+    text = ", ".join(quoted(value, 60) for value in values[:shown])
+    return text + (f" and {len(values) - shown} more" if len(values) > shown else "")
+
+
+MESSAGE_CHARS = 2000  # no message line is longer, whatever it quotes
+
+
+def one_line(text: str) -> str:
+    """A message as the command line prints it: one line, whitespace runs as one space, any other
+    control character escaped, at most ``MESSAGE_CHARS`` characters (the cut marked)."""
+    text = " ".join(text.split())
+    text = "".join(char if char.isprintable() else repr(char)[1:-1] for char in text)
+    return text if len(text) <= MESSAGE_CHARS else text[: MESSAGE_CHARS - 1] + "…"
+
+
 class VerificationError(NormswapError):
     """The converted model did not match the original within tolerance."""
 

@@ -579,6 +579,27 @@ def test_a_limit_selects_whole_documents(converted, capsys):
     check_fraction(3, [task])
 
 
+@pytest.mark.parametrize("shard", ["a\x00b\x1b[2J.safetensors", "x" * 5000 + ".safetensors"], ids=["control", "long"])
+def test_untrusted_names_in_messages_are_escaped_and_capped(source, tmp_path, capsys, shard):
+    from safetensors import safe_open
+
+    src = copy_source(source, tmp_path)
+    (src / "model.safetensors").rename(src / "shard.safetensors")
+    names = list(safe_open(src / "shard.safetensors", "pt").keys())
+    weight_map = {name: "shard.safetensors" for name in names} | {names[0]: shard}
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    code, _, err = run_cli(capsys, "inspect", src)
+    line = assert_refused(code, err, "missing weight file")
+    assert "\x00" not in line and "\x1b" not in line and len(line) < 400
+
+
+def test_a_long_unknown_task_list_is_one_short_line(converted, capsys):
+    code, _, err = run_cli(capsys, "eval", converted, "--tasks", ",".join(f"zz{i}" for i in range(100_000)),
+                           "--no-progress")
+    line = assert_refused(code, err, "'zz0'", "99995 more")
+    assert len(line) < 1000
+
+
 # ---------------------------------------------------------------------------------------------
 # the Python API checks its arguments at the door
 

@@ -23,7 +23,7 @@ from normswap.checkpoint.files import check_files, inside_file
 from normswap.checkpoint.reads import RecentReads as RecentReads  # re-exported for the writer
 from normswap.checkpoint.safetensors_io import SafetensorsShard, StoredTensor
 from normswap.dtypes import dtype_name
-from normswap.errors import NormswapError, first_line
+from normswap.errors import NormswapError, first_line, quoted
 
 if TYPE_CHECKING:  # torch is imported where tensors are read: resolving a source stays light
     import numpy
@@ -320,7 +320,7 @@ def _weight_shards(path: Path) -> list[str]:
             shards = sorted(set(_weight_map(index).values()))
             missing = [shard for shard in shards if inside_file(path, shard) is None]
             if missing:
-                raise NormswapError(f"{path} is missing weight file {missing[0]} named in {index_name}")
+                raise NormswapError(f"{path} is missing weight file {quoted(missing[0])} named in {index_name}")
             return shards
     raise NormswapError(
         f"{path} has no weights: expected {SAFETENSORS_FILE}, a sharded {SAFETENSORS_INDEX}, or {PICKLE_FILE}"

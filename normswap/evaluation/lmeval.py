@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from normswap.errors import NormswapError, first_line, quoted
+from normswap.errors import NormswapError, first_line, quoted, quoted_list
 from normswap.evaluation.local_tasks import (  # noqa: F401  (re-exported: the task folder's names)
     BUNDLED_EVALS,
     LOCAL_ALIAS,
@@ -57,13 +57,13 @@ def plan_tasks(requested: list[str], *, with_text_task: bool = False) -> TaskPla
     local_names = set(local_tasks()) if requested else set()
     local: list[str] = []
     hub: list[str] = []
-    for name in requested:
+    for name in dict.fromkeys(requested):  # each name once, in order (a set keeps the check linear)
         if name == LOCAL_ALIAS:
             local.extend(sorted(n for n in local_names if n not in local))
         elif name in local_names or name == TEXT_TASK:
             if name not in local:
                 local.append(name)
-        elif name not in hub:
+        else:
             hub.append(name)
     if with_text_task and TEXT_TASK not in local:
         local.append(TEXT_TASK)
@@ -75,7 +75,7 @@ def plan_tasks(requested: list[str], *, with_text_task: bool = False) -> TaskPla
         if not hub_reachable():
             # Offline, a name that is not local cannot run whatever it is: say both things at once.
             raise NormswapError(
-                f"unknown task(s) {', '.join(unknown)}: not in evals/ (local tasks: {known_local}, or "
+                f"unknown task(s) {quoted_list(unknown)}: not in evals/ (local tasks: {known_local}, or "
                 f"'{LOCAL_ALIAS}'), and standard lm-eval tasks need the Hugging Face hub, which is unreachable"
             )
         from lm_eval.tasks import TaskManager
@@ -84,7 +84,7 @@ def plan_tasks(requested: list[str], *, with_text_task: bool = False) -> TaskPla
         missing = [name for name in unknown if name not in index]
         if missing:
             raise NormswapError(
-                f"unknown lm-eval task(s): {', '.join(missing)}; local tasks are {known_local} "
+                f"unknown lm-eval task(s): {quoted_list(missing)}; local tasks are {known_local} "
                 f"(or '{LOCAL_ALIAS}' for all of them)"
             )
     return TaskPlan(local=local, hub=hub)
