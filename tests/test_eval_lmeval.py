@@ -63,7 +63,7 @@ def test_local_tasks_materialise_with_absolute_paths(tmp_path):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--tasks", "no_such_task"], "unknown task(s) no_such_task"),
+        (["--tasks", "no_such_task"], "unknown task(s) 'no_such_task'"),
         (["--tasks", "hellaswag"], "needs the Hugging Face hub"),
         (["--text", "/no/such/file.txt"], "is not a file, a directory"),
         (["--text", "wikitext-2-raw-v1"], "needs the Hugging Face hub"),
