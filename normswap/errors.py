@@ -26,7 +26,7 @@ def first_line(error: BaseException) -> str:
 def quoted(value: object, limit: int = 120) -> str:
     """An untrusted value as it may appear in a message: ``repr``-escaped (no control character,
     NUL or newline reaches the terminal) and at most ``limit`` characters, the cut marked."""
-    text = repr(value if isinstance(value, str) else str(value))
+    text = repr(value)
     if len(text) <= limit:
         return text
     return text[: limit - 1] + f"…({len(text)} characters)"

@@ -600,6 +600,49 @@ def test_a_long_unknown_task_list_is_one_short_line(converted, capsys):
     assert len(line) < 1000
 
 
+def _bin_with_int_key(src: Path) -> None:
+    from safetensors.torch import load_file
+
+    state = load_file(src / "model.safetensors")
+    (src / "model.safetensors").unlink()
+    torch.save({**state, 1: torch.zeros(1)}, src / "pytorch_model.bin")
+
+
+def _bin_index_naming_config(src: Path) -> None:
+    (src / "model.safetensors").unlink()
+    (src / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": {"wte.weight": "config.json"}}))
+
+
+def _config_from_a_device(src: Path) -> None:
+    (src / "config.json").unlink()
+    (src / "config.json").symlink_to("/dev/zero")
+
+
+@pytest.mark.parametrize("change, needle", [
+    (_bin_with_int_key, "the key 1 (int) is not a tensor name"),
+    (_bin_index_naming_config, "config.json is not a PyTorch weight file"),
+    (_config_from_a_device, "config.json that is not a regular file"),
+], ids=["bin-int-key", "index-shard-config", "config-device"])
+def test_messages_say_what_is_wrong(source, tmp_path, capsys, change, needle):
+    src = copy_source(source, tmp_path)
+    change(src)
+    code, _, err = run_cli(capsys, "convert", src, "--out", tmp_path / "out", "--verify", "none", "--quiet")
+    assert_refused(code, err, needle)
+
+
+def test_out_on_a_virtual_filesystem_or_a_mount_point_is_refused_up_front(source, tmp_path, capsys):
+    code, _, err = run_cli(capsys, "convert", source, "--out", "/proc/normswap-out", "--quiet")
+    assert_refused(code, err, "stores no files")
+    mounted = tmp_path / "mounted"
+    if not _bind(copy_source(source, tmp_path, "elsewhere"), mounted):
+        pytest.skip("bind mounts need root here")
+    try:
+        code, _, err = run_cli(capsys, "convert", source, "--out", mounted, "--overwrite", "--quiet")
+        assert_refused(code, err, "is a mount point")
+    finally:
+        _unbind(mounted)
+
+
 # ---------------------------------------------------------------------------------------------
 # the Python API checks its arguments at the door
 

@@ -47,7 +47,7 @@ from pathlib import Path
 
 from normswap.checkpoint.marker import KINDS as KINDS  # re-exported
 from normswap.checkpoint.marker import MARKER, describe_foreign, foreign_paths, marked_kind, write_marker
-from normswap.checkpoint.removal import mounts_inside, remove_tree
+from normswap.checkpoint.removal import mount_points, mounts_inside, remove_tree
 from normswap.checkpoint.space import check_free_space as check_free_space  # re-exported
 from normswap.checkpoint.space import progress_bar as progress_bar  # re-exported
 from normswap.checkpoint.temporaries import TMP_MARKER, drop_marker, make_temporary, remove_stale_temporaries
@@ -92,6 +92,9 @@ def check_out(out: Path, inputs: Sequence[Path], overwrite: bool, *, kind: str) 
         return
     if not out.is_dir():
         raise NormswapError(f"--out {out} exists and is not a folder")
+    if os.path.realpath(out) in mount_points():
+        raise NormswapError(f"--out {out} is a mount point, which cannot be replaced by renaming a folder onto it "
+                            "(as normswap installs); pass a folder inside it")
     try:
         empty = not any(out.iterdir())
     except OSError as error:

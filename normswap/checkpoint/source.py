@@ -63,7 +63,8 @@ def resolve_source(src: str | Path, *, trust_remote_code: bool = False, revision
         if not path.is_dir():
             raise NormswapError(f"{src} is not a directory; pass a checkpoint directory or a hub id")
         if not (path / "config.json").is_file():
-            raise NormswapError(f"{src} has no config.json; it is not a Hugging Face checkpoint directory")
+            what = "a config.json that is not a regular file" if (path / "config.json").exists() else "no config.json"
+            raise NormswapError(f"{src} has {what}; it is not a Hugging Face checkpoint directory")
         if revision is not None:
             raise NormswapError(f"--revision applies to hub ids, not to the local directory {src}")
         check_files(path)
@@ -253,6 +254,9 @@ def _load_pickle_shard(file: Path) -> dict[str, torch.Tensor]:
             # pickles from before torch 1.6 (not zip archives) cannot be mapped: load that shard whole
             state = torch.load(file, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
+        with open(file, "rb") as stream:  # torch.save writes a zip archive, or a pickle (protocol 2 and up)
+            if stream.read(1) not in (b"P", b"\x80"):
+                raise NormswapError(f"{file} is not a PyTorch weight file (neither a zip archive nor a pickle)") from None
         # torch's own message advises turning the safety off; normswap never does
         raise NormswapError(f"{file} holds Python objects other than tensors; normswap reads only tensors from "
                             ".bin files and runs no code from them") from None
@@ -268,8 +272,10 @@ def _load_pickle_shard(file: Path) -> dict[str, torch.Tensor]:
     if not isinstance(state, dict):
         raise NormswapError(f"{file} does not hold a state dict")
     for name, value in state.items():
-        if not isinstance(name, str) or not isinstance(value, torch.Tensor):
-            raise NormswapError(f"{file}: entry {name!r:.60} holds a {type(value).__name__}, not a tensor")
+        if not isinstance(name, str):
+            raise NormswapError(f"{file}: the key {quoted(name)} ({type(name).__name__}) is not a tensor name")
+        if not isinstance(value, torch.Tensor):
+            raise NormswapError(f"{file}: entry {quoted(name)} holds a {type(value).__name__}, not a tensor")
     return state
 
 

@@ -14,9 +14,13 @@ def check_free_space(out: Path, needed: int) -> None:
     """Refuse early when the filesystem of ``out`` cannot hold ``needed`` bytes of weights."""
     existing = next(folder for folder in (out, *out.parents) if folder.exists())
     try:
-        free = shutil.disk_usage(existing).free
+        usage = shutil.disk_usage(existing)
     except OSError:
         return  # no figure to compare with; a full disk is still reported when writing
+    if usage.total == 0:
+        raise NormswapError(f"--out {out} is on a filesystem that stores no files ({existing} is on a "
+                            "virtual one, as /proc and /sys are); pick a folder on a disk")
+    free = usage.free
     if free < needed:
         raise NormswapError(f"not enough disk space beside --out: the converted weights need {_size(needed)}, "
                             f"{_size(free)} {'is' if free == 1 else 'are'} free; nothing was written")
