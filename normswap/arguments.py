@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from normswap.errors import quoted
+from normswap.errors import ArgumentError, quoted
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -143,8 +143,6 @@ DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 def check_device_map(where: str, device_map: Any) -> None:
     """Refuse a ``device_map`` that ``from_pretrained`` would reject deep inside a run: a
     ``TypeError`` for a wrong type, an ``ArgumentError`` (a ``ValueError``) for a bad value."""
-    from normswap.errors import ArgumentError
-
     if device_map is None or isinstance(device_map, dict) or device_map in DEVICE_MAPS:
         return
     import torch
