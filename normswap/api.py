@@ -39,6 +39,9 @@ def load(path: str | Path, **from_pretrained_kwargs) -> nn.Module:
     validation.check_structure(path, config)
     architecture = architecture_for({**config, "model_type": _original_type(config)})
     base = build.model_class(config, architecture.auto_class)
+    if not (block.get("rotation") or {}).get("centred", True):
+        # a commuting rotation of an uncentred stream: only the stock LayerNorm class computes it
+        return build.load_pretrained(base, path, **from_pretrained_kwargs)
     cls = registry.kernel_class(base, own_type=not block.get("stock_loadable", True))
     return build.load_pretrained(cls, path, **from_pretrained_kwargs)
 

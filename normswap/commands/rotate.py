@@ -8,6 +8,7 @@ import argparse
 from normswap.commands import add_checkpoint_out, add_json_option, add_verification_options, emit_json
 
 METHODS = ("hadamard", "orthogonal", "pca")
+FORMS = ("commuting", "free")  # normswap.rotate.commuting.FORMS, spelled here to keep torch out of start-up
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -18,6 +19,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="hadamard: randomised Hadamard diag(±1)·H/√d (default); orthogonal: seeded random "
                              "orthogonal; pca: principal directions of the stream on --calibration text "
                              "(the default, and the only method, with --slice)")
+    parser.add_argument("--form", choices=FORMS,
+                        help="commuting (default): Q·1 = 1, so LayerNorm(x·Q) = LayerNorm(x)·Q and the output keeps the "
+                             "original model type, loadable by stock transformers; free: any orthogonal Q on the "
+                             "centred RMSNorm conversion, written as a normswap_<type> checkpoint")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random signs / random matrix (default 0)")
     parser.add_argument("--calibration", metavar="TEXT_FILE", help="UTF-8 text the pca directions are measured on")
     parser.add_argument("--calibration-tokens", type=int, default=32768,
@@ -39,6 +44,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.slice is not None or args.held_out is not None:
         from normswap.commands.rotate_slice import run_slice
+        from normswap.errors import NormswapError
+
+        if args.form is not None:
+            raise NormswapError("--form applies to rotation; a sliced checkpoint has its own model type "
+                                "(docs/rotation.md says why)")
 
         return run_slice(args)
     from normswap.api import rotate_checkpoint
@@ -46,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
     from normswap.text import format_table
 
     provenance = rotate_checkpoint(
-        args.src, args.out, method=args.method or "hadamard", seed=args.seed, calibration=args.calibration,
+        args.src, args.out, method=args.method or "hadamard", seed=args.seed, form=args.form or "commuting",
+        calibration=args.calibration,
         calibration_tokens=args.calibration_tokens, dtype=args.dtype, overwrite=args.overwrite,
         trust_remote_code=args.trust_remote_code, atol=args.atol, rtol=args.rtol,
         verification=args.verification, quiet=args.quiet,
@@ -54,7 +65,9 @@ def run(args: argparse.Namespace) -> int:
     rotation = provenance["rotation"]
     counts = rotation["rotated"]
     seed = "" if rotation["seed"] is None else f" (seed {rotation['seed']})"
-    print(f"wrote {args.out}: residual stream rotated by {rotation['method']}{seed}, d = {rotation['dimension']}, "
+    form = ("Q·1 = 1, stock model type" if rotation.get("form") == "commuting"
+            else "free, own model type normswap_<type>")
+    print(f"wrote {args.out}: residual stream rotated by {rotation['method']}{seed} ({form}), d = {rotation['dimension']}, "
           f"sha256 {rotation['matrix_sha256'][:16]}…; {counts['writers']} writers, {counts['readers']} readers, "
           f"{counts['norm_biases']} norm biases rotated")
     verification = provenance.get("verification")

@@ -71,6 +71,17 @@ the model computes the original's function while its hidden states are x·Q. Loa
 LayerNorm(x·Q) ≠ LayerNorm(x)·Q.
 """
 
+COMMUTING_SECTION = """
+## Rotation (commuting with LayerNorm)
+
+The residual stream is rotated by an orthogonal matrix Q with Q·1 = 1 ({method}{seed}; {construction}; \
+d = {dimension}; sha256 {matrix_sha256}), stored in `{matrix_file}`. Such a Q commutes with LayerNorm's \
+mean removal, so LayerNorm(x·Q) = LayerNorm(x)·Q and the stock LayerNorm modules (weight 1; γ and β \
+folded into the layers that read them) compute the original's function: stock transformers loads \
+this checkpoint as it is. Hidden states are x·Q. Outputs that come out rotated: {outputs}. Streams \
+left unrotated: {fixed}.
+"""
+
 
 def provenance_block(source: str, plan: ConversionPlan, options: dict, auto_class: str) -> dict:
     """The ``normswap`` block of config.json: what was done, with which options and version."""
@@ -102,7 +113,10 @@ def rotation_provenance(source: str, plan: ConversionPlan, auto_class: str, dtyp
     else:
         options = {"method": "exact", "fold_gains": True, "dtype": dtype_name(dtype)}
         block = provenance_block(source, plan, options, auto_class)
-    block["stock_loadable"] = False
+    # the commuting form (Q·1 = 1) keeps the stock LayerNorm exact; the free form needs the RMSNorm class
+    block["stock_loadable"] = rotation.get("form") == "commuting"
+    if rotation.get("form") == "commuting" and source_block is None:
+        block["writers_centred"] = 0
     block["rotation"] = rotation
     return block
 
@@ -130,7 +144,9 @@ def converted_config(config: dict, plan: ConversionPlan, meta: nn.Module, archit
     # the family's Auto class, and every other Auto class that maps this type to this class
     # (AutoModelForImageClassification for a ViTForImageClassification)
     autos = [architecture.auto_class, *build.auto_classes_for(config["model_type"], model_name)]
-    if provenance["stock_loadable"]:
+    if provenance["stock_loadable"] and not provenance.get("rotation", {}).get("centred", True):
+        new.pop("auto_map", None)  # an uncentred stream: the RMSNorm class would not compute this model
+    elif provenance["stock_loadable"]:
         new["auto_map"] = {auto: f"modeling_normswap.{remote.CLASS_PREFIX}{model_name}" for auto in autos}
     else:
         new["model_type"] = remote.MODEL_TYPE_PREFIX + config["model_type"]
@@ -173,5 +189,7 @@ def model_card(provenance: dict) -> str:
     rotation = provenance.get("rotation")
     if rotation is not None:
         seed = "" if rotation["seed"] is None else f", seed {rotation['seed']}"
-        card += ROTATION_SECTION.format(**{**rotation, "seed": seed})
+        section = COMMUTING_SECTION if rotation.get("form") == "commuting" else ROTATION_SECTION
+        card += section.format(**{**rotation, "seed": seed, "fixed": ", ".join(rotation.get("fixed_streams", {}).values())
+                                  or "none", "outputs": ", ".join(rotation.get("rotated_outputs", {})) or "none"})
     return card

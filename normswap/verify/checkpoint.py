@@ -149,14 +149,17 @@ def run_comparison(reference_dir: Path, converted_dir: Path, architecture: Archi
                    reference: Callable[[], nn.Module], stock_loadable: bool, trust_remote_code: bool,
                    layerwise: tuple[str, str | None], quiet: bool,
                    stream_map: by_layer.StreamMap = by_layer.centred64,
-                   tolerance: tuple[float, float] | None = None,
+                   tolerance: tuple[float, float] | None = None, rmsnorm_form: bool = True,
+                   skip: frozenset[str] = frozenset(),
                    ) -> tuple[Probe, dict[str, dict], str, str | None]:
     """(probe, figures per loader, mode, note): block by block when ``layerwise`` (a
     ``verification_mode`` answer) says so and the model allows it, else whole models.
 
     With ``tolerance`` (atol, rtol), a block-by-block run teacher-forces only the loads that fail
-    it (``layerwise.compare_layerwise``)."""
-    rms_how = "remote" if trust_remote_code else "rmsnorm"
+    it (``layerwise.compare_layerwise``). Without ``rmsnorm_form`` only the stock class loads the
+    checkpoint (an uncentred stream, which no RMSNorm class computes); outputs in ``skip`` are not
+    compared."""
+    rms_how = ("remote" if trust_remote_code else "rmsnorm") if rmsnorm_form else None
     mode, note = layerwise
     refused = refusals(converted_dir, stock_loadable)
     if mode == "layerwise":
@@ -171,7 +174,7 @@ def run_comparison(reference_dir: Path, converted_dir: Path, architecture: Archi
         except Unsupported as error:
             mode, note = "full", f"layer by layer unavailable ({error}); compared whole models"
     probe, compared = compare_whole(reference, reference_dir, converted_dir, architecture,
-                                    stock_loadable=stock_loadable, rms_how=rms_how)
+                                    stock_loadable=stock_loadable, rms_how=rms_how, skip=skip)
     return probe, {**refused, **compared}, mode, note
 
 
@@ -226,10 +229,13 @@ def verify_rotated(reference: str | Path, rotated: str | Path, *, atol: float | 
                    rtol: float | None = None, layerwise: bool | None = None, quiet: bool = True,
                    trust_remote_code: bool = False) -> dict:
     """Compare a rotated checkpoint with the checkpoint it was rotated from (an original or a
-    folded conversion): logits, and per block the stream, which must be C·h·Q.
+    folded conversion): logits, and per block the stream, which must be h·Q (C·h·Q for the free
+    form, whose stream is centred).
 
-    The rotated model is built from normswap's own RMSNorm classes; with ``trust_remote_code``
-    the checkpoint's ``modeling_normswap.py`` runs instead."""
+    The free form's model is built from normswap's own RMSNorm classes (with ``trust_remote_code``
+    the checkpoint's ``modeling_normswap.py`` runs instead). The commuting form's is loaded with
+    the stock class, and with the RMSNorm class too where its stream is centred (a folded source);
+    the outputs that come out rotated (``rotated_outputs``) are not compared."""
     from normswap.rotate.matrices import load_rotation
     from normswap.rotate.plan import family_of
 
@@ -244,16 +250,19 @@ def verify_rotated(reference: str | Path, rotated: str | Path, *, atol: float | 
         mode = verification_mode(reference_dir, architecture, layerwise)
     else:
         mode = ("full", "layer by layer needs a reference the stock class loads; compared whole models")
+    form = block.get("rotation", {}).get("form", "free")
+    centred = block.get("rotation", {}).get("centred", True)
 
     def stream_map(hidden: torch.Tensor) -> torch.Tensor:
-        return by_layer.centred64(hidden) @ rotation
+        return (by_layer.centred64(hidden) if centred else hidden.double()) @ rotation
 
     rms_how = "remote" if trust_remote_code else "rmsnorm"
     probe, loaders, mode, note = run_comparison(
         reference_dir, rotated_dir, architecture,
         reference=lambda: reference_model(reference_dir, architecture, rms_how=rms_how),
-        stock_loadable=False, trust_remote_code=trust_remote_code, layerwise=mode, quiet=quiet,
-        stream_map=stream_map, tolerance=(atol, rtol),
+        stock_loadable=form == "commuting", trust_remote_code=trust_remote_code, layerwise=mode, quiet=quiet,
+        stream_map=stream_map, tolerance=(atol, rtol), rmsnorm_form=centred,
+        skip=frozenset(block.get("rotation", {}).get("rotated_outputs", {})),
     )
     return summarise(probe, loaders, atol=atol, rtol=rtol, mode=mode, note=note, method="exact",
                      paths=(reference_dir, rotated_dir), reference="source")
