@@ -27,8 +27,8 @@ vision ``last_hidden_state`` is exact only up to its per-token mean.
 
 Commuting rotation (Q·1 = 1, stock LayerNorm kept): the text tower's stream is rotated, and
 ``final_layer_norm``'s γ folds into ``text_projection`` (β ⊘ γ stays in the norm, rotated), so the
-projected text embeddings are exact while the text ``last_hidden_state`` and ``pooler_output``
-come out as (h ⊘ γ)·Q. The vision stream is not rotated (``fixed_streams``): it starts as
+projected text embeddings are exact while the text ``last_hidden_state`` comes out as (h ⊘ γ)·Q
+(CLIPModel's ``text_model_output.pooler_output`` is the projection's output, exact). The vision stream is not rotated (``fixed_streams``): it starts as
 ``pre_layrnorm``'s γ ⊙ LN(e) + β, and no gain γ' makes γ' ⊙ LN(e·Q) equal (γ ⊙ LN(e))·Q unless γ
 is constant (diag(γ) does not commute with Q), so the whole vision tower stays as it is.
 """
@@ -81,7 +81,8 @@ def _fixed_streams(config: dict) -> dict[str, str]:
 
 def _rotated_outputs(config: dict) -> dict[str, str]:
     if config.get("model_type") == "clip":
-        return {f"text_model_output.{key}": "text_model.final_layer_norm" for key in ("last_hidden_state", "pooler_output")}
+        # its text_model_output.pooler_output is the projection's output (transformers 5): exact
+        return {"text_model_output.last_hidden_state": "text_model.final_layer_norm"}
     if config.get("model_type") == "clip_text_model":
         return {"last_hidden_state": "text_model.final_layer_norm"}
     return {}

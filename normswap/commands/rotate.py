@@ -65,11 +65,15 @@ def run(args: argparse.Namespace) -> int:
     rotation = provenance["rotation"]
     counts = rotation["rotated"]
     seed = "" if rotation["seed"] is None else f" (seed {rotation['seed']})"
-    form = ("Q·1 = 1, stock model type" if rotation.get("form") == "commuting"
-            else "free, own model type normswap_<type>")
-    print(f"wrote {args.out}: residual stream rotated by {rotation['method']}{seed} ({form}), d = {rotation['dimension']}, "
+    form = ("commuting form: Q·1 = 1, the original model type, loadable by stock transformers"
+            if rotation.get("form") == "commuting" else "free form: model type normswap_<type>")
+    print(f"wrote {args.out}: residual stream rotated by {rotation['method']}{seed}, d = {rotation['dimension']}, "
           f"sha256 {rotation['matrix_sha256'][:16]}…; {counts['writers']} writers, {counts['readers']} readers, "
-          f"{counts['norm_biases']} norm biases rotated")
+          f"{counts['norm_biases']} norm biases rotated ({form})")
+    for stream in rotation.get("fixed_streams", {}).values():
+        print(f"not rotated: {stream}")
+    for name, norm in rotation.get("rotated_outputs", {}).items():
+        print(f"rotated output: {name} (the output of {norm}, γ and β folded away, times Q)")
     verification = provenance.get("verification")
     if verification:
         print(format_table(verification["loaders"]))
