@@ -235,3 +235,58 @@ def test_pca_is_refused_for_non_text_families(tmp_path, capsys):
     code, err = run_cli(capsys, "rotate", str(src), "--out", str(tmp_path / "out"), "--method", "pca",
                         "--calibration", str(CALIBRATION))
     assert_one_line_error(code, err, "causal language model")
+
+
+# ---------------------------------------------------------------------------------------------
+# A stock consumer takes the output: transformers' Auto class, generate, lm-eval's hf model
+
+
+def _stock_causal(path: Path) -> torch.nn.Module:
+    model = T.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)  # no trust_remote_code
+    assert type(model).__module__.startswith("transformers.models.")
+    return model.eval()
+
+
+@pytest.mark.parametrize("case", ["gpt2-bundled", "opt-tied"])
+def test_stock_generate_matches_the_original(tmp_path, case):
+    if case == "gpt2-bundled":
+        from normswap.checkpoint.source import example_model_path
+
+        src = example_model_path()
+        tokenizer = T.AutoTokenizer.from_pretrained(src)
+        prompt = tokenizer("It is a truth universally acknowledged, that", return_tensors="pt").input_ids
+    else:
+        src, prompt = make_source(tmp_path, case), token_ids(VOCAB, batch=1, length=6)
+    rotated = tmp_path / "rotated"
+    rotate_checkpoint(src, rotated)  # the default: commuting hadamard, verified
+    assert "auto_map" not in json.loads((rotated / "config.json").read_text())
+    outputs = []
+    for path in (src, rotated):
+        with torch.no_grad():
+            outputs.append(_stock_causal(path).generate(prompt, max_new_tokens=24, do_sample=False,
+                                                        attention_mask=torch.ones_like(prompt), pad_token_id=0))
+    assert torch.equal(outputs[0], outputs[1]) and outputs[0].shape[1] == prompt.shape[1] + 24
+
+
+@pytest.mark.slow
+def test_lm_eval_hf_model_scores_the_rotated_checkpoint_as_the_original(tmp_path):
+    """lm-eval's own ``--model hf`` (HFLM from a path, no remote code) on the local tasks."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from normswap.checkpoint.source import example_model_path
+    from normswap.evaluation.local_tasks import materialise_tasks
+
+    rotated = tmp_path / "rotated"
+    rotate_checkpoint("normswap:austen-gpt2", rotated, verification="none")
+    tasks = ["persuasion_cloze", "persuasion_lastword"]
+    manager = TaskManager(include_defaults=False, include_path=str(materialise_tasks(tmp_path / "tasks", tasks)))
+    scores = []
+    for path in (example_model_path(), rotated):
+        raw = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={path},dtype=float32,device=cpu", tasks=tasks,
+                                      task_manager=manager, limit=40, bootstrap_iters=0, batch_size=8)
+        scores.append({f"{task}/{key}": value for task, metrics in raw["results"].items()
+                       for key, value in metrics.items() if isinstance(value, float)})
+    assert scores[0].keys() == scores[1].keys() and "persuasion_cloze/acc,none" in scores[0]
+    for key, value in scores[0].items():
+        assert abs(scores[1][key] - value) <= 1e-4 * max(1.0, abs(value)), (key, value, scores[1][key])
