@@ -55,8 +55,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed for --random-tokens")
     add_report_options(parser)
     parser.add_argument("--outliers", action="store_true",
-                        help="also measure max|x|/RMS(x) and kurtosis at every linear layer's input "
-                             "(what a rotation changes); with --plot, also report-outliers.png")
+                        help="also measure max|x|/RMS(x) and kurtosis at every linear layer's input (the MLP "
+                             "down projections apart) and the KL that round-to-nearest quantisation costs (weight-only "
+                             "int8/int4/int4-g128, W8A8, W4A8): what a rotation changes; with --plot, also "
+                             "report-outliers.png")
 
 
 def read_text(path: Path, max_chars: int) -> str:
@@ -264,4 +266,4 @@ def _outliers(args: argparse.Namespace, models: dict, ids: torch.Tensor, reports
     results = geometry_outliers(models, ids, seq_len, args.batch_size)
     for label, result in results.items():
         reports[label]["outliers"] = result
-    return format_outliers({label: result["summary"] for label, result in results.items()})
+    return format_outliers(results)

@@ -19,7 +19,7 @@ import math
 import torch
 from torch import nn
 
-from normswap.rotate.quantise import linear_layers
+from normswap.rotate.quantise import QUANTISERS, apply_quantiser, is_down_projection, linear_layers
 
 
 class _Moments:
@@ -78,8 +78,8 @@ def linear_input_outliers(model: nn.Module, token_ids: torch.Tensor, *, seq_len:
 
 def summarise(rows: list[dict]) -> dict:
     """Mean and max of the outlier ratio and kurtosis over layers."""
-    ratios = [row["outlier_ratio"] for row in rows]
-    kurtoses = [row["kurtosis"] for row in rows]
+    ratios = [row["outlier_ratio"] for row in rows] or [float("nan")]
+    kurtoses = [row["kurtosis"] for row in rows] or [float("nan")]
     return {
         "layers": len(rows),
         "outlier_ratio_mean": sum(ratios) / len(ratios),
@@ -116,21 +116,63 @@ def plot_outliers(reports: dict[str, list[dict]], path) -> None:
     plt.close(fig)
 
 
-def format_outliers(summaries: dict[str, dict]) -> str:
-    """A Markdown table: per model, the outlier ratio and kurtosis over all linear inputs and over
-    the layers that read the residual stream."""
-    lines = ["| model | layers | outlier ratio mean / max | kurtosis mean / max |", "|---|---|---|---|"]
-    for label, summary in summaries.items():
-        lines.append(f"| {label} | {summary['layers']} | {summary['outlier_ratio_mean']:.3g} / "
-                     f"{summary['outlier_ratio_max']:.3g} | {summary['kurtosis_mean']:.3g} / "
-                     f"{summary['kurtosis_max']:.3g} |")
+def format_outliers(results: dict[str, dict]) -> str:
+    """Markdown tables: per model, the outlier ratio and kurtosis over all linear inputs and over the
+    MLP down projections' inputs apart; then the KL each quantiser costs."""
+    lines = ["| model | inputs | layers | outlier ratio mean / max | kurtosis mean / max |", "|---|---|---|---|---|"]
+    for label, result in results.items():
+        for part, summary in (("all linear", result["summary"]), ("down projections", result["down_projections"])):
+            lines.append(f"| {label} | {part} | {summary['layers']} | {summary['outlier_ratio_mean']:.3g} / "
+                         f"{summary['outlier_ratio_max']:.3g} | {summary['kurtosis_mean']:.3g} / "
+                         f"{summary['kurtosis_max']:.3g} |")
+    if any(result["quantisation_kl"] for result in results.values()):
+        lines += ["", "| model | " + " | ".join(f"KL {label}" for label in QUANTISERS) + " |",
+                  "|---|" + "---|" * len(QUANTISERS)]
+        for label, result in results.items():
+            kl = result["quantisation_kl"]
+            lines.append(f"| {label} | " + " | ".join(f"{kl[q]:.3g}" if q in kl else "-" for q in QUANTISERS) + " |")
     return "\n".join(lines)
 
 
 def geometry_outliers(models: dict[str, nn.Module], token_ids: torch.Tensor, seq_len: int, batch_size: int) -> dict:
-    """``normswap geometry --outliers``: per model label, the per-layer rows and their summary."""
+    """``normswap geometry --outliers``: per model label, the per-layer rows, their summary, the
+    summary of the MLP down projections' inputs apart, and the quantisation error per quantiser."""
     results = {}
     for label, model in models.items():
         rows = linear_input_outliers(model, token_ids, seq_len=seq_len, batch_size=batch_size)
-        results[label] = {"summary": summarise(rows), "layers": rows}
+        down = [row for row in rows if is_down_projection(row["layer"])]
+        results[label] = {"summary": summarise(rows), "down_projections": summarise(down), "layers": rows,
+                          "quantisation_kl": quantisation_errors(model, token_ids, seq_len, batch_size)}
     return results
+
+
+@torch.no_grad()
+def quantisation_errors(model: nn.Module, token_ids: torch.Tensor, seq_len: int, batch_size: int) -> dict[str, float]:
+    """Per quantiser (``normswap.rotate.quantise.QUANTISERS``), the mean KL(model ‖ quantised copy) of
+    the next-token distributions over ``token_ids``, every linear layer of the residual blocks
+    quantised (embeddings and head not); empty for a model without logits or blocks."""
+    import copy
+
+    from normswap.analysis.collect import windows
+    from normswap.runtime.offload import find_blocks
+
+    found = find_blocks(model, None)
+    batches = list(windows(token_ids.reshape(-1).long(), seq_len, batch_size))
+    device = next(model.parameters()).device
+
+    def log_probs(candidate: nn.Module) -> list[torch.Tensor] | None:
+        outputs = [getattr(candidate(input_ids=batch.to(device)), "logits", None) for batch in batches]
+        return None if any(out is None for out in outputs) else [torch.log_softmax(out.double(), -1) for out in outputs]
+
+    reference = log_probs(model) if found is not None and not model.config.is_encoder_decoder else None
+    if reference is None:
+        return {}
+    errors = {}
+    for label in QUANTISERS:
+        quantised = copy.deepcopy(model)
+        apply_quantiser(quantised, label, within=found[0])
+        candidate = log_probs(quantised)
+        errors[label] = float(sum((p.exp() * (p - q)).sum(-1).sum() for p, q in zip(reference, candidate, strict=True))
+                              / sum(p.shape[0] * p.shape[1] for p in reference))
+        del quantised
+    return errors
