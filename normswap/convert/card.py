@@ -71,6 +71,30 @@ the model computes the original's function while its hidden states are x·Q. Loa
 LayerNorm(x·Q) ≠ LayerNorm(x)·Q.
 """
 
+COMMUTING_CARD = """\
+---
+library_name: transformers
+tags:
+- normswap
+- rotation
+---
+# `{source}`, its residual stream rotated
+
+Written by [normswap](https://pypi.org/project/normswap/) {version}. It computes the same function as
+`{source}` with the stock classes: load it with `{auto_class}.from_pretrained(PATH)`, no remote code.
+
+## What was done
+
+- **Folded** the gain γ and bias β of {folded} LayerNorms into the layers that read them (where a
+  reader has no bias slot, β ⊘ γ stays in the norm); the LayerNorm modules stay, with weight 1.
+- **Untied:** {untied}. The head reads the stream; it does not write it.
+- **Rotated** the residual stream (below). Weights stored as `{dtype}`.
+
+## Verification
+
+{table}
+"""
+
 COMMUTING_SECTION = """
 ## Rotation (commuting with LayerNorm)
 
@@ -115,8 +139,6 @@ def rotation_provenance(source: str, plan: ConversionPlan, auto_class: str, dtyp
         block = provenance_block(source, plan, options, auto_class)
     # the commuting form (Q·1 = 1) keeps the stock LayerNorm exact; the free form needs the RMSNorm class
     block["stock_loadable"] = rotation.get("form") == "commuting"
-    if rotation.get("form") == "commuting" and source_block is None:
-        block["writers_centred"] = 0
     block["rotation"] = rotation
     return block
 
@@ -187,6 +209,11 @@ def model_card(provenance: dict) -> str:
         tolerance=(verification or {}).get("tolerance", {}).get("limit", float("nan")),
     )
     rotation = provenance.get("rotation")
+    if rotation is not None and not rotation.get("centred", True):
+        card = COMMUTING_CARD.format(source=provenance["source"], version=provenance["version"],
+                                     auto_class=provenance["auto_class"], folded=folded, dtype=options["dtype"],
+                                     untied=", ".join(provenance["untied"]) or "nothing (the head was not tied)",
+                                     table=format_table(verification["loaders"]) if verification else "(not verified)")
     if rotation is not None:
         seed = "" if rotation["seed"] is None else f", seed {rotation['seed']}"
         section = COMMUTING_SECTION if rotation.get("form") == "commuting" else ROTATION_SECTION
