@@ -498,7 +498,7 @@ def test_geometry_shows_rotation_spreading_outliers(tmp_path, capsys):
     code = normswap_cli("geometry", str(src), "--compare", str(rotated), "--outliers", "--random-tokens",
                         "--max-tokens", "256", "--out", str(report.parent))
     printed = capsys.readouterr().out
-    assert code == 0 and "is rotated" in printed and "outlier ratio" in printed
+    assert code == 0 and "is rotated" in printed and "outlier ratio" in printed and "KL W4A8" in printed
     reports = json.loads(report.read_text())
 
     def stream(label: str, key: str) -> list[float]:

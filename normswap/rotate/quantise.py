@@ -102,8 +102,10 @@ def is_down_projection(name: str) -> bool:
     return any(name == suffix or name.endswith("." + suffix) for suffix in DOWN_PROJECTIONS)
 
 
+@torch.no_grad()
 def fake_quantise_tokens(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """x̂ with every token (row over the last axis) quantised symmetrically to ``bits``, per token."""
+    """x̂ with every token (row over the last axis) quantised symmetrically to ``bits``, per token
+    (a measurement: no gradient flows through it)."""
     rows = x.float().reshape(-1, x.shape[-1]).contiguous()
     q_max = 2 ** (bits - 1) - 1
     scale = rows.abs().amax(dim=1) / q_max
