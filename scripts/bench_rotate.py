@@ -55,6 +55,7 @@ from normswap.runtime.reference import tokenize_text  # noqa: E402
 
 BUNDLED_TEXT = ROOT / "normswap" / "data" / "text"
 QUANTISATIONS = QUANTISERS
+GAIN_OUTLIERS = (11, 101)  # the synthetic model's norm-gain outlier channels
 
 
 STRIDE = {"value": None}
@@ -97,11 +98,12 @@ def measure(name: str, load, ids: torch.Tensor, outlier_ids: torch.Tensor, windo
 
 
 def synthetic_model(directory: Path, tokenizer_dir: Path, *, d: int = 256, layers: int = 4, seed: int = 0) -> Path:
-    """A random GPT-2 made to look trained where it matters here: norm gains far from 1, biases
-    far from 0, and one massive residual dimension (a few coordinates hundreds of times the RMS,
-    as trained GPT-2, OPT and Pythia have), built by a large constant in the token table and in
-    every MLP output bias on that dimension. Its perplexity is meaningless; the KL between it and
-    its quantised copy is not."""
+    """A random GPT-2 made to look trained where it matters here: norm gains far from 1 with two
+    outlier channels (γ 20× the rest, as trained LayerNorms have: Kovaleva et al. 2021, Wei et al.
+    2022), biases far from 0, and one massive residual dimension (a few coordinates hundreds of
+    times the RMS, as trained GPT-2, OPT and Pythia have), built by a large constant in the token
+    table and in every MLP output bias on that dimension. Its perplexity is meaningless; the KL
+    between it and its quantised copy is not."""
     import shutil
 
     import transformers
@@ -118,6 +120,7 @@ def synthetic_model(directory: Path, tokenizer_dir: Path, *, d: int = 256, layer
         for module in model.modules():
             if isinstance(module, torch.nn.LayerNorm):
                 module.weight.copy_(0.5 + 1.5 * torch.rand(d, generator=generator))
+                module.weight[list(GAIN_OUTLIERS)] *= 20.0
                 module.bias.copy_(0.2 * torch.randn(d, generator=generator))
         model.transformer.wte.weight[:, massive] += 3.0
         for block in model.transformer.h:
