@@ -137,6 +137,18 @@ def test_folded_source_rotates_into_both_classes(tmp_path):
     assert block["verification"]["passed"]
 
 
+def test_layerwise_verification_compares_every_block_with_h_q(tmp_path, capsys):
+    src = make_source(tmp_path, "gpt_neox-sequential-tied-nobias")
+    out = tmp_path / "rotated"
+    block = rotate_checkpoint(src, out, method="orthogonal", verification="layerwise")
+    verification = block["verification"]
+    assert verification["passed"] and verification["mode"] == "layerwise"
+    layers = verification["loaders"]["stock"]["layers"]
+    assert len(layers) == 2 and max(layer["max_abs_diff"] / layer["max_abs_reference"] for layer in layers) < 1e-5
+    code, _ = run_cli(capsys, "verify", str(src), str(out), "--quiet")
+    assert code == 0
+
+
 def test_bloom_is_refused_with_the_reason(tmp_path, capsys):
     src = make_source(tmp_path, "bloom-baked")
     code, err = run_cli(capsys, "rotate", str(src), "--out", str(tmp_path / "out"))
