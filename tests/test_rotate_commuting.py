@@ -154,6 +154,14 @@ def test_bloom_is_refused_with_the_reason(tmp_path, capsys):
     code, err = run_cli(capsys, "rotate", str(src), "--out", str(tmp_path / "out"))
     assert_one_line_error(code, err, "word_embeddings_layernorm", "--form free")
     assert not (tmp_path / "out").exists()
+    # its folded conversion (own model type, baked norm) rotates, and keeps its own model type
+    import normswap
+
+    folded = tmp_path / "folded"
+    normswap.convert_checkpoint(src, folded, fold_gains=True, verification="none")
+    block = rotate_checkpoint(folded, tmp_path / "rotated", verification="full")
+    assert block["verification"]["passed"] and not block["stock_loadable"]
+    assert json.loads((tmp_path / "rotated" / "config.json").read_text())["model_type"] == "normswap_bloom"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -138,7 +138,7 @@ def rotation_provenance(source: str, plan: ConversionPlan, auto_class: str, dtyp
         options = {"method": "exact", "fold_gains": True, "dtype": dtype_name(dtype)}
         block = provenance_block(source, plan, options, auto_class)
     # the commuting form (Q·1 = 1) keeps the stock LayerNorm exact; the free form needs the RMSNorm class
-    block["stock_loadable"] = rotation.get("form") == "commuting"
+    block["stock_loadable"] = rotation.get("form") == "commuting" and plan.stock_loadable
     block["rotation"] = rotation
     return block
 

@@ -260,7 +260,7 @@ def verify_rotated(reference: str | Path, rotated: str | Path, *, atol: float | 
     probe, loaders, mode, note = run_comparison(
         reference_dir, rotated_dir, architecture,
         reference=lambda: reference_model(reference_dir, architecture, rms_how=rms_how),
-        stock_loadable=form == "commuting", trust_remote_code=trust_remote_code, layerwise=mode, quiet=quiet,
+        stock_loadable=form == "commuting" and block.get("stock_loadable", False), trust_remote_code=trust_remote_code, layerwise=mode, quiet=quiet,
         stream_map=stream_map, tolerance=(atol, rtol), rmsnorm_form=centred,
         skip=frozenset(block.get("rotation", {}).get("rotated_outputs", {})),
     )
