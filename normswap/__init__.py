@@ -51,25 +51,32 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'normswap' has no attribute {name!r}")
 
 
-def patch(model):
-    """Substitute normswap's fused RMSNorm kernels into ``model`` (see ``normswap.kernels.patch``)."""
+def patch(model: Any) -> Any:
+    """Substitute normswap's fused RMSNorm kernels into ``model`` (see ``normswap.kernels.patch``);
+    ``model`` must be a ``torch.nn.Module`` (a ``TypeError`` otherwise)."""
     from normswap.kernels.patch import patch as _patch
 
     return _patch(model)
 
 
 def _importing_normswap() -> bool:
-    """Whether a normswap module is part-way through its own import."""
+    """Whether a normswap submodule is part-way through its own import.
+
+    The package itself does not count: it registers as the last statement of its own import,
+    once every name here is defined, and the registry imports nothing from it.
+    """
     return any(
         getattr(getattr(module, "__spec__", None), "_initializing", False)
         for name, module in list(sys.modules.items())
-        if name == "normswap" or name.startswith("normswap.")
+        if name.startswith("normswap.")
     )
 
 
 def _register_auto_classes() -> None:
-    # When a normswap module is part-way through its own import, registering now could see it
+    # When a normswap submodule is part-way through its own import, registering now could see it
     # half-built; every path that loads a model registers before it does, so nothing is lost.
+    # Registering twice is a no-op, so the order transformers and normswap are imported in
+    # decides only when this runs, never what is registered.
     if not _importing_normswap():
         importlib.import_module("normswap.modeling.registry").register_auto_classes()
 

@@ -13,8 +13,8 @@ from normswap.commands import (
     add_report_options,
     at_least,
     check_report_out,
+    command_inputs,
     emit_json,
-    local_inputs,
     write_reports,
 )
 from normswap.errors import NormswapError
@@ -183,7 +183,7 @@ def _check_arguments(args: argparse.Namespace) -> None:
         raise NormswapError("--max-tokens must be at least 2")
     if args.text is not None and not args.random_tokens and not args.text.is_file():
         raise NormswapError(f"text file not found: {args.text}")
-    check_report_out(args, local_inputs(args.model, args.compare))
+    check_report_out(args, command_inputs(args))
     if args.plot:
         require("plot", "normswap geometry --plot")
     check_source(args.model, trust_remote_code=args.trust_remote_code)  # before any heavy import
@@ -230,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
     payload = reports if converted is not None else original
     if args.out is not None:
         write_reports(args.out, lambda folder: _write_files(folder, payload, reports, text, args.plot),
-                      inputs=local_inputs(args.model, args.compare), overwrite=args.overwrite)
+                      inputs=command_inputs(args), overwrite=args.overwrite)
     if args.json:
         emit_json(args, payload)
     return 0

@@ -144,12 +144,30 @@ def add_report_options(parser: argparse.ArgumentParser, *, plot: bool = True, ou
     add_json_option(parser)
 
 
-def local_inputs(*sources: str | None) -> list[Path]:
-    """The local folders among a command's sources: ``--out`` may not overlap them."""
-    return [Path(src).expanduser() for src in sources if src is not None and Path(src).expanduser().exists()]
+# Every option through which a command reads a file or folder: --out may overlap none of them.
+INPUT_OPTIONS = ("src", "model", "baseline", "compare", "original", "converted", "text", "audio", "images",
+                 "calibration", "held_out", "recipe")
 
 
-def check_report_out(args: argparse.Namespace, inputs: list[Path]) -> None:
+def local_inputs(*sources: str | Path | None) -> list[Path]:
+    """The local paths among a command's inputs, with the real files behind a folder's links (a
+    hub cache's blobs): ``--out`` may not overlap them."""
+    from normswap.checkpoint.source import source_inputs
+
+    found: list[Path] = []
+    for src in sources:
+        path = Path(src).expanduser() if src is not None else None
+        if path is not None and (path.exists() or path.is_symlink()):
+            found += source_inputs(path) if path.is_dir() else [path]
+    return found
+
+
+def command_inputs(args: argparse.Namespace) -> list[Path]:
+    """Every local input a command's arguments name (``INPUT_OPTIONS``)."""
+    return local_inputs(*(getattr(args, name, None) for name in INPUT_OPTIONS))
+
+
+def check_report_out(args: argparse.Namespace, inputs: list[Path], kind: str = "report") -> None:
     """Refuse, before any work, an ``--out`` normswap may not write, and ``--plot`` without one."""
     if getattr(args, "plot", False) and args.out is None:
         raise NormswapError("--plot needs --out DIR (the plots are written there)")
@@ -157,7 +175,7 @@ def check_report_out(args: argparse.Namespace, inputs: list[Path]) -> None:
         from normswap.checkpoint import output
 
         args.out = output.absolute(args.out)
-        output.check_out(args.out, inputs, args.overwrite)
+        output.check_out(args.out, inputs, args.overwrite, kind=kind)
 
 
 def write_reports(out: Path, write: Callable[[Path], list[Path]], *, inputs: list[Path],

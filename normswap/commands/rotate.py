@@ -6,9 +6,7 @@ from __future__ import annotations
 import argparse
 
 from normswap.commands import add_checkpoint_out, add_json_option, add_verification_options, emit_json
-
-METHODS = ("hadamard", "orthogonal", "pca")
-FORMS = ("commuting", "free")  # normswap.rotate.commuting.FORMS, spelled here to keep torch out of start-up
+from normswap.rotate.options import DEFAULT_CALIBRATION_TOKENS, FORMS, METHODS
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -25,8 +23,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "centred RMSNorm conversion, written as a normswap_<type> checkpoint")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random signs / random matrix (default 0)")
     parser.add_argument("--calibration", metavar="TEXT_FILE", help="UTF-8 text the pca directions are measured on")
-    parser.add_argument("--calibration-tokens", type=int, default=32768,
-                        help="use at most this many calibration tokens (default 32768)")
+    parser.add_argument("--calibration-tokens", type=int, default=DEFAULT_CALIBRATION_TOKENS,
+                        help=f"use at most this many calibration tokens (default {DEFAULT_CALIBRATION_TOKENS})")
     parser.add_argument("--slice", type=float, metavar="FRACTION",
                         help="delete this share (0 < f < 1) of the stream's dimensions, the least-variance principal "
                              "directions at every norm input (SliceGPT); needs --calibration. NOT exact: the "

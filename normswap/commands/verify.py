@@ -10,8 +10,10 @@ from normswap.commands import (
     add_tolerance_options,
     check_report_out,
     check_source,
+    command_inputs,
     emit_json,
-    local_inputs,
+    json_text,
+    write_reports,
 )
 from normswap.errors import VerificationError
 
@@ -35,7 +37,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     check_source(args.original)
     check_source(args.converted)
-    inputs = local_inputs(args.original, args.converted)
+    inputs = command_inputs(args)
     check_report_out(args, inputs)
     from normswap.verify.checkpoint import verify_checkpoint
 
@@ -44,7 +46,6 @@ def run(args: argparse.Namespace) -> int:
     text = summary(result)
     print(text)
     if args.out is not None:
-        from normswap.commands import json_text, write_reports
 
         def write(folder: Path) -> list[Path]:
             files = {"report.json": json_text(result), "report.md": to_markdown(args, text)}

@@ -15,11 +15,12 @@ from typing import TYPE_CHECKING
 
 from normswap.architectures.facts import ModelFacts
 from normswap.architectures.spec import Architecture
-from normswap.checkpoint.safetensors_io import tensor_nbytes
+from normswap.checkpoint.names import canonical_names, output_shard_names
+from normswap.checkpoint.safetensors_io import StoredTensor
 from normswap.checkpoint.source import TensorInfo
-from normswap.convert.names import canonical_names, output_shard_names, resolve_structure
+from normswap.convert.names import resolve_structure
 from normswap.convert.steps import Bake, Centre, DivideByGain, Fill, FoldBias, FoldGain, Step, Structure
-from normswap.dtypes import dtype_name, is_floating, torch_dtype
+from normswap.dtypes import dtype_name, is_floating
 from normswap.errors import NormswapError
 
 if TYPE_CHECKING:  # planning imports no torch; tensors are read and written elsewhere
@@ -27,7 +28,7 @@ if TYPE_CHECKING:  # planning imports no torch; tensors are read and written els
 
 
 @dataclass
-class TensorPlan:
+class TensorPlan(StoredTensor):
     """How one output tensor is made. Its dtype is kept by name (a ``torch.dtype`` given is stored
     as its name); ``dtype`` is the ``torch.dtype``."""
 
@@ -40,15 +41,6 @@ class TensorPlan:
 
     def __post_init__(self) -> None:
         self.dtype_name = dtype_name(self.dtype_name)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return torch_dtype(self.dtype_name)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the output tensor."""
-        return tensor_nbytes(self.shape, self.dtype_name)
 
 
 @dataclass

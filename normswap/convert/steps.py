@@ -75,7 +75,7 @@ class Fill(WholeStep):
 class Rotate:
     """Contract the stream axis ``axis`` with the orthogonal Q of ``rotation`` (``fold.rotate_axis``).
 
-    ``side`` says which of the ``fold.rotate_*`` identities this is (writer, reader, norm_bias).
+    ``side`` says which of ``fold.rotate_axis``'s identities this is (writer, reader, norm_bias).
     Slice-wise: every slice across ``axis`` is rotated on its own. A norm bias is rotated after
     its β ⊘ γ is formed, so that step is whole-tensor (``slice_wise`` False) and keeps its order.
     """

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,21 +28,13 @@ from pathlib import Path
 import torch
 
 from normswap.checkpoint import safetensors_io
+from normswap.checkpoint.files import SIDE_FILES, copy_inside_file
 from normswap.checkpoint.source import CheckpointReader, RecentReads
 from normswap.convert import fold
 from normswap.convert.plan import ConversionPlan, TensorPlan
 
 Read = Callable[[str], torch.Tensor]
 Progress = Callable[[int], None]
-
-# Files copied from the source checkpoint as they are (tokenizers, processors, generation).
-COPIED_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
-    "added_tokens.json", "tokenizer.model", "spiece.model", "vocab.txt", "generation_config.json",
-    "preprocessor_config.json", "processor_config.json", "feature_extractor_config.json",
-    "normalizer.json", "chat_template.jinja", "chat_template.json",
-)
-
 
 class ShardSource:
     """What the writer needs from the checkpoint: cached reads, and the fast paths it allows.
@@ -179,13 +170,12 @@ def _one_thread() -> Iterator[None]:
 def copy_side_files(source_dir: Path, out_dir: Path) -> list[str]:
     """Copy tokenizer, processor and generation files; returns their names.
 
-    A JSON file's ``auto_map`` (custom tokenizer or processor code) is dropped: normswap never
+    Each is copied only as a regular file inside the checkpoint (``checkpoint.files``). A JSON file's ``auto_map`` (custom tokenizer or processor code) is dropped: normswap never
     copies a checkpoint's code, so the entry would name a file the output does not have.
     """
     copied = []
-    for name in COPIED_FILES:
-        if (source_dir / name).is_file():
-            shutil.copyfile(source_dir / name, out_dir / name)
+    for name in SIDE_FILES:
+        if copy_inside_file(source_dir, name, out_dir / name):
             if name.endswith(".json"):
                 _drop_auto_map(out_dir / name)
             copied.append(name)

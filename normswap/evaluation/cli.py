@@ -17,8 +17,8 @@ from normswap.commands import (
     add_device_option,
     add_report_options,
     check_report_out,
+    command_inputs,
     emit_json,
-    local_inputs,
     tolerance,
 )
 from normswap.errors import NormswapError, VerificationError
@@ -163,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
 
     quiet_progress_bars(args)
     require("eval", "normswap eval")
-    inputs = local_inputs(args.model, args.baseline)
+    inputs = command_inputs(args)
     check_report_out(args, inputs)  # before any work
     if args.no_perplexity and not args.tasks and not (args.audio or args.images):
         raise NormswapError("nothing to evaluate: --no-perplexity and no --tasks")

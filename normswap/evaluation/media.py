@@ -21,6 +21,7 @@ from importlib import resources
 from pathlib import Path
 from types import ModuleType
 
+from normswap.checkpoint.provenance import original_model_type
 from normswap.errors import NormswapError
 
 BUNDLED = "bundled"
@@ -33,14 +34,14 @@ MODALITIES = {"whisper": "audio", "vit": "images", "clip": "images"}
 
 def modality(config: dict) -> str:
     """``audio``, ``images`` or ``text``: what a checkpoint (original or converted) reads."""
-    model_type = (config.get("normswap") or {}).get("original_model_type", config.get("model_type"))
+    model_type = original_model_type(config)
     return MODALITIES.get(str(model_type), "text")
 
 
 def require_modality(config: dict, source: str, given: str | None) -> None:
     """One line when the input option does not suit the model (``given``: audio, images or None)."""
     wanted = modality(config)
-    model_type = (config.get("normswap") or {}).get("original_model_type", config.get("model_type"))
+    model_type = original_model_type(config)
     if given is None and wanted != "text":
         raise NormswapError(
             f"{source} is a {model_type} model, which reads {wanted}, not text: pass --{wanted} PATH "

@@ -24,7 +24,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_eval_options(parser)
 
 
-def _merged_settings(recipe, args: argparse.Namespace):
+def _merged_settings(recipe, args: argparse.Namespace, trust_remote_code: bool = False):
     """Recipe eval settings, overridden by the command-line options that were given."""
     from normswap.evaluation.runner import EvalSettings
 
@@ -41,7 +41,7 @@ def _merged_settings(recipe, args: argparse.Namespace):
         limit=args.limit if args.limit is not None else limit,
         device=args.device or base.device,
         device_map=args.device_map or base.device_map,
-        trust_remote_code=bool(args.trust_remote_code or recipe.convert.get("trust_remote_code")),
+        trust_remote_code=trust_remote_code,
         no_progress=args.no_progress,
         audio=args.audio or base.audio,
         images=args.images or base.images,
@@ -53,16 +53,17 @@ def _merged_settings(recipe, args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     from normswap.commands import check_source
-    from normswap.evaluation.recipe import load_recipe, run_recipe
+    from normswap.evaluation.recipe import load_recipe, permitted, run_recipe
     from normswap.extras import require
 
     quiet_progress_bars(args)
     require("eval", "normswap run")
     recipe = load_recipe(args.recipe)  # a bad recipe or source is refused before torch is imported
-    check_source(recipe.source, trust_remote_code=bool(args.trust_remote_code or recipe.convert.get("trust_remote_code")))
+    trust = permitted(recipe, {"--trust-remote-code": bool(args.trust_remote_code)})["trust_remote_code"]
+    check_source(recipe.source, trust_remote_code=trust)
     from normswap.evaluation.compare import Tolerances, default_tolerances
 
-    settings = _merged_settings(recipe, args)
+    settings = _merged_settings(recipe, args, trust)
     tolerances = Tolerances(**{**default_tolerances(settings.dtype).as_dict(), **recipe.tolerances})
     out = args.out or Path("runs") / recipe.name
     report = run_recipe(

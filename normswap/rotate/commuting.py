@@ -31,13 +31,10 @@ import math
 
 import torch
 
-from normswap.convert import fold
 from normswap.errors import NormswapError
-from normswap.rotate import hadamard
+from normswap.rotate import hadamard, matrices
 from normswap.rotate.matrices import Rotation
-
-FORMS = ("commuting", "free")
-DEFAULT_FORM = "commuting"
+from normswap.rotate.options import DEFAULT_FORM, FORMS  # noqa: F401  (re-exported: the forms and the default)
 
 
 def normalised_hadamard(matrix: torch.Tensor) -> torch.Tensor:
@@ -78,7 +75,7 @@ def hadamard_rotation(d: int, seed: int) -> Rotation:
             "Kronecker products); use --method orthogonal"
         )
     h = normalised_hadamard(hadamard.hadamard_matrix(d))
-    signs = fold.random_signs(d, seed)
+    signs = matrices.random_signs(d, seed)
     signs[0] = 1.0
     matrix = (h * signs) @ h.T / d
     return Rotation("hadamard", seed, matrix, f"H·diag(s)·Hᵀ/d, s₁ = +1, H = {construction} with rows signed "
@@ -87,7 +84,7 @@ def hadamard_rotation(d: int, seed: int) -> Rotation:
 
 def orthogonal_rotation(d: int, seed: int) -> Rotation:
     """Q = U·diag(1, R)·Uᵀ with R Haar-random of order d - 1 (seeded)."""
-    inner = fold.random_orthogonal(d - 1, seed) if d > 1 else torch.ones(0, 0, dtype=torch.float64)
+    inner = matrices.random_orthogonal(d - 1, seed) if d > 1 else torch.ones(0, 0, dtype=torch.float64)
     return Rotation("orthogonal", seed, fixing_one(inner),
                     "U·diag(1, R)·Uᵀ, R = QR of a seeded Gaussian of order d-1, sign-fixed; U·e₁ = 1/√d (Q·1 = 1)")
 
@@ -97,7 +94,7 @@ def pca_rotation(second_moment: torch.Tensor, calibration: dict) -> Rotation:
     d = second_moment.shape[0]
     basis = complement_basis(d)
     within = (basis.T @ second_moment.double() @ basis)[1:, 1:]
-    vectors, values = fold.principal_rotation((within + within.T) / 2)
+    vectors, values = matrices.principal_rotation((within + within.T) / 2)
     total = float(values.clamp(min=0).sum())
     share = values.clamp(min=0).cumsum(0) / total if total > 0 else values
     kept = {f"top_{k}": float(share[k - 1]) for k in (1, 8, 32) if k <= values.numel()}

@@ -27,21 +27,23 @@ from pathlib import Path
 
 import torch
 
+from normswap.arguments import checked
 from normswap.checkpoint import output
 from normswap.checkpoint.source import CheckpointReader, read_config, resolve_source, source_inputs
 from normswap.convert import card, install, pipeline
 from normswap.dtypes import parse_dtype
 from normswap.errors import NormswapError
 from normswap.rotate import commuting
-from normswap.rotate.calibration import DEFAULT_CALIBRATION_TOKENS, calibrate, read_calibration
+from normswap.rotate.calibration import calibrate, read_calibration
 from normswap.rotate.matrices import (
-    METHODS,
     ROTATION_FILE,
     Rotation,
     hadamard_rotation,
     orthogonal_rotation,
+    pca_rotation,
     save_rotation,
 )
+from normswap.rotate.options import DEFAULT_CALIBRATION_TOKENS, DEFAULT_FORM, FORMS, METHODS
 from normswap.rotate.plan import (
     RotationPlan,
     add_rotation,
@@ -52,13 +54,14 @@ from normswap.rotate.plan import (
 )
 
 
+@checked
 def rotate_checkpoint(
     src: str | Path,
     out: str | Path,
     *,
     method: str = "hadamard",
     seed: int = 0,
-    form: str = commuting.DEFAULT_FORM,
+    form: str = DEFAULT_FORM,
     calibration: str | Path | None = None,
     calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS,
     dtype: str | torch.dtype | None = None,
@@ -87,7 +90,7 @@ def rotate_checkpoint(
     source_dir = resolve_source(src, trust_remote_code=trust_remote_code)
     out = output.absolute(out)
     inputs = source_inputs(source_dir) + ([Path(calibration)] if calibration is not None else [])
-    output.check_out(out, inputs, overwrite)
+    output.check_out(out, inputs, overwrite, kind="checkpoint")
     config = read_config(source_dir)
     if form == "free" or "normswap" in config:
         check_rotatable(source_dir, config)  # refusals before any weight is read
@@ -96,7 +99,7 @@ def rotate_checkpoint(
     with CheckpointReader(source_dir) as reader:
         rotation_plan, fixed = (plan_commuting(source_dir, config, reader, dtype=out_dtype) if form == "commuting"
                                 else (plan_rotation(source_dir, config, reader, dtype=out_dtype), {}))
-        rotation = make_rotation(method, form, seed, source_dir, rotation_plan, calibration, calibration_tokens,
+        rotation = make_rotation(method, form, seed, source_dir, config, rotation_plan, calibration, calibration_tokens,
                                  stream_width(rotation_plan.plan, rotation_plan.architecture, fixed))
         counts = add_rotation(rotation_plan.plan, rotation_plan.architecture, rotation, fixed)
         plan, architecture = rotation_plan.plan, rotation_plan.architecture
@@ -111,20 +114,21 @@ def rotate_checkpoint(
                                                             architecture, block),
             verifier=install.chosen_verifier(verification, verifier), must_pass=True,
             overwrite=overwrite, quiet=quiet, extra_files=lambda folder: save_rotation(folder / ROTATION_FILE, rotation),
-            verify_options={"atol": atol, "rtol": rtol, "layerwise": install.LAYERWISE[verification], "quiet": quiet},
+            verify_options={"atol": atol, "rtol": rtol, "layerwise": install.LAYERWISE[verification], "quiet": quiet,
+                            "reference_config": config},
         )
     return provenance
 
 
-def make_rotation(method: str, form: str, seed: int, source_dir: Path, rotation_plan: RotationPlan,
+def make_rotation(method: str, form: str, seed: int, source_dir: Path, config: dict, rotation_plan: RotationPlan,
                   calibration: str | Path | None, tokens: int, d: int) -> Rotation:
     """Q of ``method`` in ``form``, of the stream's size d; pca measured on the calibration text."""
     if method == "pca":
         if rotation_plan.architecture.probe != "causal_lm":
             raise NormswapError(f"--method pca measures the stream on text run through a causal language model; "
                                 f"this is a {rotation_plan.architecture.probe} model: use hadamard or orthogonal")
-        make = commuting.pca_rotation if form == "commuting" else None
-        return calibrate(source_dir, rotation_plan, calibration, tokens, **({"make": make} if make else {}))
+        make = commuting.pca_rotation if form == "commuting" else pca_rotation
+        return calibrate(source_dir, rotation_plan, calibration, tokens, config, make=make)
     if form == "commuting":
         return (commuting.hadamard_rotation if method == "hadamard" else commuting.orthogonal_rotation)(d, seed)
     return (hadamard_rotation if method == "hadamard" else orthogonal_rotation)(d, seed)
@@ -142,10 +146,10 @@ def form_provenance(form: str, rotation_plan: RotationPlan, fixed: dict[str, str
 
 
 def check_options(method: str, seed: int, calibration: str | Path | None, calibration_tokens: int,
-                  verification: str, form: str = commuting.DEFAULT_FORM) -> None:
+                  verification: str, form: str = DEFAULT_FORM) -> None:
     """Refuse inconsistent options in one line, before anything is read."""
-    if form not in commuting.FORMS:
-        raise NormswapError(f"unknown rotation form '{form}'; use one of {', '.join(commuting.FORMS)}")
+    if form not in FORMS:
+        raise NormswapError(f"unknown rotation form '{form}'; use one of {', '.join(FORMS)}")
     if method not in METHODS:
         raise NormswapError(f"unknown rotation method '{method}'; use one of {', '.join(METHODS)}")
     if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:

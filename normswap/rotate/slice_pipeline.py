@@ -21,7 +21,8 @@ from normswap.checkpoint.source import CheckpointReader, read_config, resolve_so
 from normswap.convert import card, install
 from normswap.errors import NormswapError
 from normswap.rotate import slicing
-from normswap.rotate.calibration import CALIBRATION_WINDOW, DEFAULT_CALIBRATION_TOKENS, read_calibration
+from normswap.rotate.calibration import CALIBRATION_WINDOW, read_calibration
+from normswap.rotate.options import DEFAULT_CALIBRATION_TOKENS
 from normswap.rotate.plan import RotationPlan, hidden_size, plan_rotation
 
 
@@ -67,7 +68,8 @@ def slice_texts(source_dir: Path, calibration: str | Path, held_out: str | Path 
 
 
 def plan_slicing(source_dir: Path, rotation_plan: RotationPlan, architecture: Architecture,
-                 layout: slicing.SliceLayout, fraction: float, texts: SliceTexts) -> SlicePlan:
+                 layout: slicing.SliceLayout, fraction: float, texts: SliceTexts,
+                 config: dict | None = None) -> SlicePlan:
     """Calibrate every signal block by block, keep k principal directions of each, assign roles."""
     from normswap.rotate.calibration import calibration_moments
 
@@ -76,7 +78,7 @@ def plan_slicing(source_dir: Path, rotation_plan: RotationPlan, architecture: Ar
     slicing.check_slice_inputs(fraction, d, k, texts.calibration.numel(), texts.held_out.numel())
     n_blocks = len(rotation_plan.meta.get_submodule(layout.blocks))
     norms = slicing.signal_norms(layout, n_blocks)
-    measured = calibration_moments(source_dir, architecture, norms, texts.calibration, CALIBRATION_WINDOW)
+    measured = calibration_moments(source_dir, architecture, norms, texts.calibration, CALIBRATION_WINDOW, config)
     bases, kept = slicing.kept_bases(measured.moments, norms, k)
     for head, embedding in architecture.tied:
         if head not in rotation_plan.plan.tensors:  # a tied head would read the last signal in the first's basis
@@ -90,7 +92,7 @@ def plan_slicing(source_dir: Path, rotation_plan: RotationPlan, architecture: Ar
 
 
 def perplexity_cost(source_dir: Path, sliced_dir: Path, architecture: Architecture, ids: torch.Tensor,
-                    window: int) -> dict:
+                    window: int, source_config: dict | None = None) -> dict:
     """Perplexity of the original and of the sliced model on ``ids`` (windows of ``window``, no overlap)."""
     from normswap.evaluation.perplexity import strided_perplexity
     from normswap.runtime.loaders import load_converted
@@ -98,7 +100,7 @@ def perplexity_cost(source_dir: Path, sliced_dir: Path, architecture: Architectu
     from normswap.threads import cpu_threads
 
     figures: dict = {}
-    loaders = (("original", lambda: reference_model(source_dir, architecture)),
+    loaders = (("original", lambda: reference_model(source_dir, architecture, config=source_config)),
                ("sliced", lambda: load_converted(sliced_dir, "rmsnorm")))
     for label, load in loaders:
         model = load()
@@ -163,20 +165,20 @@ def slice_checkpoint(
     source_dir = resolve_source(src, trust_remote_code=trust_remote_code)
     out = output.absolute(out)
     inputs = [*source_inputs(source_dir), Path(calibration), *([Path(held_out)] if held_out else [])]
-    output.check_out(out, inputs, overwrite)
+    output.check_out(out, inputs, overwrite, kind="checkpoint")
     config = read_config(source_dir)
     architecture, layout = slicing.check_sliceable(source_dir, config)
     texts = slice_texts(source_dir, calibration, held_out, calibration_tokens)
     with CheckpointReader(source_dir) as reader:
         rotation_plan = plan_rotation(source_dir, config, reader, dtype=out_dtype)
-        slice_plan = plan_slicing(source_dir, rotation_plan, architecture, layout, fraction, texts)
+        slice_plan = plan_slicing(source_dir, rotation_plan, architecture, layout, fraction, texts, config)
         plan = rotation_plan.plan
         dtype_out = pipeline.main_dtype(plan)
         provenance = card.rotation_provenance(str(src), plan, architecture.auto_class, dtype_out, {},
                                               rotation_plan.source_block)
         del provenance["rotation"]  # the source's block for a checkpoint in a new basis; the basis is sliced
         provenance["slicing"] = slice_plan.block
-        cost = _perplexity_measure(architecture, texts.held_out, slice_plan.block["calibration"]["window"])
+        cost = _perplexity_measure(architecture, texts.held_out, slice_plan.block["calibration"]["window"], config)
         install.install(
             out, inputs, slicing.sliced_plan(plan, slice_plan.roles, slice_plan.bases, slice_plan.shortcuts,
                                              dtype_out, slice_plan.d),
@@ -187,10 +189,11 @@ def slice_checkpoint(
     return provenance
 
 
-def _perplexity_measure(architecture: Architecture, ids: torch.Tensor, window: int) -> install.Verifier:
+def _perplexity_measure(architecture: Architecture, ids: torch.Tensor, window: int,
+                        source_config: dict) -> install.Verifier:
     """The install lifecycle's check for a sliced checkpoint: its perplexity cost, which must be finite."""
     def measure(source_dir: Path, folder: Path) -> dict:
-        cost = perplexity_cost(source_dir, folder, architecture, ids, window)
+        cost = perplexity_cost(source_dir, folder, architecture, ids, window, source_config)
         if not all(math.isfinite(cost[label]) for label in ("original", "sliced")):
             raise NormswapError(f"the sliced model's perplexity is not finite ({cost['sliced']}); nothing was written")
         return cost

@@ -18,7 +18,9 @@ import torch
 from torch import nn
 
 from normswap.architectures import Architecture, architecture_for
+from normswap.arguments import checked
 from normswap.checkpoint import validation
+from normswap.checkpoint.provenance import Provenance
 from normswap.checkpoint.source import first_non_finite, read_config, resolve_source
 from normswap.convert.plan import ConversionPlan
 from normswap.dtypes import default_tolerance, parse_dtype
@@ -34,6 +36,7 @@ from normswap.verify.probes import Probe
 from normswap.verify.whole import compare_whole
 
 
+@checked
 def verify_checkpoint(original: str | Path, converted: str | Path, *, atol: float | None = None,
                       rtol: float | None = None, layerwise: bool | None = None, quiet: bool = True,
                       trust_remote_code: bool = False, precheck: bool = True,
@@ -61,27 +64,31 @@ def verify_checkpoint(original: str | Path, converted: str | Path, *, atol: floa
     check_tolerance("rtol", rtol)
     register_auto_classes()  # the converted model's normswap_<type> config must resolve
     original_dir, converted_dir = resolve_source(original), Path(converted).expanduser()
-    block, architecture = _check_pair(original_dir, converted_dir, converted)
-    if "rotation" in block:  # its stream is C·h·Q, not C·h
+    provenance, architecture, configs = _check_pair(original_dir, converted_dir, converted)
+    if provenance.rotation is not None:  # its stream is C·h·Q, not C·h
         return verify_rotated(original_dir, converted_dir, atol=atol, rtol=rtol, layerwise=layerwise, quiet=quiet,
-                              trust_remote_code=trust_remote_code)
-    atol, rtol = tolerance(block, atol, rtol)
-    checked = algebraic_precheck(original_dir, converted_dir, plan) if precheck else None
-    original_config = read_config(original_dir)
+                              trust_remote_code=trust_remote_code, reference_config=configs[0],
+                              rotated_config=configs[1])
+    atol, rtol = tolerance(provenance, atol, rtol)
+    checked = algebraic_precheck(original_dir, converted_dir, plan, configs=configs) if precheck else None
+    original_config = configs[0]
     probe, loaders, mode, note = run_comparison(
         original_dir, converted_dir, architecture,
         reference=lambda: build.load_pretrained(build.model_class(original_config, architecture.auto_class),
                                                 original_dir, dtype=torch.float32),
-        stock_loadable=block.get("stock_loadable", True), trust_remote_code=trust_remote_code,
+        stock_loadable=provenance.stock_loadable, trust_remote_code=trust_remote_code,
         layerwise=verification_mode(original_dir, architecture, layerwise), quiet=quiet, tolerance=(atol, rtol),
+        configs=configs,
     )
     return summarise(probe, loaders, atol=atol, rtol=rtol, mode=mode, note=note,
-                     method=block.get("options", {}).get("method", "exact"), paths=(original_dir, converted_dir),
+                     method=provenance.method, paths=(original_dir, converted_dir),
                      **({"precheck": checked} if checked is not None else {}))
 
 
-def _check_pair(original_dir: Path, converted_dir: Path, converted: str | Path) -> tuple[dict, Architecture]:
-    """The conversion's provenance block and the family, once the pair is known to belong together."""
+def _check_pair(original_dir: Path, converted_dir: Path,
+                converted: str | Path) -> tuple[Provenance, Architecture, tuple[dict, dict]]:
+    """The conversion's provenance, the family and the two configs (each config.json read once
+    here and passed down), once the pair is known to belong together."""
     if not (converted_dir / "config.json").is_file():
         raise NormswapError(f"{converted} is not a checkpoint folder (it has no config.json)")
     original_config, converted_config = read_config(original_dir), read_config(converted_dir)
@@ -97,31 +104,31 @@ def _check_pair(original_dir: Path, converted_dir: Path, converted: str | Path) 
         raise NormswapError(f"{converted_dir} is sliced ({sliced.get('original_hidden_size')} → "
                             f"{sliced.get('hidden_size')} dimensions), which is not exact, so there is nothing to "
                             "verify; its perplexity cost is in config.json under normswap.slicing.perplexity")
-    validation.check_provenance(block, converted_dir)
-    check_modeling_file(block, converted_dir)
+    provenance = Provenance.of(converted_config, converted_dir)
+    check_modeling_file(provenance, converted_dir)
     for path, config in ((original_dir, original_config), (converted_dir, converted_config)):
         validation.check_structure(path, config)
     architecture = architecture_for(original_config)
-    if block.get("original_model_type", original_config.get("model_type")) != original_config.get("model_type"):
-        raise NormswapError(f"{converted_dir} was converted from a {block['original_model_type']} model, "
+    if provenance.original_model_type != original_config.get("model_type"):
+        raise NormswapError(f"{converted_dir} was converted from a {provenance.original_model_type} model, "
                             f"but {original_dir} is a {original_config.get('model_type')} model")
     validation.check_same_shape(original_dir, original_config, converted_dir, converted_config)
-    return block, architecture
+    return provenance, architecture, (original_config, converted_config)
 
 
-def tolerance(block: dict, atol: float | None, rtol: float | None) -> tuple[float, float]:
+def tolerance(provenance: Provenance, atol: float | None, rtol: float | None) -> tuple[float, float]:
     """(atol, rtol): those given, else the defaults for the dtype the conversion was stored in."""
-    checkpoint_dtype = parse_dtype(block.get("options", {}).get("dtype")) or torch.float32
+    checkpoint_dtype = parse_dtype(provenance.options.get("dtype")) or torch.float32
     default_atol, default_rtol = default_tolerance(checkpoint_dtype)
     return default_atol if atol is None else atol, default_rtol if rtol is None else rtol
 
 
-def check_modeling_file(block: dict, path: Path) -> None:
+def check_modeling_file(provenance: Provenance, path: Path) -> None:
     """Fail verification unless ``modeling_normswap.py`` is byte for byte the file normswap wrote."""
     file = path / MODELING_FILE
     if not file.is_file():
         raise VerificationError(f"{path} has no {MODELING_FILE}; it is not a complete normswap checkpoint")
-    expected = block.get("modeling_sha256") or modeling_sha256()
+    expected = provenance.modeling_sha256 or modeling_sha256()
     actual = hashlib.sha256(file.read_bytes()).hexdigest()
     if actual != expected:
         raise VerificationError(
@@ -149,19 +156,20 @@ def run_comparison(reference_dir: Path, converted_dir: Path, architecture: Archi
                    reference: Callable[[], nn.Module], stock_loadable: bool, trust_remote_code: bool,
                    layerwise: tuple[str, str | None], quiet: bool,
                    stream_map: by_layer.StreamMap = by_layer.centred64,
-                   tolerance: tuple[float, float] | None = None, rmsnorm_form: bool = True,
+                   tolerance: tuple[float, float] | None = None,
+                   configs: tuple[dict | None, dict | None] = (None, None), rmsnorm_form: bool = True,
                    skip: frozenset[str] = frozenset(),
                    ) -> tuple[Probe, dict[str, dict], str, str | None]:
     """(probe, figures per loader, mode, note): block by block when ``layerwise`` (a
     ``verification_mode`` answer) says so and the model allows it, else whole models.
 
     With ``tolerance`` (atol, rtol), a block-by-block run teacher-forces only the loads that fail
-    it (``layerwise.compare_layerwise``). Without ``rmsnorm_form`` only the stock class loads the
-    checkpoint (an uncentred stream, which no RMSNorm class computes); outputs in ``skip`` are not
-    compared."""
+    it (``layerwise.compare_layerwise``). ``configs``: the two config.json files, already read.
+    Without ``rmsnorm_form`` only the stock class loads the checkpoint (an uncentred stream, which no
+    RMSNorm class computes); outputs in ``skip`` are not compared."""
     rms_how = ("remote" if trust_remote_code else "rmsnorm") if rmsnorm_form else None
     mode, note = layerwise
-    refused = refusals(converted_dir, stock_loadable)
+    refused = refusals(converted_dir, stock_loadable, configs[1])
     if mode == "layerwise":
         try:
             probe, compared = by_layer.compare_layerwise(reference_dir, converted_dir, architecture,
@@ -169,12 +177,13 @@ def run_comparison(reference_dir: Path, converted_dir: Path, architecture: Archi
                                                          rms_how=rms_how, stream_map=stream_map,
                                                          passes=None if tolerance is None else
                                                          partial(within_tolerance, atol=tolerance[0],
-                                                                 rtol=tolerance[1]))
+                                                                 rtol=tolerance[1]), configs=configs)
             return probe, {**refused, **compared}, mode, note
         except Unsupported as error:
             mode, note = "full", f"layer by layer unavailable ({error}); compared whole models"
     probe, compared = compare_whole(reference, reference_dir, converted_dir, architecture,
-                                    stock_loadable=stock_loadable, rms_how=rms_how, skip=skip)
+                                    stock_loadable=stock_loadable, rms_how=rms_how, converted_config=configs[1],
+                                    skip=skip)
     return probe, {**refused, **compared}, mode, note
 
 
@@ -225,9 +234,11 @@ def _worst_layer(loaders: dict[str, dict]) -> dict:
     return {"loader": name, **loaders[name]["worst_layer"]}
 
 
+@checked
 def verify_rotated(reference: str | Path, rotated: str | Path, *, atol: float | None = None,
                    rtol: float | None = None, layerwise: bool | None = None, quiet: bool = True,
-                   trust_remote_code: bool = False) -> dict:
+                   trust_remote_code: bool = False, reference_config: dict | None = None,
+                   rotated_config: dict | None = None) -> dict:
     """Compare a rotated checkpoint with the checkpoint it was rotated from (an original or a
     folded conversion): logits, and per block the stream, which must be h·Q (C·h·Q for the free
     form, whose stream is centred).
@@ -235,23 +246,27 @@ def verify_rotated(reference: str | Path, rotated: str | Path, *, atol: float | 
     The free form's model is built from normswap's own RMSNorm classes (with ``trust_remote_code``
     the checkpoint's ``modeling_normswap.py`` runs instead). The commuting form's is loaded with
     the stock class, and with the RMSNorm class too where its stream is centred (a folded source);
-    the outputs that come out rotated (``rotated_outputs``) are not compared."""
+    the outputs that come out rotated (``rotated_outputs``) are not compared. ``reference_config``
+    and ``rotated_config`` are the two config.json files when the caller has read them."""
     from normswap.rotate.matrices import load_rotation
     from normswap.rotate.plan import family_of
 
     reference_dir, rotated_dir = resolve_source(reference), Path(rotated)
-    reference_config, rotated_config = read_config(reference_dir), read_config(rotated_dir)
-    block = rotated_config.get("normswap") or {}
+    reference_config = read_config(reference_dir) if reference_config is None else reference_config
+    rotated_config = read_config(rotated_dir) if rotated_config is None else rotated_config
+    provenance = Provenance.of(rotated_config, rotated_dir)
+    if provenance is None:
+        raise NormswapError(f"{rotated_dir} is not a rotated normswap checkpoint")
     width = next((rotated_config[key] for key in ("n_embd", "hidden_size", "d_model") if key in rotated_config), None)
-    rotation = load_rotation(rotated_dir, width if isinstance(width, int) else None).clone()
-    architecture, _, _ = family_of(reference_dir, reference_config)
-    atol, rtol = tolerance(block, atol, rtol)
-    if (reference_config.get("normswap") or {}).get("stock_loadable", True):
+    rotation = load_rotation(rotated_dir, width if isinstance(width, int) else None, rotated_config).clone()
+    architecture, _, reference_block = family_of(reference_dir, reference_config)
+    atol, rtol = tolerance(provenance, atol, rtol)
+    if (reference_block or {}).get("stock_loadable", True):
         mode = verification_mode(reference_dir, architecture, layerwise)
     else:
         mode = ("full", "layer by layer needs a reference the stock class loads; compared whole models")
-    form = block.get("rotation", {}).get("form", "free")
-    centred = block.get("rotation", {}).get("centred", True)
+    rotation_block = provenance.rotation or {}
+    form, centred = rotation_block.get("form", "free"), provenance.rmsnorm_exact
 
     def stream_map(hidden: torch.Tensor) -> torch.Tensor:
         return (by_layer.centred64(hidden) if centred else hidden.double()) @ rotation
@@ -259,10 +274,11 @@ def verify_rotated(reference: str | Path, rotated: str | Path, *, atol: float | 
     rms_how = "remote" if trust_remote_code else "rmsnorm"
     probe, loaders, mode, note = run_comparison(
         reference_dir, rotated_dir, architecture,
-        reference=lambda: reference_model(reference_dir, architecture, rms_how=rms_how),
-        stock_loadable=form == "commuting" and block.get("stock_loadable", False), trust_remote_code=trust_remote_code, layerwise=mode, quiet=quiet,
-        stream_map=stream_map, tolerance=(atol, rtol), rmsnorm_form=centred,
-        skip=frozenset(block.get("rotation", {}).get("rotated_outputs", {})),
+        reference=lambda: reference_model(reference_dir, architecture, rms_how=rms_how, config=reference_config),
+        stock_loadable=form == "commuting" and provenance.stock_loadable, trust_remote_code=trust_remote_code,
+        layerwise=mode, quiet=quiet, stream_map=stream_map, tolerance=(atol, rtol),
+        configs=(reference_config, rotated_config), rmsnorm_form=centred,
+        skip=frozenset(rotation_block.get("rotated_outputs", {})),
     )
     return summarise(probe, loaders, atol=atol, rtol=rtol, mode=mode, note=note, method="exact",
                      paths=(reference_dir, rotated_dir), reference="source")

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from normswap.checkpoint.provenance import Provenance
 from normswap.checkpoint.source import CheckpointReader, read_config
 from normswap.convert.plan import ConversionPlan
 from normswap.convert.steps import Centre, FoldGain
@@ -33,20 +34,23 @@ CHUNK_BYTES = 16 << 20
 ROUNDING_UNITS = 2.0
 
 
-def precheck(original_dir: Path, converted_dir: Path, plan: ConversionPlan | None = None) -> dict:
+def precheck(original_dir: Path, converted_dir: Path, plan: ConversionPlan | None = None, *,
+             configs: tuple[dict, dict] | None = None) -> dict:
     """Check every centred writer, untouched tensor and folded reader; counts of each checked.
 
     ``plan`` is the plan the conversion ran, when the caller has it; else it is rebuilt from the
     original with the options the conversion recorded. Raises ``VerificationError`` naming the
-    first tensor that fails."""
+    first tensor that fails. ``configs``: the two config.json files, when the caller has read them."""
     from normswap.convert.planning import plan_conversion
 
-    options = (read_config(converted_dir).get("normswap") or {}).get("options", {})
+    original_config, converted_config = configs or (read_config(original_dir), read_config(converted_dir))
+    provenance = Provenance.of(converted_config, converted_dir)
+    options = provenance.options if provenance is not None else {}
     counts = {"centred": 0, "untouched": 0, "folded": 0, "left_to_models": 0}
     rebuilt = plan is None
     with CheckpointReader(original_dir) as source, CheckpointReader(converted_dir) as output:
         if plan is None:
-            _, plan, _ = plan_conversion(original_dir, read_config(original_dir), source,
+            _, plan, _ = plan_conversion(original_dir, original_config, source,
                                          method=options.get("method", "exact"),
                                          fold_gains=bool(options.get("fold_gains", False)), dtype=None)
         for name, tensor in plan.tensors.items():
