@@ -47,6 +47,7 @@ from normswap.rotate.options import DEFAULT_CALIBRATION_TOKENS, DEFAULT_FORM, FO
 from normswap.rotate.plan import (
     RotationPlan,
     add_rotation,
+    check_commuting,
     check_rotatable,
     plan_commuting,
     plan_rotation,
@@ -92,10 +93,7 @@ def rotate_checkpoint(
     inputs = source_inputs(source_dir) + ([Path(calibration)] if calibration is not None else [])
     output.check_out(out, inputs, overwrite, kind="checkpoint")
     config = read_config(source_dir)
-    if form == "free" or "normswap" in config:
-        check_rotatable(source_dir, config)  # refusals before any weight is read
-    if calibration is not None:
-        read_calibration(calibration)
+    check_source(source_dir, config, form, calibration)
     with CheckpointReader(source_dir) as reader:
         rotation_plan, fixed = (plan_commuting(source_dir, config, reader, dtype=out_dtype) if form == "commuting"
                                 else (plan_rotation(source_dir, config, reader, dtype=out_dtype), {}))
@@ -118,6 +116,16 @@ def rotate_checkpoint(
                             "reference_config": config},
         )
     return provenance
+
+
+def check_source(source_dir: Path, config: dict, form: str, calibration: str | Path | None) -> None:
+    """The refusals of a source (and its calibration text) in ``form``, before any weight is read."""
+    if form == "free" or "normswap" in config:
+        check_rotatable(source_dir, config)
+    else:
+        check_commuting(source_dir, config)
+    if calibration is not None:
+        read_calibration(calibration)
 
 
 def make_rotation(method: str, form: str, seed: int, source_dir: Path, config: dict, rotation_plan: RotationPlan,

@@ -211,6 +211,16 @@ def commuting_refusal(architecture: Architecture, config: dict) -> str | None:
     return None
 
 
+def check_commuting(source_dir: Path, config: dict) -> Architecture:
+    """The adapter of an original source the commuting form can rotate; refusals before any weight is read."""
+    architecture = planning.check_convertible(source_dir, config)
+    reason = commuting_refusal(architecture, config)
+    if reason:
+        raise NormswapError(f"cannot rotate this {config.get('model_type')} checkpoint with the stock class: {reason}; "
+                            "--form free writes a normswap_<type> checkpoint instead")
+    return architecture
+
+
 def _folding_architecture(architecture: Architecture) -> Architecture:
     """The adapter as the commuting form plans it: no run-time centring (the stock class keeps
     LayerNorm, which removes the mean itself), and every norm folded, model outputs included (their
@@ -227,11 +237,7 @@ def plan_commuting(source_dir: Path, config: dict, reader: CheckpointReader, *,
     centred and weightless) is planned as for the free form."""
     if "normswap" in config:
         return plan_rotation(source_dir, config, reader, dtype=dtype), {}
-    architecture = planning.check_convertible(source_dir, config)
-    reason = commuting_refusal(architecture, config)
-    if reason:
-        raise NormswapError(f"cannot rotate this {config.get('model_type')} checkpoint with the stock class: {reason}; "
-                            "--form free writes a normswap_<type> checkpoint instead")
+    architecture = check_commuting(source_dir, config)
     fixed = architecture.fixed_streams(config)
     architecture, plan, meta = planning.plan_conversion(source_dir, config, reader, method="naive", fold_gains=True,
                                                         dtype=dtype, architecture=_folding_architecture(architecture))
