@@ -1,6 +1,6 @@
 """How exact `normswap rotate` is, per family, method and form, in float64.
 
-For the first test model of every causal family in tests/test_architectures_causal.py (tiny, made
+For a tiny GPT-2 and the first test model of every causal family in tests/test_architectures_causal.py (made
 "hard" by tests/helpers.make_hard: γ far from 1, β far from 0, a massive dimension) and for Whisper,
 ViT (ViTForImageClassification) and CLIP (CLIPModel), each method (hadamard, orthogonal, pca on the
 bundled Emma excerpt for the causal ones) in each form: the rotation is written with float64
@@ -38,9 +38,12 @@ CALIBRATION = ROOT / "normswap" / "data" / "text" / "emma-excerpt.txt"
 TOKENIZER = ROOT / "normswap" / "data" / "austen-gpt2"
 
 
+GPT2 = {"gpt2": lambda: T.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=32, bos_token_id=0, eos_token_id=0)}
+
+
 def _causal(case: str, folder: Path):
     torch.manual_seed(0)
-    config = CASES[case]()
+    config = {**GPT2, **CASES}[case]()
     config.vocab_size = 2048  # the bundled tokenizer's ids, for pca calibration
     src = save(make_hard(T.AutoModelForCausalLM.from_config(config)).eval(), folder / case)
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -89,7 +92,7 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
-        firsts = {}
+        firsts = {"gpt2": "gpt2"}
         for case in CASES:
             firsts.setdefault(_family(case), case)
         sources = {case: _causal(case, scratch) for case in firsts.values()} | _encoders(scratch)
