@@ -3,7 +3,9 @@
 Public API:
 
 - ``convert_checkpoint(src, out, ...)``: convert a checkpoint directory or hub id, write and verify.
-- ``verify_checkpoint(original, converted)``: compare a converted checkpoint with its original.
+- ``verify_checkpoint(original, converted)``: compare a converted checkpoint with its original
+  (every stored tensor proven against the plan, then the loaders run on a short probe);
+  ``prove_checkpoint(original, converted)``: the weights proof alone.
 - ``load(path)``: a converted checkpoint as an RMSNorm model using normswap's kernels.
 - ``load_model(src)``: any checkpoint (original or converted) and its tokenizer, for evaluation.
 - ``convert_model(model)``: convert a model already in memory; ``save(model, folder)`` (or its
@@ -32,6 +34,7 @@ _EXPORTS = {
     "convert_checkpoint": "normswap.api",
     "rotate_checkpoint": "normswap.api",
     "verify_checkpoint": "normswap.verify.checkpoint",
+    "prove_checkpoint": "normswap.verify.checkpoint",
     "convert_model": "normswap.api",
     "save": "normswap.api",
     "load": "normswap.api",

@@ -142,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
 def _run(argv: list[str], interrupts: _Interrupts) -> int:
     # Hub and transformers chatter would bury our own one-line messages.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    # transformers sets its logger's level when it is first imported, from TRANSFORMERS_VERBOSITY
+    # (default warning): the level below holds only if transformers is already imported.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     logging.getLogger("transformers").setLevel(logging.ERROR)
     chosen = next((arg for arg in argv if not arg.startswith("-")), "")
     parser, modules = build_parser(chosen)

@@ -1013,7 +1013,8 @@ def test_verify_names_non_finite_tensor(source, converted, tmp_path, capsys):
     state["transformer.h.1.mlp.c_proj.weight"][0, 0] = math.nan
     save_file(state, conv / "model.safetensors", metadata={"format": "pt"})
     code, _, err = run_cli(capsys, "verify", source, conv, "--quiet")
-    assert_refused(code, err, "transformer.h.1.mlp.c_proj.weight")
+    # a converted tensor that differs from what the conversion makes fails the proof (exit 3)
+    assert_refused(code, err, "transformer.h.1.mlp.c_proj.weight", "nan", exit_code=3)
 
 
 @pytest.mark.parametrize("command", ["eval", "geometry"])
@@ -1256,9 +1257,9 @@ def test_impossible_numbers_are_refused_before_any_work(capsys, args, needle):
     assert_refused(code, capsys.readouterr().err, needle)
 
 
-@pytest.mark.parametrize("mode, needle", [("--full", "rerun with --layerwise"), ("--layerwise", "worst block ")])
+@pytest.mark.parametrize("mode, needle", [("--full", "rerun with --verify layerwise"), ("--layerwise", "worst block ")])
 def test_failed_verify_names_the_block_or_how_to_find_it(source, converted, tmp_path, capsys, mode, needle):
-    """A converted checkpoint whose config changes every norm (eps) passes the weight pre-check;
+    """A converted checkpoint whose config changes every norm (eps) passes the weights proof;
     the comparison fails, and the one error line says where to look."""
     bad = tmp_path / "bad"
     shutil.copytree(converted, bad)

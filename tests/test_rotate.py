@@ -499,11 +499,19 @@ def test_geometry_shows_rotation_spreading_outliers(tmp_path, capsys):
                         "--max-tokens", "256", "--out", str(report.parent))
     printed = capsys.readouterr().out
     assert code == 0 and "is rotated" in printed and "outlier ratio" in printed and "KL W4A8" in printed
+    # the layers that read the stream are reported apart, and the rotated model is called so
+    assert "| rotated | read the stream | 5 |" in printed and "| original | inside blocks | 4 |" in printed
+    assert "| rotated | MLP down projections | 2 |" in printed
+    assert "| converted |" not in printed
     reports = json.loads(report.read_text())
+    for label in ("original", "converted"):  # the adapter's readers are exactly these layers
+        layers = reports[label]["outliers"]["layers"]
+        assert [row["reads_stream"] for row in layers] == [
+            row["layer"].rsplit(".", 1)[-1] in STREAM_READERS for row in layers]
 
     def stream(label: str, key: str) -> list[float]:
         layers = reports[label]["outliers"]["layers"]
-        return [layer[key] for layer in layers if layer["layer"].rsplit(".", 1)[-1] in STREAM_READERS]
+        return [layer[key] for layer in layers if layer["reads_stream"]]
 
     before, after = stream("original", "outlier_ratio"), stream("converted", "outlier_ratio")
     assert len(before) == len(after) == 5

@@ -149,19 +149,21 @@ def rotate_axis(tensor: torch.Tensor, rotation: torch.Tensor, axis: int) -> torc
 # Executing a plan's steps with the functions above.
 
 
-def compute_tensor(plan: TensorPlan, read: Read) -> torch.Tensor:
-    """The output value of one tensor: its source, transformed by its steps, in float64, cast once."""
+def compute_tensor(plan: TensorPlan, read: Read, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The output value of one tensor: its source, transformed by its steps, in float64, cast once
+    to ``dtype`` (default the plan's; ``torch.float64`` gives the value before the cast)."""
+    dtype = plan.dtype if dtype is None else dtype
     value = torch.zeros(plan.shape, dtype=torch.float64) if plan.source is None else read(plan.source)
     if not plan.steps:
-        return value.to(plan.dtype)
+        return value.to(dtype)
     slice_steps = [step for step in plan.steps if step.slice_wise]
     other_steps = [step for step in plan.steps if not step.slice_wise]
     if slice_steps:
-        target = torch.float64 if other_steps else plan.dtype
+        target = torch.float64 if other_steps else dtype
         value = apply_slice_steps(value, slice_steps, read, target, name=plan.name)
     for step in other_steps:
         value = whole_step(step, value.double(), read)
-    return value.to(plan.dtype)
+    return value.to(dtype)
 
 
 def apply_slice_steps(value: torch.Tensor, steps: list[Step], read: Read, out_dtype: torch.dtype, *,

@@ -63,7 +63,7 @@ def convert_checkpoint(
     architecture = check_convertible(source_dir, config)  # before reading any weights
     with CheckpointReader(source_dir) as reader:
         _, plan, meta = plan_conversion(source_dir, config, reader, architecture=architecture, method=method,
-                                        fold_gains=fold_gains, dtype=out_dtype)
+                                        fold_gains=fold_gains, dtype=out_dtype, build_class=False)
         options = {"method": method, "fold_gains": fold_gains, "dtype": dtype_name(main_dtype(plan))}
         provenance = card.provenance_block(str(src), plan, options, architecture.auto_class)
         if revision is not None:

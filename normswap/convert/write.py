@@ -106,13 +106,22 @@ def write_tensor(fd: int, position: int, plan: TensorPlan, source: ShardSource) 
     safetensors_io.write_at(fd, position, safetensors_io.bytes_of(value))
 
 
-def _stream_rows(fd: int, position: int, plan: TensorPlan, source: ShardSource,
-                 slice_elements: int = fold.SLICE_ELEMENTS) -> None:
-    """Read, transform (float64, in place) and write ``plan`` a block of rows at a time.
+def _stream_rows(fd: int, position: int, plan: TensorPlan, source: ShardSource) -> None:
+    """Read, transform (float64, in place) and write ``plan`` a block of rows at a time
+    (``row_blocks``); memory holds three buffers of one block each."""
+    out_row_bytes = max(1, math.prod(plan.shape[1:])) * plan.dtype.itemsize
+    for start, block in row_blocks(plan, source):
+        result = source.buffer("out", block.numel() * plan.dtype.itemsize).view(plan.dtype).view(block.shape)
+        result.copy_(block)
+        safetensors_io.write_at(fd, position + start * out_row_bytes, safetensors_io.bytes_of(result))
 
-    Row blocks are whole slices for steps along a non-leading axis, so the values are exactly
-    those of ``fold.apply_slice_steps``; memory holds three buffers of one block each.
-    """
+
+def row_blocks(plan: TensorPlan, source: ShardSource,
+               slice_elements: int = fold.SLICE_ELEMENTS) -> Iterator[tuple[int, torch.Tensor]]:
+    """(first row, float64 rows) of a ``row_streamable`` tensor's value, block by block: each block
+    read from the source and run through ``fold``'s in-place slice kernels. Row blocks are whole
+    slices for steps along a non-leading axis, so the values are exactly those of
+    ``fold.apply_slice_steps``. Each block is overwritten by the next."""
     rows_total = plan.shape[0]
     row = max(1, math.prod(plan.shape[1:]))
     rows = max(1, slice_elements // row)
@@ -120,16 +129,30 @@ def _stream_rows(fd: int, position: int, plan: TensorPlan, source: ShardSource,
     source_dtype = source.reader.tensors[plan.source].dtype
     raw = source.buffer("raw", rows * row * source_dtype.itemsize)
     work = source.buffer("work", rows * row * 8).view(torch.float64)
-    out = source.buffer("out", rows * row * plan.dtype.itemsize).view(plan.dtype)
-    out_row_bytes = row * plan.dtype.itemsize
     for start in range(0, rows_total, rows):
         count = min(rows, rows_total - start)
         piece = source.reader.read_rows(plan.source, start, count, raw)
         block = work[: count * row].view(piece.shape)
         block.copy_(piece)
-        result = out[: count * row].view(piece.shape)
-        result.copy_(fold.run_kernels(kernels, block))
-        safetensors_io.write_at(fd, position + start * out_row_bytes, safetensors_io.bytes_of(result))
+        yield start, fold.run_kernels(kernels, block)
+
+
+def expected_blocks(plan: TensorPlan, source: ShardSource,
+                    slice_elements: int = fold.SLICE_ELEMENTS) -> Iterator[tuple[int, torch.Tensor]]:
+    """(first row, float64 rows) of the value ``plan`` says the output tensor has, before its
+    cast to the output dtype: what ``write_tensor`` writes, by the same code path (``row_blocks``
+    for row-streamable tensors, ``fold.compute_tensor`` in float64 for the rest, cut into row
+    blocks of about ``slice_elements``)."""
+    if source.row_streamable(plan):
+        yield from row_blocks(plan, source, slice_elements)
+        return
+    value = fold.compute_tensor(plan, source.read, torch.float64)
+    if value.dim() == 0 or value.shape[0] == 0:
+        yield 0, value
+        return
+    rows = max(1, slice_elements // max(1, value.numel() // value.shape[0]))
+    for start in range(0, value.shape[0], rows):
+        yield start, value[start: start + rows]
 
 
 def write_weights(out_dir: Path, plan: ConversionPlan, reader: CheckpointReader,
@@ -139,13 +162,10 @@ def write_weights(out_dir: Path, plan: ConversionPlan, reader: CheckpointReader,
     The index follows transformers: ``metadata.total_size`` is the bytes of tensor data and
     ``weight_map`` names each tensor's shard, keys sorted.
     """
-    by_shard: dict[str, list[TensorPlan]] = {shard: [] for shard in plan.shards}
-    for tensor in plan.tensors.values():
-        by_shard[tensor.shard].append(tensor)
     source = ShardSource(reader)
     total = 0
-    with _one_thread():
-        for shard, tensors in by_shard.items():
+    with one_thread():
+        for shard, tensors in tensors_by_shard(plan).items():
             total += write_shard(out_dir / shard, tensors, source, progress)
     if len(plan.shards) > 1:
         index = {
@@ -155,8 +175,16 @@ def write_weights(out_dir: Path, plan: ConversionPlan, reader: CheckpointReader,
         write_json(out_dir / "model.safetensors.index.json", index)
 
 
+def tensors_by_shard(plan: ConversionPlan) -> dict[str, list[TensorPlan]]:
+    """The plan's tensors per output shard, in the order they are written."""
+    by_shard: dict[str, list[TensorPlan]] = {shard: [] for shard in plan.shards}
+    for tensor in plan.tensors.values():
+        by_shard[tensor.shard].append(tensor)
+    return by_shard
+
+
 @contextmanager
-def _one_thread() -> Iterator[None]:
+def one_thread() -> Iterator[None]:
     """Run torch ops on one thread: slice math is memory-bound, and on a busy machine every
     multi-threaded op waits for its slowest thread (measured: 6x slower on 2 shared cores)."""
     threads = torch.get_num_threads()

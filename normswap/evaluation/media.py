@@ -23,6 +23,7 @@ from types import ModuleType
 
 from normswap.checkpoint.provenance import original_model_type
 from normswap.errors import NormswapError
+from normswap.text import count
 
 BUNDLED = "bundled"
 AUDIO_SUFFIXES = (".wav", ".flac", ".ogg", ".oga", ".mp3", ".aiff", ".aif")
@@ -81,7 +82,7 @@ class AudioSet:
         return sum(u.seconds for u in self.utterances)
 
     def describe(self) -> str:
-        return f"{len(self.utterances)} utterances ({self.seconds:.1f} s) of {self.name}"
+        return f"{count(len(self.utterances), 'utterance')} ({self.seconds:.1f} s) of {self.name}"
 
 
 def _audio_pairs(spec: str) -> tuple[str, list[tuple[Path, str]]]:
@@ -207,8 +208,8 @@ class ImageSet:
 
     def describe(self) -> str:
         labels = self.labels
-        classes = f", {len(labels)} classes" if labels else ""
-        return f"{len(self.images)} images{classes} of {self.name}"
+        classes = f", {count(len(labels), 'class')}" if labels else ""
+        return f"{count(len(self.images), 'image')}{classes} of {self.name}"
 
 
 def _image_files(spec: str) -> tuple[str, list[tuple[Path, str | None]]]:

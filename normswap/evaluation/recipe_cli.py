@@ -12,15 +12,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from normswap.commands import add_report_options
-from normswap.evaluation.cli import add_eval_options, finish, quiet_progress_bars, settings_from_args
+from normswap.commands import add_progress_option, add_report_options, quiet_progress_bars
+from normswap.evaluation.cli import add_eval_options, finish, settings_from_args
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", help="recipe YAML file, or a name from recipes/ (e.g. austen-gpt2)")
     add_report_options(parser, out_help="the run's folder (default: runs/<recipe name>): absent or empty, "
                                          "or with --overwrite one that normswap wrote")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_progress_option(parser)
     add_eval_options(parser)
 
 

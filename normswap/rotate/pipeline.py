@@ -95,8 +95,7 @@ def rotate_checkpoint(
     config = read_config(source_dir)
     check_source(source_dir, config, form, calibration)
     with CheckpointReader(source_dir) as reader:
-        rotation_plan, fixed = (plan_commuting(source_dir, config, reader, dtype=out_dtype) if form == "commuting"
-                                else (plan_rotation(source_dir, config, reader, dtype=out_dtype), {}))
+        rotation_plan, fixed = planned_rotation(source_dir, config, reader, form, out_dtype)
         rotation = make_rotation(method, form, seed, source_dir, config, rotation_plan, calibration, calibration_tokens,
                                  stream_width(rotation_plan.plan, rotation_plan.architecture, fixed))
         counts = add_rotation(rotation_plan.plan, rotation_plan.architecture, rotation, fixed)
@@ -113,7 +112,7 @@ def rotate_checkpoint(
             verifier=install.chosen_verifier(verification, verifier), must_pass=True,
             overwrite=overwrite, quiet=quiet, extra_files=lambda folder: save_rotation(folder / ROTATION_FILE, rotation),
             verify_options={"atol": atol, "rtol": rtol, "layerwise": install.LAYERWISE[verification], "quiet": quiet,
-                            "reference_config": config},
+                            "reference_config": config, "plan": plan},
         )
     return provenance
 
@@ -137,9 +136,24 @@ def make_rotation(method: str, form: str, seed: int, source_dir: Path, config: d
                                 f"this is a {rotation_plan.architecture.probe} model: use hadamard or orthogonal")
         make = commuting.pca_rotation if form == "commuting" else pca_rotation
         return calibrate(source_dir, rotation_plan, calibration, tokens, config, make=make)
+    return seeded_rotation(method, form, d, seed)
+
+
+def seeded_rotation(method: str, form: str, d: int, seed: int) -> Rotation:
+    """The ``hadamard`` or ``orthogonal`` Q of order d and ``seed`` in ``form`` (the weights proof
+    rebuilds a stored Q with it)."""
     if form == "commuting":
         return (commuting.hadamard_rotation if method == "hadamard" else commuting.orthogonal_rotation)(d, seed)
     return (hadamard_rotation if method == "hadamard" else orthogonal_rotation)(d, seed)
+
+
+def planned_rotation(source_dir: Path, config: dict, reader: CheckpointReader, form: str,
+                     dtype: torch.dtype | None) -> tuple[RotationPlan, dict[str, str]]:
+    """The plan of a rotation in ``form`` before its ``Rotate`` steps, and the streams it leaves
+    as they are (``add_rotation`` takes both; the weights proof rebuilds a rotation's plan with it)."""
+    if form == "commuting":
+        return plan_commuting(source_dir, config, reader, dtype=dtype)
+    return plan_rotation(source_dir, config, reader, dtype=dtype), {}
 
 
 def form_provenance(form: str, rotation_plan: RotationPlan, fixed: dict[str, str]) -> dict:

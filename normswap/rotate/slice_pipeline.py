@@ -10,6 +10,7 @@ tolerance: the perplexity cost is the figure, printed and recorded in the proven
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from normswap.architectures import Architecture
 from normswap.checkpoint import output
 from normswap.checkpoint.source import CheckpointReader, read_config, resolve_source, source_inputs
 from normswap.convert import card, install
+from normswap.convert.plan import ConversionPlan
 from normswap.errors import NormswapError
 from normswap.rotate import slicing
 from normswap.rotate.calibration import CALIBRATION_WINDOW, read_calibration
@@ -150,9 +152,14 @@ def slice_checkpoint(
     trust_remote_code: bool = False,
     allow_zero: bool = False,
     quiet: bool = True,
+    prove: Callable[[Path, Path, ConversionPlan], dict] | None = None,
 ) -> dict:
     """Write ``src`` sliced by ``fraction`` (0 < f < 1; ``allow_zero`` admits 0, which keeps every
-    dimension and is exact) to ``out``; returns the provenance block, perplexity cost included."""
+    dimension and is exact) to ``out``; returns the provenance block, perplexity cost included.
+
+    ``prove(source_dir, folder, plan)`` (``normswap.verify.proof.prove_weights``, passed in by the
+    command) proves every written tensor against the sliced plan before the perplexity is
+    measured; its figures are recorded as ``slicing.proof``."""
     from normswap.convert import pipeline
     from normswap.dtypes import parse_dtype
 
@@ -178,10 +185,13 @@ def slice_checkpoint(
                                               rotation_plan.source_block)
         del provenance["rotation"]  # the source's block for a checkpoint in a new basis; the basis is sliced
         provenance["slicing"] = slice_plan.block
-        cost = _perplexity_measure(architecture, texts.held_out, slice_plan.block["calibration"]["window"], config)
+        sliced = slicing.sliced_plan(plan, slice_plan.roles, slice_plan.bases, slice_plan.shortcuts, dtype_out,
+                                     slice_plan.d)
+        cost = _perplexity_measure(architecture, texts.held_out, slice_plan.block["calibration"]["window"], config,
+                                   None if prove is None else lambda source, folder: slice_plan.block.update(
+                                       proof=prove(source, folder, sliced)))
         install.install(
-            out, inputs, slicing.sliced_plan(plan, slice_plan.roles, slice_plan.bases, slice_plan.shortcuts,
-                                             dtype_out, slice_plan.d),
+            out, inputs, sliced,
             reader, source_dir, provenance, config_json=lambda block: sliced_config(slice_plan, block),
             verifier=cost, must_pass=False, overwrite=overwrite, quiet=quiet, verify_options={},
             records_as=("slicing", "perplexity"), model_card=model_card,
@@ -190,9 +200,12 @@ def slice_checkpoint(
 
 
 def _perplexity_measure(architecture: Architecture, ids: torch.Tensor, window: int,
-                        source_config: dict) -> install.Verifier:
-    """The install lifecycle's check for a sliced checkpoint: its perplexity cost, which must be finite."""
+                        source_config: dict, proof: Callable[[Path, Path], None] | None = None) -> install.Verifier:
+    """The install lifecycle's check for a sliced checkpoint: the weights ``proof`` when given,
+    then its perplexity cost, which must be finite."""
     def measure(source_dir: Path, folder: Path) -> dict:
+        if proof is not None:
+            proof(source_dir, folder)
         cost = perplexity_cost(source_dir, folder, architecture, ids, window, source_config)
         if not all(math.isfinite(cost[label]) for label in ("original", "sliced")):
             raise NormswapError(f"the sliced model's perplexity is not finite ({cost['sliced']}); nothing was written")

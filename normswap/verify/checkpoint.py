@@ -1,9 +1,9 @@
 """Verification of a converted checkpoint against its original.
 
-``verify_checkpoint`` checks that the two checkpoints belong together, runs the algebraic
-pre-check (``precheck``), then runs the original and each load of the conversion
-(``loaders``) on one probe and compares the figures (``compare``): whole models
-(``whole``), or block by block above a size (``layerwise``).
+``verify_checkpoint`` checks that the two checkpoints belong together, proves every stored tensor
+against the conversion plan (``proof``), then runs the original and each load of the conversion
+(``loaders``) on one short probe and compares the figures (``compare``): whole models
+(``whole``), or block by block above a size (``layerwise``). ``prove_checkpoint`` is the proof alone.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from normswap.architectures import Architecture, architecture_for
 from normswap.arguments import checked
 from normswap.checkpoint import validation
 from normswap.checkpoint.provenance import Provenance
-from normswap.checkpoint.source import first_non_finite, read_config, resolve_source
+from normswap.checkpoint.source import CheckpointReader, first_non_finite, read_config, resolve_source
 from normswap.convert.plan import ConversionPlan
 from normswap.dtypes import default_tolerance, parse_dtype
 from normswap.errors import NormswapError, VerificationError
@@ -30,8 +30,8 @@ from normswap.runtime.loaders import refusals
 from normswap.runtime.offload import Unsupported, wants_layerwise
 from normswap.runtime.reference import reference_model
 from normswap.verify import layerwise as by_layer
+from normswap.verify import proof as weights
 from normswap.verify.compare import within_tolerance
-from normswap.verify.precheck import precheck as algebraic_precheck
 from normswap.verify.probes import Probe
 from normswap.verify.whole import compare_whole
 
@@ -39,7 +39,7 @@ from normswap.verify.whole import compare_whole
 @checked
 def verify_checkpoint(original: str | Path, converted: str | Path, *, atol: float | None = None,
                       rtol: float | None = None, layerwise: bool | None = None, quiet: bool = True,
-                      trust_remote_code: bool = False, precheck: bool = True,
+                      trust_remote_code: bool = False, proof: bool = True,
                       plan: ConversionPlan | None = None) -> dict:
     """Compare a converted checkpoint with its original on one probe, in float32.
 
@@ -52,10 +52,11 @@ def verify_checkpoint(original: str | Path, converted: str | Path, *, atol: floa
     normswap wrote, by its recorded sha256, or verification fails); with ``trust_remote_code``
     the checkpoint's file itself is imported and run instead.
 
-    First, unless ``precheck`` is False, the weights alone are checked (``precheck``): a failure
-    there raises ``VerificationError`` naming the tensor, before any model runs. ``plan`` is the
-    conversion's plan when the caller has it (``convert`` does); else it is rebuilt from the
-    original with the options the conversion recorded.
+    First, unless ``proof`` is False, every stored tensor is proven to be what the conversion plan
+    makes it (``proof.prove_weights``): a failure raises ``VerificationError`` naming the tensor
+    and element, before any model runs. ``plan`` is the conversion's plan when the caller has it
+    (``convert`` does); else it is rebuilt from the original with the options the conversion
+    recorded.
     """
     from normswap.modeling.registry import register_auto_classes
     from normswap.verify import check_tolerance
@@ -68,9 +69,10 @@ def verify_checkpoint(original: str | Path, converted: str | Path, *, atol: floa
     if provenance.rotation is not None:  # its stream is C·h·Q, not C·h
         return verify_rotated(original_dir, converted_dir, atol=atol, rtol=rtol, layerwise=layerwise, quiet=quiet,
                               trust_remote_code=trust_remote_code, reference_config=configs[0],
-                              rotated_config=configs[1])
+                              rotated_config=configs[1], proof=proof)
     atol, rtol = tolerance(provenance, atol, rtol)
-    checked = algebraic_precheck(original_dir, converted_dir, plan, configs=configs) if precheck else None
+    proven = _prove_converted(original_dir, converted_dir, provenance, configs[0], plan) if proof else None
+    del plan
     original_config = configs[0]
     probe, loaders, mode, note = run_comparison(
         original_dir, converted_dir, architecture,
@@ -82,7 +84,60 @@ def verify_checkpoint(original: str | Path, converted: str | Path, *, atol: floa
     )
     return summarise(probe, loaders, atol=atol, rtol=rtol, mode=mode, note=note,
                      method=provenance.method, paths=(original_dir, converted_dir),
-                     **({"precheck": checked} if checked is not None else {}))
+                     **({"proof": proven} if proven is not None else {}))
+
+
+@checked
+def prove_checkpoint(original: str | Path, converted: str | Path, *, plan: ConversionPlan | None = None) -> dict:
+    """The weights proof alone (``proof.prove_weights``), no model run: the pair is checked as
+    ``verify_checkpoint`` checks it, and every stored tensor of ``converted`` is proven against
+    ``plan``, or the plan rebuilt from the original with what the provenance records (options;
+    for a rotation its method, seed and stored Q). Returns the proof's figures; raises
+    ``VerificationError`` naming the first wrong tensor."""
+    original_dir, converted_dir = resolve_source(original), Path(converted).expanduser()
+    provenance, _, configs = _check_pair(original_dir, converted_dir, converted)
+    if provenance.rotation is not None:
+        return prove_rotated(original_dir, converted_dir, plan=plan, configs=configs)
+    return _prove_converted(original_dir, converted_dir, provenance, configs[0], plan)
+
+
+def _prove_converted(original_dir: Path, converted_dir: Path, provenance: Provenance, original_config: dict,
+                     plan: ConversionPlan | None) -> dict:
+    if plan is None:
+        plan = weights.rebuilt_conversion_plan(original_dir, original_config, provenance.options,
+                                               stored_tensors(converted_dir))
+    return weights.prove_weights(original_dir, converted_dir, plan)
+
+
+def prove_rotated(reference: str | Path, rotated: str | Path, *, plan: ConversionPlan | None = None,
+                  configs: tuple[dict | None, dict | None] = (None, None)) -> dict:
+    """``prove_checkpoint`` for a rotated checkpoint and the checkpoint it was rotated from
+    (``configs``: their config.json files, when the caller has read them)."""
+    reference_dir, rotated_dir = resolve_source(reference), Path(rotated)
+    if plan is None:
+        reference_config = read_config(reference_dir) if configs[0] is None else configs[0]
+        rotated_config = read_config(rotated_dir) if configs[1] is None else configs[1]
+        provenance = Provenance.of(rotated_config, rotated_dir)
+        if provenance is None or provenance.rotation is None:
+            raise NormswapError(f"{rotated_dir} is not a rotated normswap checkpoint")
+        plan = weights.rebuilt_rotation_plan(reference_dir, reference_config, provenance.rotation,
+                                             rotation_matrix(rotated_dir, rotated_config), provenance.options,
+                                             stored_tensors(rotated_dir))
+    return weights.prove_weights(reference_dir, rotated_dir, plan)
+
+
+def rotation_matrix(rotated_dir: Path, rotated_config: dict) -> torch.Tensor:
+    """Q stored beside a rotated checkpoint, checked against its recorded hash and for orthogonality."""
+    from normswap.rotate.matrices import load_rotation
+
+    width = next((rotated_config[key] for key in ("n_embd", "hidden_size", "d_model") if key in rotated_config), None)
+    return load_rotation(rotated_dir, width if isinstance(width, int) else None, rotated_config).clone()
+
+
+def stored_tensors(path: Path) -> dict:
+    """Name -> ``TensorInfo`` of the tensors stored at ``path`` (headers only)."""
+    with CheckpointReader(path) as reader:
+        return dict(reader.tensors)
 
 
 def _check_pair(original_dir: Path, converted_dir: Path,
@@ -238,17 +293,19 @@ def _worst_layer(loaders: dict[str, dict]) -> dict:
 def verify_rotated(reference: str | Path, rotated: str | Path, *, atol: float | None = None,
                    rtol: float | None = None, layerwise: bool | None = None, quiet: bool = True,
                    trust_remote_code: bool = False, reference_config: dict | None = None,
-                   rotated_config: dict | None = None) -> dict:
+                   rotated_config: dict | None = None, proof: bool = True,
+                   plan: ConversionPlan | None = None) -> dict:
     """Compare a rotated checkpoint with the checkpoint it was rotated from (an original or a
-    folded conversion): logits, and per block the stream, which must be h·Q (C·h·Q for the free
-    form, whose stream is centred).
+    folded conversion): first every stored tensor against the rotation plan (``proof``; ``plan``
+    is the plan the rotation ran, else it is rebuilt from the recorded form, method, seed and the
+    stored Q), then logits, and per block the stream, which must be h·Q (C·h·Q for the free form,
+    whose stream is centred).
 
     The free form's model is built from normswap's own RMSNorm classes (with ``trust_remote_code``
     the checkpoint's ``modeling_normswap.py`` runs instead). The commuting form's is loaded with
     the stock class, and with the RMSNorm class too where its stream is centred (a folded source);
     the outputs that come out rotated (``rotated_outputs``) are not compared. ``reference_config``
     and ``rotated_config`` are the two config.json files when the caller has read them."""
-    from normswap.rotate.matrices import load_rotation
     from normswap.rotate.plan import family_of
 
     reference_dir, rotated_dir = resolve_source(reference), Path(rotated)
@@ -257,10 +314,12 @@ def verify_rotated(reference: str | Path, rotated: str | Path, *, atol: float | 
     provenance = Provenance.of(rotated_config, rotated_dir)
     if provenance is None:
         raise NormswapError(f"{rotated_dir} is not a rotated normswap checkpoint")
-    width = next((rotated_config[key] for key in ("n_embd", "hidden_size", "d_model") if key in rotated_config), None)
-    rotation = load_rotation(rotated_dir, width if isinstance(width, int) else None, rotated_config).clone()
+    rotation = rotation_matrix(rotated_dir, rotated_config)
     architecture, _, reference_block = family_of(reference_dir, reference_config)
     atol, rtol = tolerance(provenance, atol, rtol)
+    proven = (prove_rotated(reference_dir, rotated_dir, plan=plan, configs=(reference_config, rotated_config))
+              if proof else None)
+    del plan
     if (reference_block or {}).get("stock_loadable", True):
         mode = verification_mode(reference_dir, architecture, layerwise)
     else:
@@ -281,4 +340,5 @@ def verify_rotated(reference: str | Path, rotated: str | Path, *, atol: float | 
         skip=frozenset(rotation_block.get("rotated_outputs", {})),
     )
     return summarise(probe, loaders, atol=atol, rtol=rtol, mode=mode, note=note, method="exact",
-                     paths=(reference_dir, rotated_dir), reference="source")
+                     paths=(reference_dir, rotated_dir), reference="source",
+                     **({"proof": proven} if proven is not None else {}))
