@@ -274,6 +274,12 @@ class Architecture:
     # not declared is built on the meta device instead
     classes: FactsByClass = field(default_factory=dict)
     default_class: str | None = None
+    # the commuting rotation (Q·1 = 1, stock LayerNorm kept): streams the stock class cannot hold
+    # rotated, as config -> {regular expression of a name prefix: why}; their tensors stay as they are
+    fixed_streams: Callable[[dict], dict[str, str]] = lambda config: {}
+    # the commuting rotation: the model outputs that come out rotated, as config -> {attribute path
+    # of the output object (``text_model_output.pooler_output``): the norm whose output it is}
+    rotated_outputs: Callable[[dict], dict[str, str]] = lambda config: {}
 
     def facts(self, config: dict) -> ModelFacts | None:
         """The declared facts of the class ``config`` loads into; None when not declared."""
