@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from normswap.architectures.facts import ModelFacts
-from normswap.architectures.spec import Architecture
+from normswap.architectures.spec import Architecture, HeadNorm, Norm
+from normswap.convert.heads import centre_heads, fold_layer_scales
 from normswap.convert.names import canonical_names, output_shard_names, resolve_structure
 from normswap.convert.safetensors_io import tensor_nbytes
 from normswap.convert.source import TensorInfo
@@ -62,6 +63,7 @@ class NormPlan:
     kept_bias: str | None = None  # "β" or "β/γ" when the norm keeps a bias
     baked_into: str | None = None
     note: str = ""
+    per_head: bool = False  # a per-head norm of queries or keys (its projection is centred per head)
 
 
 @dataclass
@@ -146,11 +148,18 @@ def build_plan(
     structure = resolve_structure(architecture.structure(config), module_names)
     norms = _find_norms(architecture, plans, layer_norm_modules)
     norms += _bake(architecture, config, plans, dropped, structure)  # before centring the table
-    writers = _centre_writers(architecture, plans) if method == "exact" else []
+    writers = []
+    if method == "exact":
+        fold_layer_scales(architecture, plans)  # λ into its writer, before centring it
+        writers = _centre_writers(architecture, plans)
     if fold_gains:
         for norm in norms:
-            if norm.baked_into is None:
+            if norm.baked_into is None and not norm.per_head:
                 _fold_norm(norm, architecture, plans, set(writers), read_small)
+    if method == "exact":
+        centre_heads(architecture, plans, norms)  # after a bias fold, which adds Wβ to the rows
+    structure.gain_plus_one += [norm.name for norm in norms if norm.baked_into is None and not norm.per_head
+                                and _norm_spec(architecture, norm.name).gain_offset == 1]
     return ConversionPlan(
         model_type=config.get("model_type", "?"), method=method, fold_gains=fold_gains,
         tensors=dict(sorted(plans.items())), norms=norms, writers=writers, untied=untied, dropped=sorted(dropped),
@@ -260,6 +269,10 @@ def _find_norms(architecture: Architecture, plans: dict[str, TensorPlan], layer_
         if module in baked:
             continue
         spec = next((norm for norm in architecture.norms if re.fullmatch(norm.pattern, module)), None)
+        if spec is None and any(re.fullmatch(head.pattern, module) for head in architecture.head_norms):
+            norms.append(NormPlan(module, [], per_head=True, note="per-head norm; its projection is centred per "
+                                  "head, gains kept"))
+            continue
         if spec is None:
             raise NormswapError(
                 f"the {architecture.model_types[0]} adapter does not describe the norm '{module}'; "
@@ -271,9 +284,16 @@ def _find_norms(architecture: Architecture, plans: dict[str, TensorPlan], layer_
     return norms
 
 
+def _norm_spec(architecture: Architecture, name: str) -> Norm | HeadNorm:
+    return next(s for s in (*architecture.norms, *architecture.head_norms) if re.fullmatch(s.pattern, name))
+
+
 def _fold_norm(norm: NormPlan, architecture: Architecture, plans: dict[str, TensorPlan], writers: set[str], read_small) -> None:
-    """Fold a norm's γ (and β where every reader has a bias slot) into the layers that read it."""
-    spec = next(s for s in architecture.norms if re.fullmatch(s.pattern, norm.name))
+    """Fold a norm's γ (and β where every reader has a bias slot) into the layers that read it.
+
+    A norm with ``gain_offset`` stores γ - offset: γ is read as stored + offset, and the stored
+    weight left behind is 1 - offset (a unit gain)."""
+    spec = _norm_spec(architecture, norm.name)
     if spec.output_is_model_output:
         norm.note = "output is a model output; gains kept"
         return
@@ -297,8 +317,9 @@ def _fold_norm(norm: NormPlan, architecture: Architecture, plans: dict[str, Tens
     has_bias = bias_name in plans
     # β folds when every reader can take Wβ: into its bias, or dropped where a constant cancels
     bias_foldable = has_bias and all(bias is not None or reader.constant_cancels for reader, _, bias in readers)
+    offset = spec.gain_offset
     if has_bias and not bias_foldable and read_small is not None:
-        if bool((read_small(plans[gain_name].source) == 0).any()):
+        if bool((read_small(plans[gain_name].source) + offset == 0).any()):
             norm.note = "γ has zeros and β cannot be folded; kept unfolded"
             return
 
@@ -306,13 +327,13 @@ def _fold_norm(norm: NormPlan, architecture: Architecture, plans: dict[str, Tens
     for reader, weight, bias in readers:
         if bias_foldable and bias is not None:
             plans[bias].steps.append(FoldBias(plans[weight].source, plans[bias_name].source, reader.input_axis))
-        plans[weight].steps.append(FoldGain(gain_source, reader.input_axis))
-    plans[gain_name].steps.append(Fill(1.0))
+        plans[weight].steps.append(FoldGain(gain_source, reader.input_axis, offset))
+    plans[gain_name].steps.append(Fill(1.0 - offset))
     norm.folded_gain = True
     if has_bias:
         if bias_foldable:
             plans[bias_name].steps.append(Fill(0.0))
             norm.folded_bias = True
         else:
-            plans[bias_name].steps.append(DivideByGain(gain_source))
+            plans[bias_name].steps.append(DivideByGain(gain_source, offset))
             norm.kept_bias = "β/γ"

@@ -42,10 +42,24 @@ class Centre(SliceStep):
 
 @dataclass(frozen=True)
 class FoldGain(SliceStep):
-    """Multiply the reader's input ``axis`` by the norm gain ``gain``."""
+    """Multiply ``axis`` by the gain ``gain`` + ``offset``: a reader's input axis by its norm's γ
+    (``offset`` 1 for a norm that stores γ - 1), or a writer's output axis by its LayerScale."""
 
     gain: str
     axis: int
+    offset: float = 0.0
+
+
+@dataclass(frozen=True)
+class CentreHeads(WholeStep):
+    """Centre each head's block of ``head_dim`` entries along ``axis`` (``fold.centre_heads``):
+    of every ``period`` consecutive blocks, those at the positions in ``members`` (a fused q/k/v
+    projection centres its q and k blocks, not v)."""
+
+    axis: int
+    head_dim: int
+    period: int = 1
+    members: tuple[int, ...] = (0,)
 
 
 @dataclass(frozen=True)
@@ -59,9 +73,10 @@ class FoldBias(WholeStep):
 
 @dataclass(frozen=True)
 class DivideByGain(WholeStep):
-    """Norm bias β ← β ⊘ γ, for a norm whose γ is folded but whose β has nowhere to go."""
+    """Norm bias β ← β ⊘ (γ + ``offset``), for a norm whose γ is folded but whose β has nowhere to go."""
 
     gain: str
+    offset: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -86,7 +101,7 @@ class Rotate:
     slice_wise: bool = True
 
 
-Step = Bake | Centre | FoldGain | FoldBias | DivideByGain | Fill | Rotate
+Step = Bake | Centre | CentreHeads | FoldGain | FoldBias | DivideByGain | Fill | Rotate
 
 
 @dataclass
@@ -102,6 +117,7 @@ class Structure:
     identity: list[str] = field(default_factory=list)  # replaced by nn.Identity (a baked norm)
     centre_input: list[str] = field(default_factory=list)  # first input centred explicitly
     centre_output: list[str] = field(default_factory=list)  # output centred explicitly
+    gain_plus_one: list[str] = field(default_factory=list)  # norms that store γ - 1
 
     @classmethod
     def from_json(cls, data: dict[str, list[str]] | None) -> Structure:

@@ -1,0 +1,74 @@
+"""The families beyond the first fourteen: exact against a float64 reference, stock and RMSNorm class.
+
+Each case is a tiny random model (2 layers, width 32) made hard (``make_hard``, and the same for
+a family's own LayerNorm classes: OLMo's weightless norm, Cohere's bias-free and per-head ones),
+converted with ``--fold-gains`` in float64 (compared to 1e-9) and float32 (built-in verification
+on, compared to 1e-4·max|output|) and loaded through the stock class and the RMSNorm class. Each
+new form has its own case: per-head q/k norms (StableLM, Persimmon, Cohere), a weightless norm
+(OLMo), γ stored as γ - 1 (Nemotron), LayerScale (DINOv2, BEiT), a norm on the embeddings
+(mBART), positions computed at run time (XGLM, M2M100, Pegasus).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as T
+from helpers import check_exact, make_hard, save, token_ids
+
+from normswap.modeling.remote import layer_norm_like
+
+VOCAB = 61
+SMALL = {"vocab_size": VOCAB, "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 1}
+LLAMA_LIKE = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                  max_position_embeddings=32, **SMALL)
+
+CAUSAL = {
+    "xglm": lambda: T.XGLMConfig(d_model=32, num_layers=2, attention_heads=4, ffn_dim=64, max_position_embeddings=32,
+                                 **SMALL),
+    "biogpt": lambda: T.BioGptConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                                     max_position_embeddings=32, **SMALL),
+    "starcoder2": lambda: T.Starcoder2Config(**LLAMA_LIKE, num_key_value_heads=2),
+    "stablelm-qk-norm": lambda: T.StableLmConfig(**LLAMA_LIKE, num_key_value_heads=2, qk_layernorm=True,
+                                                 use_qkv_bias=True),
+    "stablelm-parallel": lambda: T.StableLmConfig(**LLAMA_LIKE, num_key_value_heads=4, use_parallel_residual=True),
+    "persimmon": lambda: T.PersimmonConfig(**LLAMA_LIKE, qk_layernorm=True),
+    "mpt": lambda: T.MptConfig(d_model=32, n_layers=2, n_heads=4, max_seq_len=64, vocab_size=VOCAB, no_bias=False),
+}
+
+
+@torch.no_grad()
+def make_harder(model: torch.nn.Module) -> torch.nn.Module:
+    """``make_hard``, and gains far from 1 for norms of a family's own class too."""
+    make_hard(model)
+    generator = torch.Generator().manual_seed(7)
+    for module in model.modules():
+        if layer_norm_like(module) and not isinstance(module, torch.nn.LayerNorm):
+            for name, value in (("weight", 0.5), ("bias", 0.0)):
+                tensor = getattr(module, name, None)
+                if tensor is not None:
+                    tensor.copy_(value + 1.5 * torch.rand(tensor.shape, generator=generator) - 0.5 * (name == "bias"))
+    return model
+
+
+def _source(tmp_path, name, model):
+    return save(make_harder(model).eval(), tmp_path / f"{name}-src")
+
+
+@pytest.fixture
+def float64_scalars(request):
+    """XGLM's attention clamps with ``torch.full((), finfo(dtype).min)``, a tensor of the default
+    dtype, which overflows for a float64 model under a float32 default; run it under float64."""
+    default = torch.get_default_dtype()
+    if request.node.callspec.params.get("case") == "xglm":
+        torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(default)
+
+
+@pytest.mark.parametrize("case", sorted(CAUSAL))
+def test_causal_family_is_exact(tmp_path, case, float64_scalars):
+    torch.manual_seed(0)
+    src = _source(tmp_path, case, T.AutoModelForCausalLM.from_config(CAUSAL[case]()))
+    errors = check_exact(src, tmp_path, inputs=token_ids(VOCAB), fold_gains=True)
+    print(case, {key: f"{value:.2e}" for key, value in errors.items()})
