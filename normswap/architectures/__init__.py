@@ -6,6 +6,7 @@ from normswap.architectures.biogpt import BIOGPT
 from normswap.architectures.bloom import BLOOM
 from normswap.architectures.clip import CLIP
 from normswap.architectures.codegen import CODEGEN
+from normswap.architectures.cohere import COHERE
 from normswap.architectures.falcon import FALCON
 from normswap.architectures.gpt2 import GPT2
 from normswap.architectures.gpt_bigcode import GPT_BIGCODE
@@ -13,6 +14,8 @@ from normswap.architectures.gpt_neo import GPT_NEO
 from normswap.architectures.gpt_neox import GPT_NEOX
 from normswap.architectures.gptj import GPTJ
 from normswap.architectures.mpt import MPT
+from normswap.architectures.nemotron import NEMOTRON
+from normswap.architectures.olmo import OLMO
 from normswap.architectures.opt import OPT
 from normswap.architectures.persimmon import PERSIMMON
 from normswap.architectures.phi import PHI
@@ -37,7 +40,7 @@ from normswap.errors import NormswapError
 ARCHITECTURES: dict[str, Architecture] = {}
 for _architecture in (
     GPT2, WHISPER, VIT, CLIP, GPT_NEO, GPTJ, GPT_NEOX, OPT, BLOOM, PHI, FALCON, GPT_BIGCODE, CODEGEN,
-    XGLM, BIOGPT, STARCODER2, STABLELM, PERSIMMON, MPT,
+    XGLM, BIOGPT, STARCODER2, STABLELM, PERSIMMON, MPT, OLMO, COHERE, NEMOTRON,
 ):
     for _model_type in _architecture.model_types:
         ARCHITECTURES[_model_type] = _architecture

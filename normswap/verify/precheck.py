@@ -157,7 +157,7 @@ def _within(name: str, mean: float, largest: float, dtype: torch.dtype) -> None:
 def _check_folded(source: CheckpointReader, output: CheckpointReader, source_name: str, name: str,
                   step: FoldGain) -> None:
     """The output equals W·diag(γ) along the step's axis, up to the stored dtype's rounding."""
-    gain = source.get(step.gain).double()
+    gain = source.get(step.gain).double() + step.offset
     dtype = output.tensors[name].dtype
     unit = _unit(dtype)
     floor = torch.finfo(dtype).tiny * unit if dtype.is_floating_point else 0.0  # subnormal spacing
