@@ -80,3 +80,27 @@ def test_causal_family_is_exact(tmp_path, case, float64_scalars):
     src = _source(tmp_path, case, T.AutoModelForCausalLM.from_config(CAUSAL[case]()))
     errors = check_exact(src, tmp_path, inputs=token_ids(VOCAB), fold_gains=True, fp64_tol=FP64_TOL.get(case, 1e-9))
     print(case, {key: f"{value:.2e}" for key, value in errors.items()})
+
+
+BART_LIKE = dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+                 encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64, scale_embedding=True,
+                 decoder_start_token_id=2, **SMALL)
+SEQ2SEQ = {
+    "m2m_100": lambda: T.M2M100Config(**BART_LIKE),
+    "mbart": lambda: T.MBartConfig(**BART_LIKE),
+    "pegasus": lambda: T.PegasusConfig(**BART_LIKE),
+}
+
+
+@torch.no_grad()
+def seq2seq_logits(model, ids):
+    return model(input_ids=ids, decoder_input_ids=ids.flip(-1)).logits.double()
+
+
+@pytest.mark.parametrize("case", sorted(SEQ2SEQ))
+def test_seq2seq_family_is_exact(tmp_path, case):
+    torch.manual_seed(0)
+    src = _source(tmp_path, case, T.AutoModelForSeq2SeqLM.from_config(SEQ2SEQ[case]()))
+    errors = check_exact(src, tmp_path, forward=seq2seq_logits, inputs=token_ids(VOCAB), auto="AutoModelForSeq2SeqLM",
+                         fold_gains=True)
+    print(case, {key: f"{value:.2e}" for key, value in errors.items()})

@@ -13,10 +13,13 @@ from normswap.architectures.gpt_bigcode import GPT_BIGCODE
 from normswap.architectures.gpt_neo import GPT_NEO
 from normswap.architectures.gpt_neox import GPT_NEOX
 from normswap.architectures.gptj import GPTJ
+from normswap.architectures.m2m_100 import M2M_100
+from normswap.architectures.mbart import MBART
 from normswap.architectures.mpt import MPT
 from normswap.architectures.nemotron import NEMOTRON
 from normswap.architectures.olmo import OLMO
 from normswap.architectures.opt import OPT
+from normswap.architectures.pegasus import PEGASUS
 from normswap.architectures.persimmon import PERSIMMON
 from normswap.architectures.phi import PHI
 from normswap.architectures.spec import (
@@ -41,6 +44,7 @@ ARCHITECTURES: dict[str, Architecture] = {}
 for _architecture in (
     GPT2, WHISPER, VIT, CLIP, GPT_NEO, GPTJ, GPT_NEOX, OPT, BLOOM, PHI, FALCON, GPT_BIGCODE, CODEGEN,
     XGLM, BIOGPT, STARCODER2, STABLELM, PERSIMMON, MPT, OLMO, COHERE, NEMOTRON,
+    M2M_100, MBART, PEGASUS,
 ):
     for _model_type in _architecture.model_types:
         ARCHITECTURES[_model_type] = _architecture

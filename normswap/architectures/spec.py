@@ -285,6 +285,9 @@ class Architecture:
     norms: tuple[Norm, ...]
     # (head weight, embedding weight) pairs that may be tied
     tied: tuple[tuple[str, str], ...] = ()
+    # (copy, table) pairs of modules sharing one table (an encoder-decoder's token tables), tied by
+    # the same flag as the head: a checkpoint written untied gets each copy, converted as the table
+    shared: tuple[tuple[str, str], ...] = ()
     # a function config -> reason string when the checkpoint cannot be converted exactly
     refuse: Callable[[dict], str | None] = lambda config: None
     # config keys -> values that say the head is tied (default: tie_word_embeddings, true if absent)

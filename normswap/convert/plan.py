@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from normswap.architectures.facts import ModelFacts
@@ -145,6 +145,9 @@ def build_plan(
                 raise NormswapError(f"transformers would rename the output tensor {name} on load; not supported")
     plans, dropped, shards = _tensor_plans(architecture, tensors, renamed, dtype)
     untied = _untie(architecture, config, plans, model_keys)
+    for copy, table in architecture.shared:  # an untied checkpoint ties nothing: write every copy
+        if copy in model_keys and copy not in plans and table in plans:
+            plans[copy] = replace(plans[table], name=copy, steps=[])
     structure = resolve_structure(architecture.structure(config), module_names)
     norms = _find_norms(architecture, plans, layer_norm_modules)
     norms += _bake(architecture, config, plans, dropped, structure)  # before centring the table
