@@ -104,3 +104,60 @@ def test_seq2seq_family_is_exact(tmp_path, case):
     errors = check_exact(src, tmp_path, forward=seq2seq_logits, inputs=token_ids(VOCAB), auto="AutoModelForSeq2SeqLM",
                          fold_gains=True)
     print(case, {key: f"{value:.2e}" for key, value in errors.items()})
+
+
+VIT_LIKE = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, image_size=16, patch_size=8)
+CLASSIFY = "AutoModelForImageClassification"
+VISION = {
+    "deit": (T.DeiTForImageClassification, CLASSIFY, lambda: T.DeiTConfig(**VIT_LIKE, intermediate_size=37,
+                                                                          num_labels=3)),
+    "dinov2-layerscale": (T.Dinov2Model, "AutoModel", lambda: T.Dinov2Config(**VIT_LIKE, layerscale_value=0.3)),
+    "beit-layerscale": (T.BeitForImageClassification, CLASSIFY, lambda: T.BeitConfig(
+        **VIT_LIKE, intermediate_size=37, num_labels=3, layer_scale_init_value=0.3, use_relative_position_bias=True)),
+}
+
+
+@torch.no_grad()
+def vision_outputs(model, pixels):
+    outputs = model(pixel_values=pixels.to(model.dtype))
+    if getattr(outputs, "logits", None) is not None:
+        return outputs.logits.double()
+    return torch.cat([outputs.last_hidden_state.double().flatten(), outputs.pooler_output.double().flatten()])
+
+
+@torch.no_grad()
+def _scale_layers(model):
+    """LayerScale's λ far from its constant init, so folding it matters."""
+    generator = torch.Generator().manual_seed(11)
+    for name, parameter in model.named_parameters():
+        if "lambda" in name:
+            parameter.copy_(0.2 + torch.rand(parameter.shape, generator=generator))
+    return model
+
+
+@pytest.mark.parametrize("case", sorted(VISION))
+def test_vision_family_is_exact(tmp_path, case):
+    model_class, auto, config = VISION[case]
+    torch.manual_seed(0)
+    src = _source(tmp_path, case, _scale_layers(model_class(config())))
+    pixels = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(3))
+    errors = check_exact(src, tmp_path, forward=vision_outputs, inputs=pixels, auto=auto, fold_gains=True)
+    print(case, {key: f"{value:.2e}" for key, value in errors.items()})
+
+
+def test_dinov2_swiglu_refused_for_its_fused_checkpoint_names(tmp_path):
+    """The class holds gate_proj/up_proj, the checkpoint it saves holds them fused as weights_in:
+    a split on load, which the conversion does not follow; refused in one line, nothing written."""
+    from safetensors import safe_open
+
+    import normswap
+    from normswap.errors import NormswapError
+
+    model = T.Dinov2Model(T.Dinov2Config(**VIT_LIKE, use_swiglu_ffn=True))
+    assert "encoder.layer.0.mlp.gate_proj.weight" in model.state_dict()
+    src = save(model, tmp_path / "src")
+    with safe_open(src / "model.safetensors", "pt") as file:
+        assert "encoder.layer.0.mlp.weights_in.weight" in set(file.keys())
+    with pytest.raises(NormswapError, match="weights_in"):
+        normswap.convert_checkpoint(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
