@@ -127,8 +127,7 @@ class Norm:
 
     ``output_is_model_output``: the norm's output is itself returned to the user (an encoder's
     ``last_hidden_state``), so its gains must stay in the norm and are never folded.
-    ``gain_offset``: the norm computes with γ = stored weight + ``gain_offset`` (1 for Nemotron's
-    LayerNorm1P, which stores γ - 1); folding uses γ and leaves a stored weight of 1 - offset.
+    ``gain_offset``: γ = stored weight + offset (1 for Nemotron's LayerNorm1P, which stores γ - 1).
     """
 
     module: str
@@ -147,9 +146,8 @@ class HeadNorm:
     output of ``projection`` (a module template, centred per head along its output ``axis``);
     the head size is the norm's last dimension.
 
-    Its input is made zero-mean by centring the projection's rows per head (``fold.centre_heads``),
-    so it becomes an RMSNorm, gains kept. A fused q/k/v projection lays out ``period`` blocks per
-    head, of which ``members`` are normalised.
+    Centring the projection's rows per head (``fold.centre_heads``) makes its input zero-mean: an
+    RMSNorm, gains kept. A fused q/k/v output has ``period`` blocks per head, ``members`` normed.
     """
 
     module: str
@@ -167,8 +165,7 @@ class HeadNorm:
 class LayerScale:
     """A per-channel scale λ on a writer's output (DINOv2, BEiT): the stream gets λ ⊙ (W·u + b).
 
-    ``scale`` names λ, ``writer`` the Linear it scales. λ folds first (W' = diag(λ)·W, b' = λ ⊙ b,
-    λ ← 1), then the writer is centred, C·diag(λ)·W (λ ⊙ CWu alone is not orthogonal to 1).
+    ``scale`` names λ, ``writer`` the Linear it scales: W' = C·diag(λ)·W, b' = C(λ ⊙ b), λ ← 1.
     """
 
     scale: str
@@ -285,8 +282,7 @@ class Architecture:
     norms: tuple[Norm, ...]
     # (head weight, embedding weight) pairs that may be tied
     tied: tuple[tuple[str, str], ...] = ()
-    # (copy, table) pairs of modules sharing one table (an encoder-decoder's token tables), tied by
-    # the same flag as the head: a checkpoint written untied gets each copy, converted as the table
+    # (copy, table) pairs sharing one table (token tables), tied by the head's flag: written untied
     shared: tuple[tuple[str, str], ...] = ()
     # a function config -> reason string when the checkpoint cannot be converted exactly
     refuse: Callable[[dict], str | None] = lambda config: None
