@@ -4,10 +4,9 @@ An adapter says which tensors *write* the residual stream (and along which axis 
 dimension runs), which norms exist and which tensors *read* each norm's output, and how the head
 is tied. It holds no tensor math: that is in ``normswap.convert.fold``, shared by every family.
 
-Names are written in one dialect, templates of whole *canonical* names: the names in the state
-dict of the family's model class (``transformer.h.{layer}.ln_1``). Checkpoints saved from the
-base model (``h.0.ln_1.weight``) are renamed to canonical names when they are read, so adapters
-never deal with prefixes. In a template
+Names are templates of whole *canonical* names, those of the family's model class's state dict
+(``transformer.h.{layer}.ln_1``); checkpoints saved from the base model are renamed on reading.
+In a template
 
 * ``{layer}`` is a layer index, ``{head}`` a head index (a ModuleList of per-head norms);
 * ``{a|b}`` is one of the alternatives (``transformer.{wte|wpe}.weight``);
@@ -15,8 +14,7 @@ never deal with prefixes. In a template
   a family's classes nest the same modules (CLIP's ``{tower=text_model.|vision_model.|}``).
   Readers' templates repeat it and take the value it has in the norm they read.
 
-``pattern`` compiles a template to the regular expression the surgery matches whole names with;
-a norm's named groups (``layer``, the named choices) fill its readers' templates.
+``pattern`` compiles a template to a regular expression; a norm's named groups fill its readers'.
 """
 
 from __future__ import annotations
