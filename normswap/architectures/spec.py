@@ -278,8 +278,7 @@ class Architecture:
     auto_class: str
     writers: tuple[Writer, ...]
     norms: tuple[Norm, ...]
-    # (head weight, embedding weight) pairs that may be tied
-    tied: tuple[tuple[str, str], ...] = ()
+    tied: tuple[tuple[str, str], ...] = ()  # (head weight, embedding weight) pairs that may be tied
     # (copy, table) pairs sharing one table (token tables), tied by the head's flag: written untied
     shared: tuple[tuple[str, str], ...] = ()
     # a function config -> reason string when the checkpoint cannot be converted exactly
@@ -292,7 +291,7 @@ class Architecture:
     # expressions, compiled from templates with ``pattern``)
     ignore: tuple[str, ...] = ()
     bake: tuple[EmbeddingNormBake, ...] = ()
-    head_norms: tuple[HeadNorm, ...] = ()  # per-head q/k norms
+    head_norms: tuple[HeadNorm, ...] = ()
     layer_scales: tuple[LayerScale, ...] = ()
     # structural changes for the RMSNorm class, as config -> {kind: module patterns}, a kind being
     # one of STRUCTURE_KINDS (``centre_input``, ``centre_output``; the plan adds ``identity``)
