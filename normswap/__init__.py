@@ -12,7 +12,7 @@ Public API:
 
 ``import normswap`` is light: torch and transformers are imported when one of these names is
 first used, so the command line starts at once. The ``normswap_<type>`` model types are
-registered with transformers' Auto classes (``normswap.loading.register_auto_classes``) as soon
+registered with transformers' Auto classes (``normswap.modeling.registry``) as soon
 as both are imported: when transformers is imported after normswap, when normswap is imported
 after transformers, or when one of these names is first used.
 """
@@ -29,12 +29,13 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "NormswapError": "normswap.errors",
     "VerificationError": "normswap.errors",
-    "convert_checkpoint": "normswap.convert.pipeline",
+    "convert_checkpoint": "normswap.api",
+    "rotate_checkpoint": "normswap.api",
     "verify_checkpoint": "normswap.verify.checkpoint",
-    "convert_model": "normswap.loading",
-    "save": "normswap.loading",
-    "load": "normswap.loading",
-    "load_model": "normswap.loading",
+    "convert_model": "normswap.api",
+    "save": "normswap.api",
+    "load": "normswap.api",
+    "load_model": "normswap.api",
 }
 
 __all__ = sorted([*_EXPORTS, "__version__", "patch"])
@@ -67,11 +68,10 @@ def _importing_normswap() -> bool:
 
 
 def _register_auto_classes() -> None:
-    # normswap.loading registers when its import completes. When a normswap module is the one
-    # importing transformers, that module's own import chain reaches normswap.loading (every
-    # path that loads a model goes through it), so nothing is done here.
+    # When a normswap module is part-way through its own import, registering now could see it
+    # half-built; every path that loads a model registers before it does, so nothing is lost.
     if not _importing_normswap():
-        importlib.import_module("normswap.loading")
+        importlib.import_module("normswap.modeling.registry").register_auto_classes()
 
 
 class _AfterTransformersImport(importlib.abc.MetaPathFinder):
@@ -103,6 +103,6 @@ class _AfterTransformersImport(importlib.abc.MetaPathFinder):
 
 
 if "transformers" in sys.modules:
-    importlib.import_module("normswap.loading")
+    _register_auto_classes()
 elif not any(isinstance(finder, _AfterTransformersImport) for finder in sys.meta_path):
     sys.meta_path.insert(0, _AfterTransformersImport())

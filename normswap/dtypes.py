@@ -48,6 +48,20 @@ def dtype_name(dtype: torch.dtype | str) -> str:
     return dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
 
 
+# (atol, rtol) of verification for a checkpoint stored in each dtype
+DEFAULT_TOLERANCES: dict[str, tuple[float, float]] = {
+    "float64": (1e-4, 1e-5),  # verification computes in float32 whatever the weights
+    "float32": (1e-4, 1e-5),
+    "float16": (2e-2, 2e-3),
+    "bfloat16": (1e-1, 1e-2),
+}
+
+
+def default_tolerance(dtype: torch.dtype | str) -> tuple[float, float]:
+    """(atol, rtol) for a checkpoint stored in ``dtype``."""
+    return DEFAULT_TOLERANCES.get(dtype_name(dtype), DEFAULT_TOLERANCES["float32"])
+
+
 # bytes per element of every dtype a checkpoint may hold, by torch's name for it
 ITEMSIZE: dict[str, int] = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,

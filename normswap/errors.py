@@ -13,6 +13,12 @@ class NormswapError(Exception):
     exit_code: int = 2
 
 
+def first_line(error: BaseException) -> str:
+    """The first line of an exception's message, or its type's name when it has none."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
 class VerificationError(NormswapError):
     """The converted model did not match the original within tolerance."""
 

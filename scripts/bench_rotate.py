@@ -40,12 +40,13 @@ sys.path.insert(0, str(ROOT))
 
 import normswap  # noqa: E402
 from normswap.analysis.outliers import linear_input_outliers, plot_outliers, summarise  # noqa: E402
+from normswap.api import rotate_checkpoint  # noqa: E402
 from normswap.architectures import architecture_for  # noqa: E402
-from normswap.convert.source import read_config, resolve_source  # noqa: E402
-from normswap.evaluation.perplexity import strided_perplexity, tokenize_text  # noqa: E402
-from normswap.quantise import quantise_model  # noqa: E402
-from normswap.rotation import rotate_checkpoint  # noqa: E402
-from normswap.slicing_pipeline import slice_checkpoint  # noqa: E402
+from normswap.checkpoint.source import read_config, resolve_source  # noqa: E402
+from normswap.evaluation.perplexity import strided_perplexity  # noqa: E402
+from normswap.rotate.quantise import quantise_model  # noqa: E402
+from normswap.rotate.slice_pipeline import slice_checkpoint  # noqa: E402
+from normswap.runtime.reference import tokenize_text  # noqa: E402
 
 BUNDLED_TEXT = ROOT / "normswap" / "data" / "text"
 QUANTISATIONS = {"int8": (8, None), "int4": (4, None), "int4-g128": (4, 128)}
@@ -236,7 +237,7 @@ def main() -> int:
 
 def _parameters(path: Path, under: str = "") -> int:
     """Parameters in the checkpoint (those whose names start with ``under``)."""
-    from normswap.convert.source import CheckpointReader
+    from normswap.checkpoint.source import CheckpointReader
 
     with CheckpointReader(path) as reader:
         return sum(math.prod(info.shape) for name, info in reader.tensors.items() if name.startswith(under))

@@ -231,9 +231,9 @@ INSPECT_LINES = {
 @pytest.mark.parametrize("case", sorted(INSPECT_LINES))
 def test_inspect(tmp_path, case, capsys):
     """inspect prints the plan itself: every norm with its readers, every tensor it centres."""
+    from normswap.checkpoint.source import CheckpointReader, read_config
     from normswap.cli import main
     from normswap.convert.pipeline import plan_conversion
-    from normswap.convert.source import CheckpointReader, read_config
 
     src = make_source(tmp_path, case)
     before = sorted(tmp_path.rglob("*"))

@@ -16,10 +16,10 @@ import transformers as T
 import yaml
 from helpers import make_hard
 
-from normswap import output
+from normswap.checkpoint import output
+from normswap.checkpoint.source import example_model_path
 from normswap.cli import build_parser, main
 from normswap.commands import resolve_device
-from normswap.convert.source import example_model_path
 
 REPORT_COMMANDS = ("verify", "eval", "run", "geometry")
 ALL_COMMANDS = ("convert", "rotate", "inspect", *REPORT_COMMANDS)

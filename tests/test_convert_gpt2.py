@@ -133,8 +133,9 @@ def test_naive_method_needs_allow_inexact(tmp_path):
 @pytest.mark.slow
 def test_bundled_model_perplexity_is_unchanged(tmp_path):
     """The shipped Austen model: converted held-out perplexity equals the original's to 1e-4 (fp32)."""
-    from normswap.convert.source import EXAMPLE_MODEL, example_model_path
-    from normswap.evaluation.perplexity import strided_perplexity, tokenize_text
+    from normswap.checkpoint.source import EXAMPLE_MODEL, example_model_path
+    from normswap.evaluation.perplexity import strided_perplexity
+    from normswap.runtime.reference import tokenize_text
 
     if not (example_model_path() / "model.safetensors").is_file():
         pytest.skip("the bundled example model is not installed")

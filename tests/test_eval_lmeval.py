@@ -10,8 +10,8 @@ import torch
 import transformers
 import yaml
 
+from normswap.checkpoint.source import EXAMPLE_MODEL, example_model_path
 from normswap.cli import main
-from normswap.convert.source import EXAMPLE_MODEL, example_model_path
 from normswap.evaluation import hub, lmeval
 from normswap.evaluation.text import BUNDLED_TEXT, TextSource
 

@@ -12,7 +12,7 @@ pytest.importorskip("lm_eval")
 
 from lm_eval.models.huggingface import HFLM  # noqa: E402
 
-from normswap.convert.source import example_model_path  # noqa: E402
+from normswap.checkpoint.source import example_model_path  # noqa: E402
 from normswap.evaluation import shared_context  # noqa: E402
 from normswap.evaluation.shared_context import SharedContextHFLM, group_requests  # noqa: E402
 

@@ -15,8 +15,8 @@ from helpers import make_hard
 from media_models import tiny_clip, tiny_vit, tiny_whisper
 
 from normswap.architectures import ARCHITECTURES
+from normswap.checkpoint.source import example_model_path
 from normswap.cli import main
-from normswap.convert.source import example_model_path
 
 SMALL = dict(vocab_size=2048, bos_token_id=0, eos_token_id=0, pad_token_id=1)
 LLAMA_LIKE = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,

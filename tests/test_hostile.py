@@ -28,7 +28,7 @@ import torch
 from helpers import leftovers, make_hard, quick_first, save
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from normswap import output, temporaries
+from normswap.checkpoint import output, temporaries
 from normswap.cli import main
 from normswap.errors import NormswapError
 
@@ -481,8 +481,7 @@ def test_truncated_bin(source, tmp_path, capsys, command):
 @pytest.mark.parametrize("call", ["convert", "rotate", "verify"])
 @pytest.mark.parametrize("tolerance", [{"atol": math.nan}, {"rtol": -1.0}, {"atol": math.inf}, {"rtol": "1e-3"}])
 def test_python_api_refuses_impossible_tolerances(source, converted, tmp_path, call, tolerance):
-    from normswap.convert.pipeline import convert_checkpoint
-    from normswap.rotation import rotate_checkpoint
+    from normswap.api import convert_checkpoint, rotate_checkpoint
     from normswap.verify.checkpoint import verify_checkpoint
 
     run = {
@@ -777,7 +776,7 @@ def test_second_claimant_is_refused(source, tmp_path, capsys):
 
 @pytest.mark.parametrize("how", quick_first(["file-added", "folder-replaced", "folder-removed"]))
 def test_something_appears_at_out_during_conversion(source, tmp_path, capsys, monkeypatch, how):
-    from normswap.convert import pipeline
+    from normswap.convert import install as pipeline
 
     out = tmp_path / "out"
     real_write = pipeline.write_weights
@@ -849,7 +848,7 @@ def test_killed_conversion_is_cleaned_by_the_next(source, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     script = (
         "import sys, signal, os\n"
-        "from normswap.convert import pipeline\n"
+        "from normswap.convert import install as pipeline\n"
         "real = pipeline.write_weights\n"
         "def write(*a, **k):\n"
         "    real(*a, **k)\n"
@@ -872,7 +871,7 @@ def test_sigterm_leaves_nothing(source, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     script = (
         "import os, signal\n"
-        "from normswap.convert import pipeline\n"
+        "from normswap.convert import install as pipeline\n"
         "real = pipeline.write_weights\n"
         "def write(*a, **k):\n"
         "    real(*a, **k)\n"

@@ -24,7 +24,7 @@ from hubserver import FakeHub, folder_files
 from safetensors.torch import save
 from transformers import GPT2Config, GPT2Model
 
-from normswap.convert.source import example_model_path
+from normswap.checkpoint.source import example_model_path
 from normswap.evaluation.recipe import RECIPES_DIR, load_recipe
 
 # every test starts the CLI in a fresh interpreter (torch and transformers imported each time)

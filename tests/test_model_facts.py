@@ -123,7 +123,7 @@ def test_configs_the_declarations_do_not_cover_build_the_class(config, why):
 def test_common_activations_are_transformers_own():
     from transformers.activations import ACT2CLS
 
-    from normswap.validation import COMMON_ACTIVATIONS
+    from normswap.checkpoint.validation import COMMON_ACTIVATIONS
 
     assert COMMON_ACTIVATIONS <= set(ACT2CLS)
 
@@ -164,7 +164,7 @@ def test_inspect_prints_the_plan_of_the_class(tmp_path, case, capsys, monkeypatc
     """Text and JSON, with and without --fold-gains: planning from the declared facts prints
     exactly what planning from the model class prints."""
     from normswap.architectures.spec import Architecture
-    from normswap.convert.source import read_config
+    from normswap.checkpoint.source import read_config
 
     src = _save(case, tmp_path)
     config = read_config(src)

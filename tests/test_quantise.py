@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from normswap.analysis.outliers import _Moments, linear_input_outliers
-from normswap.quantise import fake_quantise, linear_layers, quantise_model
+from normswap.rotate.quantise import fake_quantise, linear_layers, quantise_model
 
 
 def test_int4_per_channel_by_hand():

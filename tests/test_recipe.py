@@ -10,8 +10,8 @@ import torch
 import transformers
 import yaml
 
+from normswap.checkpoint.source import example_model_path
 from normswap.cli import main
-from normswap.convert.source import example_model_path
 from normswap.evaluation import hub
 from normswap.evaluation.recipe import RECIPES_DIR, load_recipe
 from normswap.evaluation.text import BUNDLED_TEXT

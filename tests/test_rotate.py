@@ -22,10 +22,11 @@ from test_architectures_encoders import CLIP_TEXT, CLIP_VISION, WHISPER
 from test_bad_input import assert_one_line_error, run_cli
 
 import normswap
-from normswap import hadamard
+from normswap.api import rotate_checkpoint
 from normswap.convert import fold
 from normswap.errors import NormswapError
-from normswap.rotation import ROTATION_FILE, load_rotation, rotate_checkpoint
+from normswap.rotate import hadamard
+from normswap.rotate.matrices import ROTATION_FILE, load_rotation
 
 BUNDLED = Path(normswap.__file__).parent / "data"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")

@@ -22,14 +22,14 @@ from test_bad_input import run_cli
 from test_rotate import _files, _refused
 
 import normswap
-from normswap import calibration, slicing
+from normswap.api import rotate_checkpoint
 from normswap.architectures import ARCHITECTURES
-from normswap.convert.source import resolve_source
+from normswap.checkpoint.source import resolve_source
 from normswap.errors import NormswapError
 from normswap.modeling.remote import RMSNorm
-from normswap.rotation import rotate_checkpoint
-from normswap.slicing_pipeline import slice_checkpoint
-from normswap.verify.loaders import stock_refuses
+from normswap.rotate import calibration, slicing
+from normswap.rotate.slice_pipeline import slice_checkpoint
+from normswap.runtime.loaders import stock_refuses
 
 BUNDLED = Path(normswap.__file__).parent / "data"
 CALIBRATION = BUNDLED / "text" / "emma-excerpt.txt"
@@ -94,6 +94,46 @@ def test_stream_axes_generalise_the_block_index():
              "lm_head.weight": slicing.Role("reader", 1, 4)}
     axes = slicing.stream_axes(roles, slicing.LAYOUTS["gpt2"])
     assert axes == [["lm_head\\.weight", 1], ["transformer\\.h\\.\\d+\\.ln_1\\.weight", 0]]
+
+
+def test_sliced_write_holds_one_tensor_at_a_time(tmp_path, monkeypatch):
+    """The sliced weights stream through the writer: the output tensors alive at once stay near
+    the largest one, far below the model's size (collecting them all would hold the whole model)."""
+    import weakref
+
+    from normswap.checkpoint.source import CheckpointReader, read_config
+    from normswap.convert import fold
+    from normswap.convert.write import write_weights
+    from normswap.rotate.plan import plan_rotation
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=8, n_embd=32, n_head=4, vocab_size=64, n_positions=16)
+    src = save(transformers.GPT2LMHeadModel(config).eval(), tmp_path / "deep")
+    live, peak = [0], [0]
+    compute = fold.compute_tensor
+
+    def counted(plan, read):
+        value = compute(plan, read)
+        live[0] += value.nbytes
+        peak[0] = max(peak[0], live[0])
+        weakref.finalize(value, lambda size=value.nbytes: live.__setitem__(0, live[0] - size))
+        return value
+
+    monkeypatch.setattr(fold, "compute_tensor", counted)
+    layout = slicing.LAYOUTS["gpt2"]
+    norms = slicing.signal_norms(layout, 8)
+    bases = [torch.linalg.qr(torch.randn(32, 24, dtype=torch.float64))[0] for _ in norms]
+    with CheckpointReader(src) as reader:
+        rotation_plan = plan_rotation(src, read_config(src), reader, dtype=None)
+        roles = slicing.tensor_roles(list(rotation_plan.plan.tensors), rotation_plan.architecture, layout, norms)
+        plan = slicing.sliced_plan(rotation_plan.plan, roles, bases, slicing.shortcut_tensors(layout, bases, 8),
+                                   torch.float32, 32)
+        write_weights(tmp_path, plan, reader)
+    model_bytes = sum(tensor.nbytes for tensor in plan.tensors.values())
+    largest = max(tensor.nbytes for tensor in plan.tensors.values())
+    assert peak[0] <= 2 * largest < model_bytes / 10, (peak[0], largest, model_bytes)
+    with safe_open(tmp_path / "model.safetensors", "pt") as written:
+        assert tuple(written.get_tensor("transformer.h.0.mlp.c_fc.weight").shape) == (24, 128)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,12 +20,13 @@ from safetensors.torch import load_file, save_file
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import normswap
+from normswap.checkpoint import safetensors_io
+from normswap.checkpoint.source import CheckpointReader
 from normswap.cli import main
-from normswap.convert import fold, safetensors_io
-from normswap.convert.source import CheckpointReader
+from normswap.convert import fold
 from normswap.convert.steps import Centre, FoldGain
 from normswap.errors import NormswapError, VerificationError
-from normswap.verify import offload as verify_offload
+from normswap.runtime import offload as verify_offload
 
 VOCAB = 97
 ROOT = Path(__file__).resolve().parents[1]

@@ -19,10 +19,10 @@ from torch import nn
 
 import normswap
 from normswap.architectures import architecture_for
-from normswap.convert.source import CheckpointReader, read_config
+from normswap.checkpoint.source import CheckpointReader, read_config
+from normswap.runtime.lockstep import SharedReads, run_in_lockstep
 from normswap.verify.compare import compare_by_sequence, compare_outputs
 from normswap.verify.layerwise import compare_layerwise
-from normswap.verify.lockstep import SharedReads, run_in_lockstep
 
 SMALL = {"vocab_size": 61, "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 1}
 FAMILIES = {

@@ -19,18 +19,6 @@ from normswap.lazy import lazy_getattr
 DEFAULT_TEXT = Path(__file__).resolve().parent.parent / "data" / "text" / "persuasion-excerpt.txt"
 
 # Config keys that give a model's maximum sequence length, in the order transformers' families use them.
-CONTEXT_KEYS = ("n_positions", "max_position_embeddings", "n_ctx", "max_target_positions")
-
-
-def config_context_length(config: dict) -> int | None:
-    """The maximum sequence length a config.json declares, or None when it declares none."""
-    for key in CONTEXT_KEYS:
-        value = config.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return None
-
-
 _EXPORTS = {
     "find_norms": "normswap.analysis.collect",
     "run_geometry": "normswap.analysis.collect",

@@ -121,10 +121,10 @@ def _media_reports(args: argparse.Namespace) -> tuple[dict, None]:
     """Reports on audio or images: the inputs are prepared once, by the first model's own processor."""
     from normswap.analysis.collect import run_geometry_on
     from normswap.analysis.report import build_report
-    from normswap.convert.source import read_config
+    from normswap.checkpoint.source import read_config
     from normswap.evaluation import media
     from normswap.evaluation.media_eval import check_sources
-    from normswap.verify.compare import load_tokenizer
+    from normswap.runtime.reference import load_tokenizer
 
     kind = "audio" if args.audio else "images"
     spec = args.audio or args.images
@@ -190,13 +190,13 @@ def _check_arguments(args: argparse.Namespace) -> None:
     from normswap.commands import check_device
 
     check_device(args.device)
-    from normswap.convert.source import read_config, resolve_source
+    from normswap.checkpoint.source import read_config, resolve_source
 
     sources = [args.model] + ([args.compare] if args.compare else [])
     paths = [resolve_source(src, trust_remote_code=args.trust_remote_code) for src in sources]
     configs = [read_config(path) for path in paths]
     if args.compare:
-        from normswap import validation
+        from normswap.checkpoint import validation
 
         validation.check_same_shape(paths[0], configs[0], paths[1], configs[1])
     if args.seq_len is not None and not (args.audio or args.images):
@@ -205,7 +205,7 @@ def _check_arguments(args: argparse.Namespace) -> None:
 
 def _check_seq_len(seq_len: int, sources: list[str], configs: list[dict]) -> None:
     """A window longer than a model's context would be cut silently: refuse it instead."""
-    from normswap.analysis import config_context_length
+    from normswap.runtime.reference import config_context_length
 
     for source, config in zip(sources, configs, strict=True):
         context = config_context_length(config)
@@ -257,8 +257,8 @@ def _write_files(folder: Path, payload: dict, reports: dict, text: str, plot: bo
 
 def _outliers(args: argparse.Namespace, models: dict, ids: torch.Tensor, reports: dict) -> str:
     """Linear-input outlier statistics per model, added to each report; returns their table."""
-    from normswap.analysis.collect import context_length
     from normswap.analysis.outliers import format_outliers, geometry_outliers
+    from normswap.runtime.reference import context_length
 
     seq_len = min([args.seq_len or 1024] + [context_length(model) for model in models.values()])
     results = geometry_outliers(models, ids, seq_len, args.batch_size)

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from normswap.analysis import DEFAULT_TEXT, config_context_length, stats  # noqa: F401  (DEFAULT_TEXT: re-exported)
+from normswap.analysis import DEFAULT_TEXT, stats  # noqa: F401  (DEFAULT_TEXT: re-exported)
 from normswap.errors import NormswapError
+from normswap.runtime.reference import context_length  # noqa: F401  (re-exported for scripts)
 
 # Norm attribute names by role; the first match wins, cross-attention before self-attention.
 _KIND_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
@@ -197,14 +198,6 @@ class NormRecorder:
     @property
     def records(self) -> list[NormRecord]:
         return list(self._records.values())
-
-
-def context_length(model: nn.Module, default: int = 1024) -> int:
-    """The model's maximum sequence length from its config (n_positions, max_position_embeddings...)."""
-    config = getattr(model, "config", None)
-    to_dict = getattr(config, "to_dict", None)
-    found = config_context_length(to_dict()) if callable(to_dict) else None
-    return found or default
 
 
 def windows(ids: torch.Tensor, seq_len: int, batch_size: int) -> Iterator[torch.Tensor]:

@@ -19,7 +19,7 @@ import math
 import torch
 from torch import nn
 
-from normswap.quantise import linear_layers
+from normswap.rotate.quantise import linear_layers
 
 
 class _Moments:

@@ -7,7 +7,6 @@ paths are refused, before torch and transformers are imported.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from collections.abc import Callable
@@ -15,6 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from normswap.errors import NormswapError
+from normswap.text import json_safe, json_text
+
+__all__ = ["json_safe", "json_text"]  # the JSON every command prints
 
 
 def check_source(src: str, *, trust_remote_code: bool = False) -> None:
@@ -22,7 +24,7 @@ def check_source(src: str, *, trust_remote_code: bool = False) -> None:
 
     A hub id is not fetched here: the command fetches it once, when it needs it.
     """
-    from normswap.convert.source import _HUB_ID, EXAMPLE_MODEL, resolve_source
+    from normswap.checkpoint.source import _HUB_ID, EXAMPLE_MODEL, resolve_source
 
     if src == EXAMPLE_MODEL or Path(src).expanduser().exists() or not _HUB_ID.match(src):
         resolve_source(src, trust_remote_code=trust_remote_code)
@@ -101,7 +103,6 @@ def add_checkpoint_out(parser: argparse.ArgumentParser) -> None:
 
 def tolerance(text: str) -> float:
     """An ``--atol``/``--rtol`` value: a finite number >= 0 (``--verify none`` turns checking off)."""
-    import math
 
     try:
         value = float(text)
@@ -153,7 +154,7 @@ def check_report_out(args: argparse.Namespace, inputs: list[Path]) -> None:
     if getattr(args, "plot", False) and args.out is None:
         raise NormswapError("--plot needs --out DIR (the plots are written there)")
     if args.out is not None:
-        from normswap import output
+        from normswap.checkpoint import output
 
         args.out = output.absolute(args.out)
         output.check_out(args.out, inputs, args.overwrite)
@@ -163,9 +164,9 @@ def write_reports(out: Path, write: Callable[[Path], list[Path]], *, inputs: lis
                   overwrite: bool, kind: str = "report") -> list[Path]:
     """Claim ``out``, let ``write(folder)`` fill a temporary folder, install it whole; the final paths.
 
-    Like every normswap output (``normswap.output``): nothing half-written, and ``overwrite`` only
+    Like every normswap output (``normswap.checkpoint.output``): nothing half-written, and ``overwrite`` only
     replaces a folder normswap wrote."""
-    from normswap import output
+    from normswap.checkpoint import output
 
     with output.claimed_output(out, inputs=inputs, overwrite=overwrite, kind=kind) as claim:
         names = [path.name for path in write(claim.tmp)]
@@ -173,24 +174,6 @@ def write_reports(out: Path, write: Callable[[Path], list[Path]], *, inputs: lis
     paths = [out / name for name in names]
     print("wrote " + ", ".join(str(path) for path in paths), file=sys.stderr)
     return paths
-
-
-def json_safe(value: Any) -> Any:
-    """``value`` with inf and nan as null (JSON has neither) and other non-JSON values as strings."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {str(k): json_safe(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [json_safe(v) for v in value]
-    if value is None or isinstance(value, bool | int | float | str):
-        return value
-    return str(value)
-
-
-def json_text(data: Any) -> str:
-    """``data`` as strict JSON text (what ``json.loads`` and every other parser accept)."""
-    return json.dumps(json_safe(data), indent=2, allow_nan=False) + "\n"
 
 
 def emit_json(args: argparse.Namespace, data: Any) -> None:

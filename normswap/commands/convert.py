@@ -35,9 +35,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_source(args.src, trust_remote_code=args.trust_remote_code)
+    from normswap.api import convert_checkpoint
     from normswap.commands.verify import describe_mode
-    from normswap.convert.pipeline import convert_checkpoint
-    from normswap.verify.compare import format_table
+    from normswap.text import format_table
 
     provenance = convert_checkpoint(
         args.src, args.out,

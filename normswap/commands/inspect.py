@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from normswap.checkpoint.source import CheckpointReader, read_config, resolve_source
 from normswap.commands import add_json_option, emit_json
-from normswap.convert.source import CheckpointReader, read_config, resolve_source
 
 if TYPE_CHECKING:
     from normswap.convert.plan import ConversionPlan

@@ -41,9 +41,9 @@ def run(args: argparse.Namespace) -> int:
         from normswap.commands.rotate_slice import run_slice
 
         return run_slice(args)
+    from normswap.api import rotate_checkpoint
     from normswap.commands.verify import describe_mode
-    from normswap.rotation import rotate_checkpoint
-    from normswap.verify.compare import format_table
+    from normswap.text import format_table
 
     provenance = rotate_checkpoint(
         args.src, args.out, method=args.method or "hadamard", seed=args.seed, calibration=args.calibration,

@@ -20,7 +20,7 @@ def check_options(args: argparse.Namespace) -> None:
 
 
 def run_slice(args: argparse.Namespace) -> int:
-    from normswap.slicing_pipeline import slice_checkpoint
+    from normswap.rotate.slice_pipeline import slice_checkpoint
 
     check_options(args)
     provenance = slice_checkpoint(

@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
 
 def summary(result: dict) -> str:
     """The figures as text: one row per loader, the comparison mode, the probe, the verdict."""
-    from normswap.verify.compare import format_table
+    from normswap.text import format_table
 
     verdict = "verified: outputs match" if result["passed"] else "FAILED: outputs differ beyond tolerance"
     return "\n".join([

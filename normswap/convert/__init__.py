@@ -7,5 +7,5 @@
 - ``fold``: the float64 tensor math, with its derivation, and the execution of the steps.
 - ``write``: stream the planned tensors into safetensors shards.
 - ``pipeline``: check → plan → write → verify → install, top to bottom (``write_checkpoint`` is
-  shared with ``normswap.rotation``).
+  shared with ``normswap.rotate.pipeline``).
 """

@@ -343,4 +343,6 @@ def whole_step(step: Step, value: torch.Tensor, read: Read) -> torch.Tensor:
         return chunked_bias_fold(read(step.weight), read(step.norm_bias), value, step.axis)
     if isinstance(step, Rotate):
         return rotate_axis(value, step.rotation.matrix, step.axis)
+    if callable(getattr(step, "whole", None)):  # a step declared in a layer above (rotate/) carries its math
+        return step.whole(value, read)
     raise TypeError(step)

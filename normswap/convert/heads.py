@@ -8,14 +8,10 @@ any bias fold (which adds Wβ to the projection's bias). The math is in ``normsw
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
 
 from normswap.architectures.spec import Architecture, format_template, pattern
-from normswap.convert.steps import CentreHeads, Fill, FoldGain
+from normswap.convert.steps import CentreHeads, Fill, FoldGain, NormPlan, TensorPlan
 from normswap.errors import NormswapError
-
-if TYPE_CHECKING:
-    from normswap.convert.plan import NormPlan, TensorPlan
 
 
 def fold_layer_scales(architecture: Architecture, plans: dict[str, TensorPlan]) -> None:

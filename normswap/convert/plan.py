@@ -10,60 +10,30 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from normswap.architectures.facts import ModelFacts
 from normswap.architectures.spec import Architecture, HeadNorm, Norm
+from normswap.checkpoint.source import TensorInfo
 from normswap.convert.heads import centre_heads, fold_layer_scales
 from normswap.convert.names import canonical_names, output_shard_names, resolve_structure
-from normswap.convert.safetensors_io import tensor_nbytes
-from normswap.convert.source import TensorInfo
-from normswap.convert.steps import Bake, Centre, DivideByGain, Fill, FoldBias, FoldGain, Step, Structure
-from normswap.dtypes import dtype_name, is_floating, torch_dtype
+from normswap.convert.steps import (
+    Bake,
+    Centre,
+    DivideByGain,
+    Fill,
+    FoldBias,
+    FoldGain,
+    NormPlan,
+    Structure,
+    TensorPlan,
+)
+from normswap.dtypes import is_floating
 from normswap.errors import NormswapError
 
 if TYPE_CHECKING:  # planning imports no torch; tensors are read and written elsewhere
     import torch
-
-
-@dataclass
-class TensorPlan:
-    """How one output tensor is made. Its dtype is kept by name (a ``torch.dtype`` given is stored
-    as its name); ``dtype`` is the ``torch.dtype``."""
-
-    name: str
-    source: str | None  # source tensor the value starts from; None for a bias created from zeros
-    shape: tuple[int, ...]
-    dtype_name: str
-    shard: str
-    steps: list[Step] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.dtype_name = dtype_name(self.dtype_name)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return torch_dtype(self.dtype_name)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the output tensor."""
-        return tensor_nbytes(self.shape, self.dtype_name)
-
-
-@dataclass
-class NormPlan:
-    """What happens to one norm: always swapped; optionally its γ/β folded into its readers."""
-
-    name: str
-    readers: list[str]
-    folded_gain: bool = False
-    folded_bias: bool = False
-    kept_bias: str | None = None  # "β" or "β/γ" when the norm keeps a bias
-    baked_into: str | None = None
-    note: str = ""
-    per_head: bool = False  # a per-head norm of queries or keys (its projection is centred per head)
 
 
 @dataclass

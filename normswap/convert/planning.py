@@ -11,11 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from normswap import validation
 from normswap.architectures import Architecture, architecture_for
 from normswap.architectures.facts import ModelFacts, facts_of_model
+from normswap.checkpoint import validation
+from normswap.checkpoint.source import CheckpointReader
 from normswap.convert.plan import ConversionPlan, plan_from_facts
-from normswap.convert.source import CheckpointReader
 from normswap.errors import NormswapError
 
 if TYPE_CHECKING:

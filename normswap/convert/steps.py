@@ -1,5 +1,6 @@
-"""What a plan does, as data: ``Step``s to one tensor, and the ``Structure`` it changes in the
-model class. ``normswap.convert.plan`` decides them; ``normswap.convert.fold`` executes the steps
+"""What a plan does, as data: ``Step``s to one tensor (a ``TensorPlan`` lists them), what happens
+to one norm (``NormPlan``), and the ``Structure`` it changes in the model class.
+``normswap.convert.plan`` decides them; ``normswap.convert.fold`` executes the steps
 (``compute_tensor``, ``slice_kernel``), each step's math being a ``fold`` function.
 
 A ``SliceStep`` acts independently on every slice taken across its ``axis`` (the axis that
@@ -10,8 +11,14 @@ indexes the hidden dimension), so it can run in float64 slices of a large tensor
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
+from normswap.checkpoint.safetensors_io import tensor_nbytes
+from normswap.dtypes import dtype_name, torch_dtype
 from normswap.errors import NormswapError
+
+if TYPE_CHECKING:  # planning imports no torch
+    import torch
 
 
 class SliceStep:
@@ -97,7 +104,7 @@ class Rotate:
 
     axis: int
     side: str
-    rotation: object = field(repr=False)  # normswap.rotation.Rotation: the matrix and its label
+    rotation: object = field(repr=False)  # normswap.rotate.pipeline.Rotation: the matrix and its label
     slice_wise: bool = True
 
 
@@ -141,3 +148,42 @@ class Structure:
 
     def __str__(self) -> str:
         return str(self.to_json())
+
+
+@dataclass
+class TensorPlan:
+    """How one output tensor is made. Its dtype is kept by name (a ``torch.dtype`` given is stored
+    as its name); ``dtype`` is the ``torch.dtype``."""
+
+    name: str
+    source: str | None  # source tensor the value starts from; None for a bias created from zeros
+    shape: tuple[int, ...]
+    dtype_name: str
+    shard: str
+    steps: list[Step] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.dtype_name = dtype_name(self.dtype_name)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch_dtype(self.dtype_name)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the output tensor."""
+        return tensor_nbytes(self.shape, self.dtype_name)
+
+
+@dataclass
+class NormPlan:
+    """What happens to one norm: always swapped; optionally its γ/β folded into its readers."""
+
+    name: str
+    readers: list[str]
+    folded_gain: bool = False
+    folded_bias: bool = False
+    kept_bias: str | None = None  # "β" or "β/γ" when the norm keeps a bias
+    baked_into: str | None = None
+    note: str = ""
+    per_head: bool = False  # a per-head norm of queries or keys (its projection is centred per head)

@@ -28,9 +28,10 @@ from pathlib import Path
 
 import torch
 
-from normswap.convert import fold, safetensors_io
+from normswap.checkpoint import safetensors_io
+from normswap.checkpoint.source import CheckpointReader, RecentReads
+from normswap.convert import fold
 from normswap.convert.plan import ConversionPlan, TensorPlan
-from normswap.convert.source import CheckpointReader, RecentReads
 
 Read = Callable[[str], torch.Tensor]
 Progress = Callable[[int], None]

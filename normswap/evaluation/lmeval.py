@@ -257,7 +257,7 @@ def run_tasks(lm, task_manager, tasks: list, *, limit: int | float | None = None
     Python API, logging samples for per-document deltas."""
     import lm_eval
 
-    from normswap.evaluation.perplexity import transformers_errors_only
+    from normswap.runtime.reference import transformers_errors_only
 
     for name in ("lm_eval", "lm_eval.api.task", "lm_eval.evaluator"):
         logging.getLogger(name).setLevel(logging.WARNING)

@@ -33,7 +33,7 @@ def media_kind(settings: EvalSettings) -> str | None:
 
 def check_sources(sources: list[str], kind: str | None, trust_remote_code: bool) -> list[Path]:
     """Resolve every checkpoint and check that it reads ``kind``; one line otherwise."""
-    from normswap.convert.source import read_config, resolve_source
+    from normswap.checkpoint.source import read_config, resolve_source
 
     paths = []
     for source in sources:
@@ -75,8 +75,8 @@ def evaluate_media(
     reference_source: str | None = None,
 ) -> dict[str, Any]:
     """Evaluate ``model`` (and ``baseline``) on ``settings.audio`` or ``settings.images``; the report."""
-    from normswap.convert.source import read_config
-    from normswap.verify.compare import load_tokenizer
+    from normswap.checkpoint.source import read_config
+    from normswap.runtime.reference import load_tokenizer
 
     kind = media_kind(settings)
     assert kind is not None

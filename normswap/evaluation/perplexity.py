@@ -18,8 +18,6 @@ same when ``stride == max_length`` and one token per window more accurate otherw
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -162,26 +160,3 @@ def strided_perplexity(
     )
 
 
-def tokenize_text(tokenizer, text: str) -> torch.Tensor:
-    """Token ids of ``text`` as one 1-D tensor, untruncated.
-
-    Special tokens are added exactly as the tokenizer does by default (the documentation's recipe):
-    none for GPT-2, a leading BOS for OPT or Llama, which then gives the first word a context.
-    """
-    with transformers_errors_only():  # the text is far longer than the model context on purpose
-        encoded = tokenizer(text, return_tensors="pt")
-    return encoded["input_ids"][0]
-
-
-@contextmanager
-def transformers_errors_only() -> Iterator[None]:
-    """Silence transformers' warnings in the block: whole documents are encoded on purpose (strided
-    windows, lm-eval's rolling windows), and the tokenizer warns that they exceed the context."""
-    import transformers
-
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        transformers.logging.set_verbosity(verbosity)

@@ -48,7 +48,7 @@ from typing import Any
 
 import yaml
 
-from normswap import output
+from normswap.checkpoint import output
 from normswap.errors import NormswapError
 
 SECTIONS = {"name", "description", "source", "convert", "verify", "eval", "tolerances", "reference"}
@@ -210,7 +210,7 @@ def _check_values(recipe: Recipe, origin: str) -> None:
 
 def hub_needs(recipe: Recipe, settings) -> list[str]:
     """What in this recipe needs the Hugging Face hub (empty when it runs offline)."""
-    from normswap.convert.source import EXAMPLE_MODEL
+    from normswap.checkpoint.source import EXAMPLE_MODEL
     from normswap.evaluation.lmeval import LOCAL_ALIAS, TEXT_TASK, local_tasks
     from normswap.evaluation.text import DATASETS
 
@@ -231,9 +231,9 @@ def convert_kwargs(recipe: Recipe) -> dict[str, Any]:
     """Keyword arguments for ``normswap.convert_checkpoint``: the recipe's, with verification on."""
     import inspect
 
-    import normswap
+    from normswap.convert.pipeline import convert_checkpoint
 
-    accepted = inspect.signature(normswap.convert_checkpoint).parameters
+    accepted = set(inspect.signature(convert_checkpoint).parameters) - {"verifier"}  # the API passes that one
     kwargs = {**recipe.convert, **recipe.verify, "overwrite": False}
     if kwargs.get("verification") == "none":
         raise NormswapError(f"recipe {recipe.path}: a recipe always verifies; remove verification: none")
@@ -250,7 +250,7 @@ def run_recipe(recipe: Recipe, out: Path, *, settings, tolerances, overwrite: bo
     ``settings`` (EvalSettings) and ``tolerances`` are the recipe's, already merged with any
     command-line overrides. A failed verification raises ``VerificationError`` before evaluation.
     Everything is written into a temporary folder installed at ``out`` only when the whole run
-    succeeded (see ``normswap.output``): a failed or interrupted run leaves nothing.
+    succeeded (see ``normswap.checkpoint.output``): a failed or interrupted run leaves nothing.
     """
     import normswap
     from normswap.evaluation.api import evaluate
@@ -266,7 +266,7 @@ def run_recipe(recipe: Recipe, out: Path, *, settings, tolerances, overwrite: bo
     out = output.absolute(out)
     inputs = [recipe.path]
     if Path(recipe.source).expanduser().exists():
-        from normswap.convert.source import source_inputs
+        from normswap.checkpoint.source import source_inputs
 
         inputs += source_inputs(Path(recipe.source).expanduser())
     with output.claimed_output(out, inputs=inputs, overwrite=overwrite, kind="run") as claim:

@@ -7,9 +7,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-from normswap.commands import json_text
 from normswap.evaluation.compare import Comparison, reference_rows
 from normswap.evaluation.runner import EvalSettings, ModelEval
+from normswap.text import json_text
 
 
 def _version() -> str:

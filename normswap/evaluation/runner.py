@@ -22,8 +22,9 @@ from normswap.dtypes import parse_dtype
 from normswap.errors import NormswapError
 from normswap.evaluation import lmeval
 from normswap.evaluation.hub import require_hub
-from normswap.evaluation.perplexity import model_max_length, strided_perplexity, tokenize_text
+from normswap.evaluation.perplexity import model_max_length, strided_perplexity
 from normswap.evaluation.text import TextSource, load_text
+from normswap.runtime.reference import tokenize_text
 from normswap.threads import cpu_threads
 
 STRIDED_TASK = "strided"
@@ -219,7 +220,7 @@ class Evaluator:
         """
         from lm_eval.models.huggingface import HFLM
 
-        from normswap.convert.source import resolve_source
+        from normswap.checkpoint.source import resolve_source
 
         path = resolve_source(result.source, trust_remote_code=self.settings.trust_remote_code)
         lm = HFLM(

@@ -14,15 +14,6 @@
 
 from __future__ import annotations
 
-import math
+from normswap.convert.install import check_tolerance
 
-from normswap.errors import NormswapError
-
-
-def check_tolerance(name: str, value: object) -> None:
-    """``atol`` / ``rtol`` as the Python API takes them: None (the dtype's default) or a finite
-    number >= 0. NaN would make every comparison fail and a negative bound could never pass."""
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise NormswapError(f"{name} must be a finite number >= 0, not {value!r:.30}")
+__all__ = ["check_tolerance"]

@@ -17,17 +17,18 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from normswap import validation
 from normswap.architectures import Architecture, architecture_for
+from normswap.checkpoint import validation
+from normswap.checkpoint.source import first_non_finite, read_config, resolve_source
 from normswap.convert.plan import ConversionPlan
-from normswap.convert.source import first_non_finite, read_config, resolve_source
-from normswap.dtypes import parse_dtype
+from normswap.dtypes import default_tolerance, parse_dtype
 from normswap.errors import NormswapError, VerificationError
 from normswap.modeling import MODELING_FILE, build, modeling_sha256
+from normswap.runtime.loaders import refusals
+from normswap.runtime.offload import Unsupported, wants_layerwise
+from normswap.runtime.reference import reference_model
 from normswap.verify import layerwise as by_layer
-from normswap.verify.compare import default_tolerance, within_tolerance
-from normswap.verify.loaders import refusals
-from normswap.verify.offload import Unsupported, wants_layerwise
+from normswap.verify.compare import within_tolerance
 from normswap.verify.precheck import precheck as algebraic_precheck
 from normswap.verify.probes import Probe
 from normswap.verify.whole import compare_whole
@@ -53,7 +54,7 @@ def verify_checkpoint(original: str | Path, converted: str | Path, *, atol: floa
     conversion's plan when the caller has it (``convert`` does); else it is rebuilt from the
     original with the options the conversion recorded.
     """
-    from normswap.loading import register_auto_classes
+    from normswap.modeling.registry import register_auto_classes
     from normswap.verify import check_tolerance
 
     check_tolerance("atol", atol)
@@ -62,8 +63,6 @@ def verify_checkpoint(original: str | Path, converted: str | Path, *, atol: floa
     original_dir, converted_dir = resolve_source(original), Path(converted).expanduser()
     block, architecture = _check_pair(original_dir, converted_dir, converted)
     if "rotation" in block:  # its stream is C·h·Q, not C·h
-        from normswap.verify.rotated import verify_rotated
-
         return verify_rotated(original_dir, converted_dir, atol=atol, rtol=rtol, layerwise=layerwise, quiet=quiet,
                               trust_remote_code=trust_remote_code)
     atol, rtol = tolerance(block, atol, rtol)
@@ -221,3 +220,40 @@ def _worst_layer(loaders: dict[str, dict]) -> dict:
               for name, figures in loaders.items() if "worst_layer" in figures]
     *_, name = max(ranked)
     return {"loader": name, **loaders[name]["worst_layer"]}
+
+
+def verify_rotated(reference: str | Path, rotated: str | Path, *, atol: float | None = None,
+                   rtol: float | None = None, layerwise: bool | None = None, quiet: bool = True,
+                   trust_remote_code: bool = False) -> dict:
+    """Compare a rotated checkpoint with the checkpoint it was rotated from (an original or a
+    folded conversion): logits, and per block the stream, which must be C·h·Q.
+
+    The rotated model is built from normswap's own RMSNorm classes; with ``trust_remote_code``
+    the checkpoint's ``modeling_normswap.py`` runs instead."""
+    from normswap.rotate.matrices import load_rotation
+    from normswap.rotate.plan import family_of
+
+    reference_dir, rotated_dir = resolve_source(reference), Path(rotated)
+    reference_config, rotated_config = read_config(reference_dir), read_config(rotated_dir)
+    block = rotated_config.get("normswap") or {}
+    width = next((rotated_config[key] for key in ("n_embd", "hidden_size", "d_model") if key in rotated_config), None)
+    rotation = load_rotation(rotated_dir, width if isinstance(width, int) else None).clone()
+    architecture, _, _ = family_of(reference_dir, reference_config)
+    atol, rtol = tolerance(block, atol, rtol)
+    if (reference_config.get("normswap") or {}).get("stock_loadable", True):
+        mode = verification_mode(reference_dir, architecture, layerwise)
+    else:
+        mode = ("full", "layer by layer needs a reference the stock class loads; compared whole models")
+
+    def stream_map(hidden: torch.Tensor) -> torch.Tensor:
+        return by_layer.centred64(hidden) @ rotation
+
+    rms_how = "remote" if trust_remote_code else "rmsnorm"
+    probe, loaders, mode, note = run_comparison(
+        reference_dir, rotated_dir, architecture,
+        reference=lambda: reference_model(reference_dir, architecture, rms_how=rms_how),
+        stock_loadable=False, trust_remote_code=trust_remote_code, layerwise=mode, quiet=quiet,
+        stream_map=stream_map, tolerance=(atol, rtol),
+    )
+    return summarise(probe, loaders, atol=atol, rtol=rtol, mode=mode, note=note, method="exact",
+                     paths=(reference_dir, rotated_dir), reference="source")

@@ -16,25 +16,12 @@ import torch
 
 from normswap.errors import NormswapError
 from normswap.verify.probes import LOGIT_PROBES, Probe
-from normswap.verify.probes import load_tokenizer as load_tokenizer  # the checkpoint's tokenizer, for callers
+
 
 # (atol, rtol) on max |Δoutput| by checkpoint dtype: tolerance = atol + rtol * max |output|.
 # fp32: rounding of centred weights is ~1e-7 relative, amplified by depth; 1e-4 absolute is tight
 # for GPT-2-small-sized logits. bf16 keeps 8 mantissa bits, so re-rounding the centred weights
 # moves each by up to 2^-9 relative and logits by a few 1e-2.
-DEFAULT_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
-    torch.float64: (1e-4, 1e-5),  # verification computes in float32 whatever the weights
-    torch.float32: (1e-4, 1e-5),
-    torch.float16: (2e-2, 2e-3),
-    torch.bfloat16: (1e-1, 1e-2),
-}
-
-
-def default_tolerance(dtype: torch.dtype) -> tuple[float, float]:
-    """(atol, rtol) for a checkpoint stored in ``dtype``."""
-    return DEFAULT_TOLERANCES.get(dtype, DEFAULT_TOLERANCES[torch.float32])
-
-
 def centred(x: torch.Tensor) -> torch.Tensor:
     """C·x: ``x`` minus its mean over the hidden (last) dimension, in ``x``'s dtype."""
     return x - x.mean(-1, keepdim=True)
@@ -152,28 +139,3 @@ def _perplexity(log_probs: torch.Tensor, ids: torch.Tensor) -> float:
 def within_tolerance(figures: dict, atol: float, rtol: float) -> bool:
     """Whether max |Δ| is within ``atol + rtol * max |reference|``."""
     return figures["max_abs_diff"] <= atol + rtol * figures["max_abs_reference"]
-
-
-def format_table(rows: dict[str, dict]) -> str:
-    """A Markdown table of verification figures, one row per loader."""
-    columns = ["max_abs_diff", "mean_kl", "top1_agreement", "perplexity_reference", "perplexity_candidate"]
-    present = [c for c in columns if any(c in figures for figures in rows.values())]
-    head = "| loader | " + " | ".join(present) + " | within tolerance |"
-    lines = [head, "|" + "---|" * (len(present) + 2)]
-    for loader, figures in rows.items():
-        if "refused" in figures:
-            verdict = "refuses to load, as it must" if figures["refused"] else "LOADED (wrong model)"
-            lines.append(f"| {loader} | " + " | ".join("-" for _ in present) + f" | {verdict} |")
-            continue
-        cells = [_cell(figures.get(c)) for c in present]
-        verdict = figures.get("passed")
-        lines.append(f"| {loader} | " + " | ".join(cells) + f" | {'yes' if verdict else 'no' if verdict is not None else '-'} |")
-    return "\n".join(lines)
-
-
-def _cell(value) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.3g}" if abs(value) < 1e4 else f"{value:.4g}"
-    return str(value)

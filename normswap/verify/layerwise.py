@@ -31,11 +31,9 @@ from torch import nn
 from normswap.architectures import Architecture
 from normswap.errors import NormswapError
 from normswap.memory import release_memory
-from normswap.threads import on_idle_cores
-from normswap.verify.compare import centred, compare_by_sequence
-from normswap.verify.loaders import checked_form, loader_runs
-from normswap.verify.lockstep import SharedReads, run_in_lockstep
-from normswap.verify.offload import (
+from normswap.runtime.loaders import checked_form, loader_runs
+from normswap.runtime.lockstep import SharedReads, run_in_lockstep
+from normswap.runtime.offload import (
     Unsupported,
     converted_model,
     dispatched,
@@ -43,6 +41,8 @@ from normswap.verify.offload import (
     find_blocks,
     original_model,
 )
+from normswap.threads import on_idle_cores
+from normswap.verify.compare import centred, compare_by_sequence
 from normswap.verify.probes import Probe, build_probe
 
 StreamMap = Callable[[torch.Tensor], torch.Tensor]  # the original's stream -> the converted model's

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
+from normswap.checkpoint.source import CheckpointReader, read_config
 from normswap.convert.plan import ConversionPlan
-from normswap.convert.source import CheckpointReader, read_config
 from normswap.convert.steps import Centre, FoldGain
 from normswap.errors import NormswapError, VerificationError
 from normswap.memory import release_memory
@@ -39,7 +39,7 @@ def precheck(original_dir: Path, converted_dir: Path, plan: ConversionPlan | Non
     ``plan`` is the plan the conversion ran, when the caller has it; else it is rebuilt from the
     original with the options the conversion recorded. Raises ``VerificationError`` naming the
     first tensor that fails."""
-    from normswap.convert.pipeline import plan_conversion
+    from normswap.convert.planning import plan_conversion
 
     options = (read_config(converted_dir).get("normswap") or {}).get("options", {})
     counts = {"centred": 0, "untouched": 0, "folded": 0, "left_to_models": 0}

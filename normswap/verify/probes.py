@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from normswap.runtime.reference import load_tokenizer
+
 PROBE_TOKENS = 64
 PROBE_BATCH = 2
 
@@ -44,9 +46,7 @@ def token_ids(vocab_size: int, length: int, tokenizer: Any, generator: torch.Gen
     """Ids [PROBE_BATCH, length] and their kind: the probe text through ``tokenizer`` when there is
     one and the text is long enough, else ids drawn uniformly from the vocabulary."""
     if tokenizer is not None:
-        from normswap.evaluation.perplexity import (
-            tokenize_text,  # longer than the context on purpose: no warning
-        )
+        from normswap.runtime.reference import tokenize_text  # longer than the context on purpose: no warning
 
         ids = tokenize_text(tokenizer, probe_text())
         if ids.numel() >= PROBE_BATCH * length:
@@ -127,15 +127,3 @@ LOGIT_PROBES = ("causal_lm", "seq2seq_speech", "seq2seq_text")
 def build_probe(kind: str, config: Any, checkpoint: Path) -> Probe:
     """The probe of ``kind`` for a model of ``config``, with the tokenizer of ``checkpoint``."""
     return PROBES[kind](config, load_tokenizer(checkpoint))
-
-
-def load_tokenizer(path: Path) -> Any:
-    """The checkpoint's tokenizer, or None when it has none or it cannot be built offline."""
-    if not any((path / name).is_file() for name in ("tokenizer.json", "vocab.json", "tokenizer.model")):
-        return None
-    try:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(str(path))
-    except Exception:  # a broken tokenizer must not stop verification: random ids still work
-        return None

@@ -10,9 +10,9 @@ from torch import nn
 
 from normswap.architectures import Architecture
 from normswap.memory import release_memory
+from normswap.runtime.loaders import each_loader, load_converted
 from normswap.threads import on_idle_cores
 from normswap.verify.compare import compare_outputs, model_output
-from normswap.verify.loaders import each_loader, load_converted
 from normswap.verify.probes import LOGIT_PROBES, Probe, build_probe
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from normswap.convert.source import first_line as _first_line
 from normswap.errors import NormswapError
+from normswap.errors import first_line as _first_line
 
 # What the hub client's errors mean, by class name, in the one line the user reads.
 _HUB_ERRORS = {

@@ -1,5 +1,5 @@
 """Temporary output folders, named for the process that fills them, and removal of the ones
-whose process is gone (``normswap.output`` explains the lifecycle)."""
+whose process is gone (``normswap.checkpoint.output`` explains the lifecycle)."""
 
 from __future__ import annotations
 

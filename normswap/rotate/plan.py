@@ -1,19 +1,6 @@
-"""Rotated checkpoints: the residual basis turned by an orthogonal Q, exactly.
-
-A LayerNorm model becomes rotatable once every norm is weightless: ``convert --fold-gains``
-centres every write (LayerNorm = RMSNorm) and folds every γ (and β where a reader can take it)
-into the readers. Then RMSNorm(x·Q) = RMSNorm(x)·Q, and rotating every writer's output side,
-every reader's input side and every kept norm bias by Q leaves the function unchanged
-(``normswap.convert.fold`` has the identities). The stream the model carries is x·Q.
-
-The rotation is one more step per tensor in the conversion plan (``Rotate``), so a rotated
-checkpoint is written by the same streaming writer, and installed by the same
-``pipeline.write_checkpoint``, as ``convert``, in the same pass as the centring and folding when
-the source is an original checkpoint. Which tensors rotate comes from the adapters alone: every
-``Writer`` on its hidden axis, every ``Reader`` of a norm on its input axis, every norm bias that
-is kept. The matrices are ``normswap.rotation_matrix``'s, the pca calibration
-``normswap.calibration``'s. The output has its own model type ``normswap_<type>``: the stock
-LayerNorm class would compute LayerNorm(x·Q), which is not LayerNorm(x)·Q.
+"""The plan of a rotation: which sources can be rotated, the fold-everything conversion plan of an
+original (or the identity plan of a folded conversion), and the ``Rotate`` step added to every
+writer, norm reader and kept norm bias (``normswap.rotate.pipeline`` explains the identities).
 """
 
 from __future__ import annotations
@@ -25,31 +12,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from normswap import card, output
 from normswap.architectures import Architecture, architecture_for
-from normswap.calibration import DEFAULT_CALIBRATION_TOKENS, calibrate, read_calibration
-from normswap.convert import pipeline
+from normswap.checkpoint.source import CheckpointReader
+from normswap.convert import planning
 from normswap.convert.plan import ConversionPlan, Structure, build_plan
-from normswap.convert.source import CheckpointReader, read_config, resolve_source, source_inputs
 from normswap.convert.steps import Rotate
-from normswap.dtypes import parse_dtype
 from normswap.errors import NormswapError
 from normswap.modeling import build
-from normswap.rotation_matrix import (
-    METHODS,
-    ROTATION_FILE,
-    Rotation,
-    hadamard_rotation,
-    load_rotation,
-    orthogonal_rotation,
-    save_rotation,
-)
-
-__all__ = [
-    "METHODS", "ROTATION_FILE", "Rotation", "RotationPlan", "add_rotation", "calibrate", "family_of",
-    "load_rotation", "plan_rotation", "rotate_checkpoint",
-]
-
+from normswap.rotate.matrices import Rotation
 
 # ---------------------------------------------------------------------------------------------
 # What can be rotated
@@ -152,7 +122,7 @@ def _original_config(config: dict) -> dict:
     return original
 
 
-def check_source(source_dir: Path, config: dict) -> tuple[Architecture, dict, dict | None]:
+def check_rotatable(source_dir: Path, config: dict) -> tuple[Architecture, dict, dict | None]:
     """The adapter, the family config and the source's normswap block; refusals before any weight is read."""
     block = config.get("normswap")
     if block is not None:
@@ -181,9 +151,9 @@ def plan_rotation(source_dir: Path, config: dict, reader: CheckpointReader, *,
                   dtype: torch.dtype | None) -> RotationPlan:
     """The conversion plan (fold everything) of an original source, or the identity plan of a
     folded one, checked weightless; rotation steps are added later by ``add_rotation``."""
-    architecture, family_config, block = check_source(source_dir, config)
+    architecture, family_config, block = check_rotatable(source_dir, config)
     if block is None:
-        architecture, plan, meta = pipeline.plan_conversion(source_dir, config, reader, method="exact", fold_gains=True,
+        architecture, plan, meta = planning.plan_conversion(source_dir, config, reader, method="exact", fold_gains=True,
                                                    dtype=dtype)
     else:
         meta = build.meta_model(family_config, architecture.auto_class)
@@ -213,83 +183,6 @@ def hidden_size(meta: nn.Module) -> int:
 
 # ---------------------------------------------------------------------------------------------
 # The command
-
-
-def rotate_checkpoint(
-    src: str | Path,
-    out: str | Path,
-    *,
-    method: str = "hadamard",
-    seed: int = 0,
-    calibration: str | Path | None = None,
-    calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS,
-    dtype: str | torch.dtype | None = None,
-    overwrite: bool = False,
-    trust_remote_code: bool = False,
-    atol: float | None = None,
-    rtol: float | None = None,
-    verification: str = "auto",
-    quiet: bool = True,
-) -> dict:
-    """Write ``src`` with its residual basis rotated by Q to ``out``, verified against ``src``.
-
-    ``src`` is an original LayerNorm checkpoint (centred and gain-folded in the same streaming
-    pass) or a normswap checkpoint converted with ``--fold-gains``. ``method``: ``hadamard``,
-    ``orthogonal`` (both seeded by ``seed``) or ``pca`` (needs ``calibration``, a text file).
-    Returns the provenance block written into ``out/config.json``; raises ``NormswapError`` for bad
-    input and ``VerificationError`` when the output does not match, leaving nothing at ``out``.
-    """
-    check_options(method, seed, calibration, calibration_tokens, verification)
-    pipeline.check_verification_mode(verification, atol, rtol)
-    out_dtype = parse_dtype(dtype)
-    source_dir = resolve_source(src, trust_remote_code=trust_remote_code)
-    out = output.absolute(out)
-    inputs = source_inputs(source_dir) + ([Path(calibration)] if calibration is not None else [])
-    output.check_out(out, inputs, overwrite)
-    config = read_config(source_dir)
-    check_source(source_dir, config)  # refusals before any weight is read
-    if calibration is not None:
-        read_calibration(calibration)
-    with CheckpointReader(source_dir) as reader:
-        rotation_plan = plan_rotation(source_dir, config, reader, dtype=out_dtype)
-        if method == "pca":
-            rotation = calibrate(source_dir, rotation_plan, calibration, calibration_tokens)
-        else:
-            make = hadamard_rotation if method == "hadamard" else orthogonal_rotation
-            rotation = make(hidden_size(rotation_plan.meta), seed)
-        counts = add_rotation(rotation_plan.plan, rotation_plan.architecture, rotation)
-        plan, architecture = rotation_plan.plan, rotation_plan.architecture
-        provenance = card.rotation_provenance(
-            str(src), plan, architecture.auto_class, pipeline.main_dtype(plan),
-            {**rotation.provenance(), "rotated": counts}, rotation_plan.source_block,
-        )
-        from normswap.verify.rotated import verify_rotated
-
-        pipeline.write_checkpoint(
-            out, inputs, plan, reader, source_dir, provenance,
-            config_json=lambda block: card.converted_config(rotation_plan.config, plan, rotation_plan.meta,
-                                                            architecture, block),
-            verifier=None if verification == "none" else verify_rotated, must_pass=True,
-            overwrite=overwrite, quiet=quiet, extra_files=lambda folder: save_rotation(folder / ROTATION_FILE, rotation),
-            verify_options={"atol": atol, "rtol": rtol, "layerwise": pipeline.LAYERWISE[verification], "quiet": quiet},
-        )
-    return provenance
-
-
-def check_options(method: str, seed: int, calibration: str | Path | None, calibration_tokens: int,
-                  verification: str) -> None:
-    """Refuse inconsistent options in one line, before anything is read."""
-    if method not in METHODS:
-        raise NormswapError(f"unknown rotation method '{method}'; use one of {', '.join(METHODS)}")
-    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
-        raise NormswapError(f"--seed must be an integer from 0 to 2**63 - 1, not {seed!r:.30}")
-    if method == "pca" and calibration is None:
-        raise NormswapError("--method pca needs --calibration TEXT_FILE: the stream's principal directions are measured on it")
-    if method != "pca" and calibration is not None:
-        raise NormswapError(f"--calibration is only used by --method pca, not {method}")
-    if calibration_tokens < 2:
-        raise NormswapError("--calibration-tokens must be at least 2")
-    pipeline.check_verification_mode(verification)
 
 
 def family_of(source_dir: Path, config: dict) -> tuple[Architecture, dict, dict | None]:

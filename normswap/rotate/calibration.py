@@ -3,7 +3,7 @@
 PCA rotations and slicing need M_n = Σ xᵀx (float64) of the centred stream C·x at the input of
 every norm n, summed over every calibration position. The model is not loaded whole for this:
 it is built on the meta device and dispatched as layer-by-layer verification dispatches it
-(``normswap.verify.offload.dispatched``), so memory holds one block's weights at a time while
+(``normswap.runtime.offload.dispatched``), so memory holds one block's weights at a time while
 the calibration windows run through it. The statistics are those of the whole model, bit for
 bit: the same forward runs, only where the weights come from differs.
 
@@ -22,14 +22,14 @@ import torch
 from torch import nn
 
 from normswap.architectures import Architecture
-from normswap.convert.source import read_config
+from normswap.checkpoint.source import read_config
 from normswap.errors import NormswapError
-from normswap.rotation_matrix import Rotation, pca_rotation
+from normswap.rotate.matrices import Rotation, pca_rotation
+from normswap.runtime import offload as layerwise
 from normswap.threads import cpu_threads
-from normswap.verify import offload as layerwise
 
 if TYPE_CHECKING:
-    from normswap.rotation import RotationPlan
+    from normswap.rotate.plan import RotationPlan
 
 # at most this many tokens, in windows of at most this many positions
 DEFAULT_CALIBRATION_TOKENS = 32768
@@ -117,7 +117,7 @@ def empty_source_model(source_dir: Path, architecture: Architecture) -> nn.Modul
 
 
 def window_for(model: nn.Module, limit: int) -> int:
-    from normswap.analysis.collect import context_length
+    from normswap.runtime.reference import context_length
 
     return min(limit, context_length(model))
 
@@ -143,7 +143,7 @@ def blockwise_moments(source_dir: Path, architecture: Architecture, norm_names: 
 def whole_moments(source_dir: Path, architecture: Architecture, norm_names: list[str], ids: torch.Tensor,
                   window_limit: int) -> StreamMoments:
     """``stream_moments`` of the whole source model loaded at once (float32, CPU)."""
-    from normswap.verify.rotated import reference_model
+    from normswap.runtime.reference import reference_model
 
     model = reference_model(source_dir, architecture)
     window = window_for(model, window_limit)
@@ -165,8 +165,7 @@ def calibration_moments(source_dir: Path, architecture: Architecture, norm_names
 
 def calibration_ids(source_dir: Path, text: str, label: str) -> torch.Tensor:
     """The calibration text as token ids, with the source's tokenizer."""
-    from normswap.evaluation.perplexity import tokenize_text
-    from normswap.verify.compare import load_tokenizer
+    from normswap.runtime.reference import load_tokenizer, tokenize_text
 
     tokenizer = load_tokenizer(source_dir)
     if tokenizer is None:

@@ -124,7 +124,7 @@ def check_structure(path: Path, config: dict) -> None:
     """The config's own checks and its layer count against the weight headers (no tensor is read)."""
     where = f"{path / 'config.json'}"
     check_config(config, where)
-    from normswap.convert.source import CheckpointReader
+    from normswap.checkpoint.source import CheckpointReader
 
     with CheckpointReader(path) as reader:
         check_layer_count(config, reader.tensors, where)

@@ -23,12 +23,12 @@ import transformers
 from torch import nn
 
 from normswap.architectures import Architecture
+from normswap.checkpoint.source import CheckpointReader, read_config
 from normswap.convert.plan import canonical_names
-from normswap.convert.source import CheckpointReader, read_config
 from normswap.errors import NormswapError
 from normswap.memory import map_large_allocations, release_memory
 from normswap.modeling import build
-from normswap.verify.lockstep import SharedReads
+from normswap.runtime.lockstep import SharedReads
 
 # Above this many bytes of float32 weights, automatic verification goes layer by layer
 # (a whole-model comparison holds one float32 copy of the model).
@@ -94,7 +94,7 @@ def converted_model(path: Path, architecture: Architecture, how: str) -> nn.Modu
         return empty_model(build.model_class(read_config(path), architecture.auto_class),
                            transformers.AutoConfig.from_pretrained(path))
     if how == "rmsnorm":
-        from normswap.verify.loaders import rmsnorm_class
+        from normswap.runtime.loaders import rmsnorm_class
 
         cls = rmsnorm_class(path, architecture)
         with _quiet():

@@ -16,7 +16,7 @@ import transformers
 from torch import nn
 
 from normswap.architectures import Architecture, architecture_for
-from normswap.convert.source import read_config
+from normswap.checkpoint.source import read_config
 from normswap.errors import NormswapError
 from normswap.memory import release_memory
 from normswap.modeling import build, remote
@@ -45,7 +45,7 @@ def load_converted(path: Path, how: str, *, dtype: torch.dtype = torch.float32) 
     must not load as the family Auto class's ``ViTModel``); the remote path goes through the
     family's Auto class, whose ``auto_map`` entry names the RMSNorm form of that same class.
     """
-    from normswap.loading import register_auto_classes
+    from normswap.modeling.registry import register_auto_classes
 
     register_auto_classes()  # a normswap_<type> config must resolve, as after ``import normswap``
     config = read_config(path)

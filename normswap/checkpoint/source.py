@@ -19,10 +19,10 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from normswap.convert.reads import RecentReads as RecentReads  # re-exported for the writer
-from normswap.convert.safetensors_io import SafetensorsShard, tensor_nbytes
+from normswap.checkpoint.reads import RecentReads as RecentReads  # re-exported for the writer
+from normswap.checkpoint.safetensors_io import SafetensorsShard, tensor_nbytes
 from normswap.dtypes import dtype_name, torch_dtype
-from normswap.errors import NormswapError
+from normswap.errors import NormswapError, first_line
 
 if TYPE_CHECKING:  # torch is imported where tensors are read: resolving a source stays light
     import numpy
@@ -68,7 +68,7 @@ def resolve_source(src: str | Path, *, trust_remote_code: bool = False, revision
         return path
     if not _HUB_ID.match(str(src)):
         raise NormswapError(f"{src} does not exist and is not a Hugging Face hub id")
-    from normswap.convert.hub import download
+    from normswap.checkpoint.hub import download
 
     return download(str(src), trust_remote_code=trust_remote_code, revision=revision)
 
@@ -285,11 +285,6 @@ def _read_errors(what: str) -> Iterator[None]:
         raise
     except Exception as error:
         raise NormswapError(f"cannot read {what}: {first_line(error)}") from None
-
-
-def first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _weight_map(index: Path) -> dict[str, str]:

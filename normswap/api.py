@@ -9,32 +9,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import transformers
 from torch import nn
 
-from normswap import card, validation
 from normswap.architectures import ARCHITECTURES, architecture_for
-from normswap.convert.source import StateDictReader, read_config, resolve_source
+from normswap.checkpoint import validation
+from normswap.checkpoint.source import StateDictReader, read_config, resolve_source
+from normswap.convert import card
 from normswap.dtypes import dtype_name
 from normswap.errors import NormswapError
-from normswap.modeling import build, remote
+from normswap.modeling import build, registry, remote
 
 
 def _original_type(config: dict) -> str:
     return (config.get("normswap") or {}).get("original_model_type", config.get("model_type"))
-
-
-def _kernel_class(base: type, own_type: bool) -> type:
-    """The RMSNorm class of ``base`` whose norms run normswap's kernels once built."""
-    rms = remote.rms_class(base, own_type=own_type)
-
-    def __init__(self, config, *args, **kwargs):
-        rms.__init__(self, config, *args, **kwargs)
-        from normswap.kernels.patch import patch
-
-        patch(self)
-
-    return type(rms.__name__, (rms,), {"__init__": __init__, "__module__": __name__})
 
 
 def load(path: str | Path, **from_pretrained_kwargs) -> nn.Module:
@@ -42,6 +29,7 @@ def load(path: str | Path, **from_pretrained_kwargs) -> nn.Module:
 
     Keyword arguments go to ``from_pretrained`` (``dtype``, ``device_map``, ...).
     """
+    registry.register_auto_classes()
     path = resolve_source(path)
     config = read_config(path)
     block = config.get("normswap")
@@ -51,15 +39,16 @@ def load(path: str | Path, **from_pretrained_kwargs) -> nn.Module:
     validation.check_structure(path, config)
     architecture = architecture_for({**config, "model_type": _original_type(config)})
     base = build.model_class(config, architecture.auto_class)
-    cls = _kernel_class(base, own_type=not block.get("stock_loadable", True))
+    cls = registry.kernel_class(base, own_type=not block.get("stock_loadable", True))
     return build.load_pretrained(cls, path, **from_pretrained_kwargs)
 
 
 def load_model(src: str | Path, *, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
                **from_pretrained_kwargs) -> tuple[nn.Module, Any]:
     """Any checkpoint and its tokenizer (or None): converted ones in RMSNorm form via ``load``."""
-    from normswap.verify.compare import load_tokenizer
+    from normswap.runtime.reference import load_tokenizer
 
+    registry.register_auto_classes()
     path = resolve_source(src, trust_remote_code=trust_remote_code)
     config = read_config(path)
     if "normswap" not in config:
@@ -124,8 +113,8 @@ def save(model: nn.Module, folder: str | Path, *, overwrite: bool = False) -> No
     ``folder`` is claimed and installed like ``convert --out``: a non-empty folder is replaced only
     with ``overwrite`` and only when normswap wrote it.
     """
-    from normswap import output
-    from normswap.convert.pipeline import write_checkpoint
+    from normswap.checkpoint import output
+    from normswap.convert.install import install
 
     saved = getattr(model, "_normswap_output", None)
     if saved is None:
@@ -137,9 +126,9 @@ def save(model: nn.Module, folder: str | Path, *, overwrite: bool = False) -> No
     out = output.absolute(folder)
     source = Path(str(getattr(model.config, "_name_or_path", "") or "")).expanduser()
     inputs = [source.resolve()] if str(source) and source.is_dir() else []  # never write into the original
-    write_checkpoint(out, inputs, stored, reader, None, copy.deepcopy(config_json["normswap"]),
-                     config_json=lambda block: {**config_json, "normswap": block}, verifier=None, must_pass=False,
-                     overwrite=overwrite, quiet=True, verify_options={}, extra_files=lambda tmp: _save_generation(model, tmp))
+    install(out, inputs, stored, reader, None, copy.deepcopy(config_json["normswap"]),
+            config_json=lambda block: {**config_json, "normswap": block}, verifier=None, must_pass=False,
+            overwrite=overwrite, quiet=True, verify_options={}, extra_files=lambda tmp: _save_generation(model, tmp))
 
 
 def _save_generation(model: nn.Module, folder: Path) -> None:
@@ -174,37 +163,19 @@ def _materialise_buffers(converted: nn.Module, original: nn.Module) -> None:
             raise NormswapError(f"the converted model has no value for {name}")
 
 
-def register_auto_classes() -> None:
-    """Let the Auto classes load normswap-only model types (``normswap_<type>``) without remote code.
+def convert_checkpoint(src: str | Path, out: str | Path, **options: Any) -> dict:
+    """``normswap.convert.pipeline.convert_checkpoint`` (its options), verified by
+    ``normswap.verify.checkpoint.verify_checkpoint`` unless ``verification="none"``."""
+    from normswap.convert.pipeline import convert_checkpoint as convert
+    from normswap.verify.checkpoint import verify_checkpoint
 
-    Checkpoints that stock classes can hold keep their model type and load as stock models; for
-    those, ``normswap.load`` gives the RMSNorm model. Only the light config classes are imported
-    here: a family's modeling code is imported, and its model class registered, the first time
-    a config of its normswap type is built, so ``import normswap`` stays fast.
-    """
-    for model_type, architecture in ARCHITECTURES.items():
-        try:
-            config_class = transformers.CONFIG_MAPPING[model_type]
-        except KeyError:  # a family this transformers version lacks
-            continue
-        own_config = getattr(remote, remote.CLASS_PREFIX + config_class.__name__)
-        registering = _registering_config(own_config, config_class, architecture.auto_class)
-        transformers.AutoConfig.register(own_config.model_type, registering, exist_ok=True)
+    return convert(src, out, verifier=verify_checkpoint, **options)
 
 
-def _registering_config(own_config: type, config_class: type, auto_class: str) -> type:
-    """``own_config`` that registers its model class with ``auto_class`` when first built."""
+def rotate_checkpoint(src: str | Path, out: str | Path, **options: Any) -> dict:
+    """``normswap.rotate.pipeline.rotate_checkpoint`` (its options), verified by
+    ``normswap.verify.checkpoint.verify_rotated`` unless ``verification="none"``."""
+    from normswap.rotate.pipeline import rotate_checkpoint as rotate
+    from normswap.verify.checkpoint import verify_rotated
 
-    def __init__(self, *args, **kwargs):
-        own_config.__init__(self, *args, **kwargs)
-        auto = getattr(transformers, auto_class)
-        if type(self) not in auto._model_mapping._extra_content:
-            base = auto._model_mapping[config_class]
-            auto.register(type(self), _kernel_class(base, own_type=True), exist_ok=True)
-
-    return type(own_config.__name__, (own_config,), {"__init__": __init__, "__module__": __name__})
-
-
-# Importing this module registers the normswap model types; ``import normswap`` arranges for that
-# to happen whenever transformers gets imported.
-register_auto_classes()
+    return rotate(src, out, verifier=verify_rotated, **options)

@@ -1,7 +1,7 @@
 """Rotation matrices Q: how each is made, recorded and stored beside a rotated checkpoint.
 
-Q is ``hadamard`` (diag(±1)·H/√d, H from ``normswap.hadamard``), ``orthogonal`` (seeded Haar),
-or ``pca`` (the principal directions of the stream on calibration text, ``normswap.calibration``).
+Q is ``hadamard`` (diag(±1)·H/√d, H from ``normswap.rotate.hadamard``), ``orthogonal`` (seeded Haar),
+or ``pca`` (the principal directions of the stream on calibration text, ``normswap.rotate.calibration``).
 The constructions are ``normswap.convert.fold``'s. Q is saved beside the weights
 (``normswap_rotation.safetensors``, through the ``safetensors`` package: one small tensor) so
 that the checkpoint can be verified, its activations mapped back (x = x'·Qᵀ), or the rotation
@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
-from normswap import hadamard
+from normswap.checkpoint.source import read_config
 from normswap.convert import fold
-from normswap.convert.source import read_config
 from normswap.errors import NormswapError
+from normswap.rotate import hadamard
 
 METHODS = ("hadamard", "orthogonal", "pca")
 ROTATION_FILE = "normswap_rotation.safetensors"

@@ -144,7 +144,7 @@ def converted_config(config: dict, plan: ConversionPlan, meta: nn.Module, archit
 
 def model_card(provenance: dict) -> str:
     """README.md of a converted checkpoint: what was done, how to load it, the measured figures."""
-    from normswap.verify.compare import format_table
+    from normswap.text import format_table
 
     verification = provenance.get("verification")
     options = provenance["options"]

@@ -1,6 +1,6 @@
 """``normswap rotate --slice``: write a sliced checkpoint and measure what slicing cost.
 
-The math is in ``normswap.slicing``; this module plans (fold the source as ``rotate`` does,
+The math is in ``normswap.rotate.slicing``; this module plans (fold the source as ``rotate`` does,
 calibrate block by block, choose the kept bases), writes the checkpoint through a claimed output
 like every normswap command, and measures the perplexity of the original and of the written
 sliced model on held-out text. A sliced model is not exact, so nothing is verified against a
@@ -15,12 +15,14 @@ from pathlib import Path
 
 import torch
 
-from normswap import card, output, slicing
 from normswap.architectures import Architecture
-from normswap.calibration import CALIBRATION_WINDOW, DEFAULT_CALIBRATION_TOKENS, read_calibration
-from normswap.convert.source import CheckpointReader, read_config, resolve_source, source_inputs
+from normswap.checkpoint import output
+from normswap.checkpoint.source import CheckpointReader, read_config, resolve_source, source_inputs
+from normswap.convert import card, install
 from normswap.errors import NormswapError
-from normswap.rotation import RotationPlan, hidden_size, plan_rotation
+from normswap.rotate import slicing
+from normswap.rotate.calibration import CALIBRATION_WINDOW, DEFAULT_CALIBRATION_TOKENS, read_calibration
+from normswap.rotate.plan import RotationPlan, hidden_size, plan_rotation
 
 
 @dataclass
@@ -47,7 +49,7 @@ class SliceTexts:
 
 
 def slice_texts(source_dir: Path, calibration: str | Path, held_out: str | Path | None, max_tokens: int) -> SliceTexts:
-    from normswap.calibration import calibration_ids
+    from normswap.rotate.calibration import calibration_ids
 
     text = read_calibration(calibration)
     ids = calibration_ids(source_dir, text, str(calibration))
@@ -67,7 +69,7 @@ def slice_texts(source_dir: Path, calibration: str | Path, held_out: str | Path 
 def plan_slicing(source_dir: Path, rotation_plan: RotationPlan, architecture: Architecture,
                  layout: slicing.SliceLayout, fraction: float, texts: SliceTexts) -> SlicePlan:
     """Calibrate every signal block by block, keep k principal directions of each, assign roles."""
-    from normswap.calibration import calibration_moments
+    from normswap.rotate.calibration import calibration_moments
 
     d = hidden_size(rotation_plan.meta)
     k = slicing.kept_dimension(d, fraction)
@@ -91,9 +93,9 @@ def perplexity_cost(source_dir: Path, sliced_dir: Path, architecture: Architectu
                     window: int) -> dict:
     """Perplexity of the original and of the sliced model on ``ids`` (windows of ``window``, no overlap)."""
     from normswap.evaluation.perplexity import strided_perplexity
+    from normswap.runtime.loaders import load_converted
+    from normswap.runtime.reference import reference_model
     from normswap.threads import cpu_threads
-    from normswap.verify.loaders import load_converted
-    from normswap.verify.rotated import reference_model
 
     figures: dict = {}
     loaders = (("original", lambda: reference_model(source_dir, architecture)),
@@ -145,6 +147,7 @@ def slice_checkpoint(
     overwrite: bool = False,
     trust_remote_code: bool = False,
     allow_zero: bool = False,
+    quiet: bool = True,
 ) -> dict:
     """Write ``src`` sliced by ``fraction`` (0 < f < 1; ``allow_zero`` admits 0, which keeps every
     dimension and is exact) to ``out``; returns the provenance block, perplexity cost included."""
@@ -173,34 +176,23 @@ def slice_checkpoint(
                                               rotation_plan.source_block)
         del provenance["rotation"]  # the source's block for a checkpoint in a new basis; the basis is sliced
         provenance["slicing"] = slice_plan.block
-        output.check_free_space(out, sum(tensor.nbytes for tensor in plan.tensors.values()))
-        with output.claimed_output(out, inputs=inputs, overwrite=overwrite, kind="checkpoint") as claim:
-            write_checkpoint(claim.tmp, source_dir, slice_plan, reader, provenance, dtype_out)
-            provenance["slicing"]["perplexity"] = perplexity_cost(
-                source_dir, claim.tmp, architecture, texts.held_out, slice_plan.block["calibration"]["window"])
-            finish(claim.tmp, slice_plan, provenance)
-            claim.install()
+        cost = _perplexity_measure(architecture, texts.held_out, slice_plan.block["calibration"]["window"])
+        install.install(
+            out, inputs, slicing.sliced_plan(plan, slice_plan.roles, slice_plan.bases, slice_plan.shortcuts,
+                                             dtype_out, slice_plan.d),
+            reader, source_dir, provenance, config_json=lambda block: sliced_config(slice_plan, block),
+            verifier=cost, must_pass=False, overwrite=overwrite, quiet=quiet, verify_options={},
+            records_as=("slicing", "perplexity"), model_card=model_card,
+        )
     return provenance
 
 
-def write_checkpoint(tmp: Path, source_dir: Path, slice_plan: SlicePlan, reader: CheckpointReader,
-                     provenance: dict, dtype: torch.dtype) -> None:
-    from normswap.convert.write import copy_side_files, write_json
-    from normswap.modeling import MODELING_FILE, modeling_source
+def _perplexity_measure(architecture: Architecture, ids: torch.Tensor, window: int) -> install.Verifier:
+    """The install lifecycle's check for a sliced checkpoint: its perplexity cost, which must be finite."""
+    def measure(source_dir: Path, folder: Path) -> dict:
+        cost = perplexity_cost(source_dir, folder, architecture, ids, window)
+        if not all(math.isfinite(cost[label]) for label in ("original", "sliced")):
+            raise NormswapError(f"the sliced model's perplexity is not finite ({cost['sliced']}); nothing was written")
+        return cost
 
-    slicing.write_sliced(tmp, slice_plan.rotation_plan.plan, reader, slice_plan.roles, slice_plan.bases,
-                         slice_plan.shortcuts, dtype, slice_plan.d)
-    (tmp / MODELING_FILE).write_bytes(modeling_source())
-    copy_side_files(source_dir, tmp)
-    write_json(tmp / "config.json", sliced_config(slice_plan, provenance))
-
-
-def finish(tmp: Path, slice_plan: SlicePlan, provenance: dict) -> None:
-    """config.json with the perplexity cost, and the card."""
-    from normswap.convert.write import write_json
-
-    cost = provenance["slicing"]["perplexity"]
-    if not all(math.isfinite(cost[label]) for label in ("original", "sliced")):
-        raise NormswapError(f"the sliced model's perplexity is not finite ({cost['sliced']}); nothing was written")
-    write_json(tmp / "config.json", sliced_config(slice_plan, provenance))
-    (tmp / "README.md").write_text(model_card(provenance))
+    return measure

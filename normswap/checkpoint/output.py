@@ -40,8 +40,8 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
+from normswap.checkpoint.temporaries import make_temporary, remove_stale_temporaries
 from normswap.errors import NormswapError
-from normswap.temporaries import make_temporary, remove_stale_temporaries
 
 MARKER = ".normswap-output"
 

@@ -28,14 +28,15 @@ from __future__ import annotations
 import hashlib
 import math
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from normswap.architectures import Architecture
 from normswap.convert import fold
-from normswap.convert.source import CheckpointReader
+from normswap.convert.plan import ConversionPlan, TensorPlan
+from normswap.dtypes import dtype_name
 from normswap.errors import NormswapError
 
 # Held out from the calibration text when no --held-out text is given: this share of its tokens,
@@ -104,13 +105,13 @@ def check_slice_inputs(fraction: float, d: int, k: int, calibration_tokens: int,
 
 def check_sliceable(source_dir: Path, config: dict) -> tuple[Architecture, SliceLayout]:
     """The adapter and layout of a source that can be sliced; one-line refusals otherwise."""
-    from normswap.rotation import check_source
+    from normswap.rotate.plan import check_rotatable
 
     block = config.get("normswap") or {}
     if "slicing" in block:
         raise NormswapError(f"{source_dir} is already sliced (to {block['slicing'].get('hidden_size')} dimensions); "
                             "slice the original instead")
-    architecture, family_config, _ = check_source(source_dir, config)
+    architecture, family_config, _ = check_rotatable(source_dir, config)
     model_type = family_config.get("model_type")
     if model_type not in LAYOUTS:
         raise NormswapError(f"cannot slice a {model_type} checkpoint: slicing needs the family's block layout (which "
@@ -172,11 +173,13 @@ def _written_signal(name: str, layout: SliceLayout, per_block: int) -> int:
     raise NormswapError(f"cannot slice: the writer {name} is in no branch of the declared block layout")
 
 
-def sliced_tensor(name: str, value: torch.Tensor, role: Role | None, bases: list[torch.Tensor], d: int) -> torch.Tensor:
-    """One tensor (float64) in the sliced model: projected onto its signal's kept basis."""
+def sliced_tensor(name: str, value: torch.Tensor, role: Role | None, bases: list[torch.Tensor], d: int, *,
+                  signal: int | None = None) -> torch.Tensor:
+    """One tensor (float64) in the sliced model: projected onto its signal's kept basis
+    (``bases[signal]``, by default the role's)."""
     if role is None:
         return value
-    basis = bases[role.signal]
+    basis = bases[role.signal if signal is None else signal]
     if role.kind == "norm_weight":
         if not bool((value == 1).all()):
             raise NormswapError(f"cannot slice: the norm weight {name} is not 1 (the norm must be weightless)")
@@ -206,38 +209,70 @@ def stream_axes(roles: dict[str, Role], layout: SliceLayout) -> list[list]:
     return [[pattern, axis] for pattern, axis in sorted(found.items())]
 
 
-def write_sliced(out_dir: Path, plan, reader: CheckpointReader, roles: dict[str, Role], bases: list[torch.Tensor],
-                 extra: dict[str, torch.Tensor], dtype: torch.dtype, d: int) -> None:
-    """The sliced weights, one tensor computed at a time, in shards of at most ``SHARD_BYTES``."""
-    from safetensors.torch import save_file
+@dataclass(frozen=True, eq=False)
+class Sliced:
+    """A whole-tensor step: project the float64 value onto its signal's kept basis (``sliced_tensor``)."""
 
-    from normswap.convert.fold import compute_tensor
-    from normswap.convert.write import write_json
+    name: str
+    role: Role
+    basis: torch.Tensor = field(repr=False)
+    d: int
+    slice_wise: bool = False
 
-    names = sorted([*plan.tensors, *extra])
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name in names:
+    def whole(self, value: torch.Tensor, read: object) -> torch.Tensor:
+        return sliced_tensor(self.name, value, self.role, [self.basis], self.d, signal=0)
+
+
+@dataclass(frozen=True, eq=False)
+class Constant:
+    """A whole-tensor step: a value computed while planning (a shortcut matrix)."""
+
+    value: torch.Tensor = field(repr=False)
+    slice_wise: bool = False
+
+    def whole(self, value: torch.Tensor, read: object) -> torch.Tensor:
+        return self.value
+
+
+def sliced_plan(plan: ConversionPlan, roles: dict[str, Role], bases: list[torch.Tensor],
+                extra: dict[str, torch.Tensor], dtype: torch.dtype, d: int) -> ConversionPlan:
+    """``plan`` with every stream tensor projected (its stream axis cut to k) and the shortcut
+    matrices added, in name order, in shards of at most ``SHARD_BYTES``: the streaming writer
+    then computes and writes one tensor group at a time, like every other write path."""
+    tensors: dict[str, TensorPlan] = {}
+    for name in sorted([*plan.tensors, *extra]):
         if name in extra:
-            value = extra[name].to(dtype)
-        else:
-            tensor = plan.tensors[name]
-            folded = compute_tensor(replace(tensor, dtype_name="float64"), reader.get)
-            value = sliced_tensor(name, folded, roles.get(name), bases, d).to(tensor.dtype)
-        if size and size + value.nbytes > SHARD_BYTES:
-            shards.append({})
+            tensors[name] = TensorPlan(name, None, tuple(extra[name].shape), dtype_name(dtype), "",
+                                       [Constant(extra[name])])
+            continue
+        tensor, role = plan.tensors[name], roles.get(name)
+        if role is None:
+            tensors[name] = replace(tensor, shard="")
+            continue
+        shape = list(tensor.shape)
+        shape[role.axis] = bases[role.signal].shape[1]
+        tensors[name] = replace(tensor, shape=tuple(shape), shard="",
+                                steps=[*tensor.steps, Sliced(name, role, bases[role.signal], d)])
+    shards = _assign_shards(list(tensors.values()))
+    return replace(plan, tensors=tensors, shards=shards)
+
+
+def _assign_shards(tensors: list[TensorPlan]) -> list[str]:
+    """Greedy shards of at most ``SHARD_BYTES`` in order, named as transformers names them."""
+    groups: list[list[TensorPlan]] = [[]]
+    size = 0
+    for tensor in tensors:
+        if size and size + tensor.nbytes > SHARD_BYTES:
+            groups.append([])
             size = 0
-        shards[-1][name] = value.contiguous()
-        size += value.nbytes
-    files = ["model.safetensors"] if len(shards) == 1 else [
-        f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors" for index in range(len(shards))]
-    for file, tensors in zip(files, shards, strict=True):
-        save_file(tensors, str(out_dir / file), metadata={"format": "pt"})
-        (out_dir / file).chmod(0o644)
-    if len(files) > 1:
-        write_json(out_dir / "model.safetensors.index.json", {
-            "metadata": {"total_size": sum(v.nbytes for shard in shards for v in shard.values())},
-            "weight_map": {name: file for file, shard in zip(files, shards, strict=True) for name in shard}})
+        groups[-1].append(tensor)
+        size += tensor.nbytes
+    files = ["model.safetensors"] if len(groups) == 1 else [
+        f"model-{index + 1:05d}-of-{len(groups):05d}.safetensors" for index in range(len(groups))]
+    for file, group in zip(files, groups, strict=True):
+        for tensor in group:
+            tensor.shard = file
+    return files
 
 
 def split_held_out(ids: torch.Tensor, held_out: torch.Tensor | None, max_calibration: int) -> tuple[torch.Tensor, torch.Tensor]:

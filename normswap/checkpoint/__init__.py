@@ -1,0 +1,10 @@
+"""Files on disk: finding, reading, checking and writing checkpoint folders. Imports nothing above it.
+
+- ``source``: resolve a source (directory, bundled example, hub id) and read its config and tensors.
+- ``hub``: downloads from the Hugging Face Hub.
+- ``safetensors_io``: the safetensors format: headers, positioned reads, the streaming writer's pieces.
+- ``provenance``: a typed view of the ``normswap`` block of a config, read once and passed down.
+- ``validation``: config.json checked against itself and its weight headers, before any work.
+- ``output``: output folders claimed before any work and installed atomically.
+- ``temporaries``: temporary output folders and the removal of stale ones.
+"""

@@ -1,0 +1,10 @@
+"""Rotation and slicing of the residual stream.
+
+- ``hadamard``: Hadamard matrices of every size normswap builds.
+- ``matrices``: the rotation Q: randomised Hadamard, seeded orthogonal, or pca.
+- ``calibration``: the stream's second moments on calibration text, measured block by block.
+- ``pipeline``: ``rotate_checkpoint``: fold, plan, write, verify, install a rotated checkpoint.
+- ``slicing``: SliceGPT's math: kept bases, shortcut matrices, the sliced tensors.
+- ``slice_pipeline``: ``slice_checkpoint``: plan, write and measure a sliced checkpoint.
+- ``quantise``: round-to-nearest fake quantisation, to measure what rotation buys.
+"""

@@ -1,0 +1,139 @@
+"""The package's layers run one way, and no module imports itself back through others.
+
+Every module under ``normswap/`` is parsed (nothing is imported); every import counts, at any
+depth: module level, inside functions, under ``TYPE_CHECKING``. A module may import its own layer
+or one below it, never one above (docs/layout.md draws the order).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent / "normswap"
+
+# lowest first; a module's layer is the first entry its dotted name starts with
+LAYERS: list[tuple[str, ...]] = [
+    ("normswap.errors", "normswap.lazy", "normswap.dtypes", "normswap.extras", "normswap.memory",
+     "normswap.threads"),
+    ("normswap.text",),
+    ("normswap.checkpoint",),
+    ("normswap.kernels",),
+    ("normswap.architectures", "normswap.modeling"),
+    ("normswap.convert",),
+    ("normswap.runtime", "normswap.evaluation.perplexity"),
+    ("normswap.rotate",),
+    ("normswap.verify",),
+    ("normswap.api", "normswap.evaluation", "normswap.analysis"),
+    ("normswap.commands", "normswap.evaluation.cli", "normswap.evaluation.recipe_cli", "normswap.analysis.cli"),
+    ("normswap.cli", "normswap.__main__", "normswap"),
+]
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(path): path for path in ROOT.rglob("*.py")}
+
+
+def imported(name: str, path: Path) -> set[str]:
+    """The normswap modules ``name`` imports anywhere in its source."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parts, *([node.module] if node.module else [])])
+            for alias in node.names:
+                found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base)
+    targets = set()
+    for target in found:
+        while target and target not in MODULES:
+            target = target.rpartition(".")[0]
+        if target and target != name:
+            targets.add(target)
+    return targets
+
+
+GRAPH = {name: imported(name, path) for name, path in MODULES.items()}
+
+
+def layer(name: str) -> int:
+    """The layer of the longest entry of LAYERS that names ``name`` or a package above it."""
+    best = (-1, None)
+    for index, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if prefix != "normswap" and (name == prefix or name.startswith(prefix + ".")) and len(prefix) > best[0]:
+                best = (len(prefix), index)
+    if best[1] is not None:
+        return best[1]
+    if name == "normswap":
+        return len(LAYERS) - 1
+    pytest.fail(f"{name} is in no layer: add it to LAYERS (and docs/layout.md)")
+
+
+def test_every_module_has_a_layer():
+    for name in MODULES:
+        layer(name)
+
+
+def test_imports_point_down_the_layers():
+    upward = sorted(f"{name} (layer {layer(name)}) imports {target} (layer {layer(target)})"
+                    for name, targets in GRAPH.items() for target in targets
+                    if target != "normswap" and layer(target) > layer(name))
+    assert not upward, "\n".join(upward)
+
+
+def test_no_import_cycle():
+    # Tarjan's strongly connected components, iteratively
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+    for root in GRAPH:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(GRAPH[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(GRAPH[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    cycles.append(sorted(component))
+    assert not cycles, cycles
+
+
+def test_at_most_twelve_top_level_modules():
+    top = sorted(path.name for path in ROOT.glob("*.py"))
+    assert len(top) <= 12, top
