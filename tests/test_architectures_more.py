@@ -89,6 +89,7 @@ SEQ2SEQ = {
     "m2m_100": lambda: T.M2M100Config(**BART_LIKE),
     "mbart": lambda: T.MBartConfig(**BART_LIKE),
     "pegasus": lambda: T.PegasusConfig(**BART_LIKE),
+    "blenderbot": lambda: T.BlenderbotConfig(**BART_LIKE),
 }
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from normswap.architectures.beit import BEIT
 from normswap.architectures.biogpt import BIOGPT
+from normswap.architectures.blenderbot import BLENDERBOT
 from normswap.architectures.bloom import BLOOM
 from normswap.architectures.clip import CLIP
 from normswap.architectures.codegen import CODEGEN
@@ -47,7 +48,7 @@ ARCHITECTURES: dict[str, Architecture] = {}
 for _architecture in (
     GPT2, WHISPER, VIT, CLIP, GPT_NEO, GPTJ, GPT_NEOX, OPT, BLOOM, PHI, FALCON, GPT_BIGCODE, CODEGEN,
     XGLM, BIOGPT, STARCODER2, STABLELM, PERSIMMON, MPT, OLMO, COHERE, NEMOTRON,
-    M2M_100, MBART, PEGASUS, DEIT, DINOV2, BEIT,
+    M2M_100, MBART, PEGASUS, BLENDERBOT, DEIT, DINOV2, BEIT,
 ):
     for _model_type in _architecture.model_types:
         ARCHITECTURES[_model_type] = _architecture
