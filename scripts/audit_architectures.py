@@ -1,199 +1,245 @@
 """Coverage audit: every transformers model type with a LayerNorm, classified by measurement.
 
-For each model type in transformers' registry (CONFIG_MAPPING) the audit builds the default
-config shrunk to a tiny size, the base model class (MODEL_MAPPING) in float64, and looks for
-LayerNorm-like modules (``normswap.modeling.remote.layer_norm_like``). A type with none is not
-listed. The others are classified with the **1** direction, on the first residual block: a
-pre-LN block satisfies out(x + c·1) = out(x) + c·1 (every norm removes the shift, the residual
-carries it), a post-LN block's output does not move. The shift is measured, not recalled:
+Every model type in transformers' registry (CONFIG_MAPPING) is measured on a tiny model by
+``scripts/audit_measure.py`` in a worker process, one type at a time under a time limit (a type
+that runs past it, or kills its worker, is "not measured"). The measurements are cached in
+``benchmarks/results/architecture_audit.json``; the table in docs/architectures.md and the count
+in README.md are generated from that file and from normswap's adapters:
 
 * ``exact``: normswap has an adapter (each is tested for exactness against float64);
-* ``refused``: normswap refuses it, with its reason; or the block is measured post-LN;
-* ``not yet``: pre-LN by measurement (or not measurable on a tiny model, with the reason) and
-  no adapter yet.
+* ``refused``: normswap refuses the type with its reason, or every stack of residual blocks
+  is measured post-LN (its first block's output does not move when its input moves by c·1);
+* ``not yet``: measured pre-LN (by default, or with one of the config's norm switches flipped),
+  or not measurable here with the reason, and no adapter yet.
 
-    python3 scripts/audit_architectures.py [--types gpt2 bert ...] [--json out/audit.json]
+A type whose tiny model has no centring norm (LayerNorm-like: its output ignores a shift by c·1)
+is not listed. Usage:
 
-writes the table into docs/architectures.md between the audit markers (``--no-docs`` leaves it).
+    nice -n 10 python3 scripts/audit_architectures.py               # measure every type (~1 h on 2 cores)
+    python3 scripts/audit_architectures.py --types gpt2 bert        # re-measure some, keep the rest
+    python3 scripts/audit_architectures.py --resume                 # measure the types the JSON lacks
+    python3 scripts/audit_architectures.py --docs-only              # regenerate docs from the JSON
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import select
+import subprocess
 import sys
-import warnings
+import time
 from pathlib import Path
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "architectures.md"
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "architecture_audit.json"
+DOCS, README = ROOT / "docs" / "architectures.md", ROOT / "README.md"
 BEGIN, END = "<!-- audit:begin -->", "<!-- audit:end -->"
-# config keys shrunk to a tiny model: widths to 32 (heads 4), depths to 2, tables to 64
-TINY = {"hidden_size": 32, "d_model": 32, "n_embd": 32, "n_embed": 32, "embed_dim": 32, "dim": 32,
-        "num_attention_heads": 4, "n_head": 4, "n_heads": 4, "encoder_attention_heads": 4,
-        "decoder_attention_heads": 4, "num_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
-        "intermediate_size": 64, "ffn_dim": 64, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64, "n_inner": 64,
-        "num_hidden_layers": 2, "n_layer": 2, "n_layers": 2, "num_layers": 2, "encoder_layers": 2,
-        "decoder_layers": 2, "vocab_size": 64, "max_position_embeddings": 64, "n_positions": 64,
-        "image_size": 32, "patch_size": 8, "projection_dim": 16}
+COUNT_BEGIN, COUNT_END = "<!-- audit-count:begin -->", "<!-- audit-count:end -->"
+STATUSES = ("exact", "refused", "not yet")
+sys.path.insert(0, str(ROOT / "scripts"))  # audit_measure, beside this file
+RESTART_EVERY = 80  # a fresh worker now and then: every modeling module imported stays in memory
 
 
-def tiny_config(model_type: str):
-    """The default config of ``model_type`` with every size key in TINY (and nested configs) shrunk."""
-    from transformers import AutoConfig
+class Worker:
+    """A process that measures the model types it is sent, one JSON line each."""
 
-    config = AutoConfig.for_model(model_type)
+    def __init__(self) -> None:
+        self.process = subprocess.Popen([sys.executable, __file__, "--serve"],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                        text=True, env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"})
+        self.served = 0
 
-    def shrink(cfg, depth=0):
-        for key, value in TINY.items():
-            if isinstance(getattr(cfg, key, None), int) and not isinstance(getattr(cfg, key), bool):
-                setattr(cfg, key, value)
-        for key in ("text_config", "vision_config", "audio_config", "encoder", "decoder"):
-            sub = getattr(cfg, key, None)
-            if depth < 2 and hasattr(sub, "to_dict"):
-                shrink(sub, depth + 1)
-    shrink(config)
-    return config
-
-
-def _inputs(model, config) -> dict:
-    import torch
-
-    generator = torch.Generator().manual_seed(0)
-    name = getattr(model, "main_input_name", "input_ids")
-    text = getattr(config, "text_config", None) or config
-    ids = torch.randint(2, min(int(getattr(text, "vocab_size", 64) or 64), 60), (1, 8), generator=generator)
-    vision = getattr(config, "vision_config", None) or config
-    size = getattr(vision, "image_size", 32)
-    size = size if isinstance(size, int) else size[0]
-    pixels = torch.randn(1, int(getattr(vision, "num_channels", 3)), size, size, generator=generator)
-    inputs = {"input_ids": ids, "pixel_values": pixels}
-    if name == "input_values":
-        inputs = {"input_values": torch.randn(1, 4000, generator=generator)}
-    elif name == "input_features":
-        inputs = {"input_features": torch.randn(1, int(getattr(config, "num_mel_bins", 80)),
-                                                2 * int(getattr(config, "max_source_positions", 32)), generator=generator)}
-    elif name == "input_ids" or "pixel_values" not in inputs:
-        inputs = {"input_ids": ids}
-    if getattr(config, "is_encoder_decoder", False):
-        inputs["decoder_input_ids"] = ids
-    return inputs
-
-
-def first_block(model):
-    """The first module of the longest ModuleList of same-class modules (the residual blocks)."""
-    from torch import nn
-
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) and
-             len({type(x) for x in m}) == 1]
-    return max(lists, key=len)[0] if lists else None
-
-
-def measure_shift(model, config, shift: float = 10.0) -> float:
-    """How far the first block's output moves, as a fraction of c, when its input moves by c·1:
-    1 for a pre-LN block, 0 for a post-LN one."""
-    import torch
-
-    block, captured = first_block(model), {}
-    if block is None:
-        raise RuntimeError("no stack of residual blocks")
-
-    def keep(module, args, kwargs):
-        captured.setdefault("call", (args, kwargs))
-    handle = block.register_forward_pre_hook(keep, with_kwargs=True)
-    with torch.no_grad():
+    def ask(self, model_type: str, timeout: float) -> dict | None:
+        """The type's row, or None when the worker ran past ``timeout`` seconds or died."""
+        self.served += 1
         try:
-            model(**_inputs(model, config))
-        finally:
-            handle.remove()
-        args, kwargs = captured["call"]
+            self.process.stdin.write(model_type + "\n")
+            self.process.stdin.flush()
+        except BrokenPipeError:
+            return None
+        ready, _, _ = select.select([self.process.stdout], [], [], timeout)
+        line = self.process.stdout.readline() if ready else ""
+        return json.loads(line) if line.strip() else None
 
-        def run(delta):
-            if args:
-                out = block(args[0] + delta, *args[1:], **kwargs)
-            else:
-                out = block(**{**kwargs, "hidden_states": kwargs["hidden_states"] + delta})
-            return out[0] if isinstance(out, tuple) else out
-        moved = run(shift) - run(0.0)
-    return float(moved.mean()) / shift
+    def stop(self) -> None:
+        self.process.kill()
+        self.process.wait()
 
 
-def classify(model_type: str) -> dict:
-    """One row of the audit: {"model_type", "status", "reason"}; None status: no LayerNorm."""
+def serve() -> None:
+    """Worker loop: a model type per line on stdin, its row as one JSON line on stdout.
+
+    Anything the models print goes to stderr, so stdout carries the rows alone."""
     import torch
-    from transformers import MODEL_MAPPING
+    from audit_measure import measure
 
-    from normswap.architectures import ARCHITECTURES, POST_LN
-    from normswap.modeling.remote import layer_norm_like
-
-    row = {"model_type": model_type}
-    try:
-        config = tiny_config(model_type)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            model = MODEL_MAPPING[type(config)](config).double().eval()
-    except Exception as error:  # the registry holds classes a tiny default config cannot build
-        if model_type in ARCHITECTURES:
-            return {**row, "status": "exact", "reason": "adapter; exact against float64 in the tests (no tiny "
-                    "model from the default config here)"}
-        return {**row, "status": "not yet", "reason": f"no tiny model from the default config ({type(error).__name__})"}
-    norms = [name for name, module in model.named_modules() if layer_norm_like(module)]
-    if not norms:
-        return {**row, "status": None, "reason": "no LayerNorm"}
-    try:
-        row["shift"] = round(measure_shift(model, config), 3)
-    except Exception as error:
-        row["shift"] = None
-        row["why_unmeasured"] = f"{type(error).__name__}"
     torch.set_num_threads(1)
-    if model_type in ARCHITECTURES:
-        return {**row, "status": "exact", "reason": "adapter; exact against float64 in the tests"}
-    if model_type in POST_LN:
-        return {**row, "status": "refused", "reason": POST_LN[model_type]}
-    if row["shift"] is not None and abs(row["shift"]) < 0.1:
-        return {**row, "status": "refused", "reason": "post-LN: the first block's output does not move with its input"}
-    measured = "pre-LN" if row["shift"] is not None and abs(row["shift"] - 1) < 0.1 else "not measured as pre-LN"
-    return {**row, "status": "not yet", "reason": f"{measured} (shift {row['shift']}); no adapter"}
+    rows = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    for line in sys.stdin:
+        model_type = line.strip()
+        try:
+            row = measure(model_type)
+        except Exception as error:  # a row for every type, whatever its classes do
+            row = {"model_type": model_type, "error": f"{type(error).__name__}: {error}"[:200]}
+        rows.write(json.dumps(row) + "\n")
+        rows.flush()
 
 
-def table(rows: list[dict]) -> str:
-    counts = {status: sum(row["status"] == status for row in rows) for status in ("exact", "refused", "not yet")}
-    lines = [f"{counts['exact']} families exact, {counts['refused']} refused, {counts['not yet']} not yet "
-             "(generated by `python3 scripts/audit_architectures.py`).", "",
-             "| model type | status | first block's shift | reason |", "|---|---|---|---|"]
-    for row in sorted(rows, key=lambda row: (("exact", "refused", "not yet").index(row["status"]), row["model_type"])):
-        lines.append(f"| {row['model_type']} | {row['status']} | {row.get('shift')} | {row['reason']} |")
+def measure_types(types: list[str], timeout: float, cached: dict[str, dict], save) -> dict[str, dict]:
+    """Measure ``types`` one by one (a fresh worker after a failure); ``save`` after each."""
+    from audit_measure import source_has_layer_norm
+
+    rows, worker = dict(cached), None
+    for number, model_type in enumerate(types, 1):
+        if worker is None:
+            worker = Worker()
+        started = time.monotonic()
+        # the first type of a worker also pays for importing torch and transformers
+        row = worker.ask(model_type, timeout + (30 if worker.served == 0 else 0))
+        if row is None:
+            worker.stop()
+            worker = None
+            row = {"model_type": model_type, "error": f"ran past the {timeout:g} s limit or ended its process",
+                   "layer_norm_in_source": source_has_layer_norm(model_type)}
+        elif worker.served >= RESTART_EVERY:
+            worker.stop()
+            worker = None
+        row["seconds"] = round(time.monotonic() - started, 1)
+        rows[model_type] = row
+        print(f"[{number}/{len(types)}] {model_type}: {row.get('shifts', row.get('error', 'no centring norm'))}",
+              file=sys.stderr, flush=True)
+        save(rows)
+    if worker is not None:
+        worker.stop()
+    return rows
+
+
+def _near(value: float, target: float) -> bool:
+    return abs(value - target) < 0.05
+
+
+def status(row: dict, adapters, refusals: dict[str, str]) -> tuple[str | None, str]:
+    """(status, reason) of one measured row; status None: not listed (no centring norm)."""
+    model_type, shifts = row["model_type"], row.get("shifts")
+    if model_type in adapters:
+        return "exact", "adapter; exact against float64 in the tests"
+    if model_type in refusals:
+        return "refused", refusals[model_type]
+    if "error" in row:
+        if row.get("centring_norms") or row.get("layer_norm_in_source"):
+            return "not yet", f"not measured: {row['error']}"
+        return None, "no LayerNorm in its source"
+    if not row.get("centring_norms"):
+        return None, "no centring norm"
+    if not shifts:
+        return "not yet", "not measured: no stack of residual blocks took a [batch, tokens, width] input"
+    if all(_near(value, 1) for value in shifts.values()):
+        alone = f" (run alone: {', '.join(row['towers'])})" if row.get("towers") else ""
+        return "not yet", f"pre-LN by measurement{alone}; no adapter"
+    pre_ln = [key for key, found in (row.get("variants") or {}).items()
+              if found and all(_near(value, 1) for value in found.values())]
+    if pre_ln:
+        return "not yet", f"post-LN by default; pre-LN with `{pre_ln[0]}` by measurement; no adapter"
+    if all(_near(value, 0) for value in shifts.values()):
+        return "refused", "post-LN by measurement: no block's output moves with its input"
+    mixed = ", ".join(f"{name} {value}" for name, value in shifts.items())
+    return "not yet", f"neither pre- nor post-LN in every stack ({mixed}); no adapter"
+
+
+def classified(rows: list[dict]) -> list[dict]:
+    """The listed rows with their status and reason, in table order."""
+    from normswap.architectures import ARCHITECTURES, POST_LN
+
+    out = []
+    for row in rows:
+        found, reason = status(row, ARCHITECTURES, POST_LN)
+        if found is not None:
+            out.append({**row, "status": found, "reason": reason})
+    return sorted(out, key=lambda row: (STATUSES.index(row["status"]), row["model_type"]))
+
+
+def count_line(listed: list[dict], audited: int) -> str:
+    from normswap.architectures import ARCHITECTURES
+
+    counts = {name: sum(row["status"] == name for row in listed) for name in STATUSES}
+    families = len({id(ARCHITECTURES[row["model_type"]]) for row in listed if row["status"] == "exact"})
+    return (f"{counts['exact']} model types ({families} families) convert exactly, {counts['refused']} are refused and "
+            f"{counts['not yet']} are not yet supported, of the {len(listed)} that have a LayerNorm among the "
+            f"{audited} model types of transformers' registry")
+
+
+def _shifts_text(row: dict) -> str:
+    shifts = row.get("shifts")
+    if not shifts:
+        return "–"
+    values = sorted(set(shifts.values()))
+    return ", ".join(f"{value:g}" for value in values)
+
+
+def table(results: dict) -> str:
+    listed = classified(results["rows"])
+    lines = [count_line(listed, len(results["rows"])) + f" (transformers {results['transformers']}; "
+             "generated by `python3 scripts/audit_architectures.py` from "
+             "`benchmarks/results/architecture_audit.json`).", "",
+             "| model type | status | shift | reason |", "|---|---|---|---|"]
+    for row in listed:
+        reason = row["reason"].replace("|", "\\|")
+        lines.append(f"| {row['model_type']} | {row['status']} | {_shifts_text(row)} | {reason} |")
     return "\n".join(lines)
 
 
-def write_docs(rows: list[dict], path: Path = DOCS) -> None:
-    text = path.read_text(encoding="utf-8")
-    block = f"{BEGIN}\n{table(rows)}\n{END}"
-    if BEGIN in text:
-        text = text[:text.index(BEGIN)] + block + text[text.index(END) + len(END):]
-    else:
-        text = text.rstrip() + "\n\n## Coverage audit\n\n" + block + "\n"
-    path.write_text(text, encoding="utf-8")
+def replace_between(text: str, begin: str, end: str, body: str) -> str:
+    if begin not in text or end not in text:
+        raise SystemExit(f"markers {begin} … {end} are missing")
+    return text[:text.index(begin) + len(begin)] + "\n" + body + "\n" + text[text.index(end):]
+
+
+def write_docs(results: dict) -> None:
+    DOCS.write_text(replace_between(DOCS.read_text(encoding="utf-8"), BEGIN, END, table(results)), encoding="utf-8")
+    listed = classified(results["rows"])
+    line = count_line(listed, len(results["rows"])) + "."
+    README.write_text(replace_between(README.read_text(encoding="utf-8"), COUNT_BEGIN, COUNT_END, line),
+                      encoding="utf-8")
+
+
+def load_results(path: Path = RESULTS) -> dict:
+    return json.loads(path.read_text(encoding="utf-8"))
 
 
 def main(argv: list[str] | None = None) -> int:
-    from transformers import CONFIG_MAPPING
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--types", nargs="*", help="model types to audit (default: every registered type)")
-    parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
-    parser.add_argument("--no-docs", action="store_true", help="do not rewrite docs/architectures.md")
+    parser.add_argument("--types", nargs="*", help="model types to (re)measure (default: every registered type)")
+    parser.add_argument("--resume", action="store_true", help="measure only the types the JSON lacks")
+    parser.add_argument("--docs-only", action="store_true", help="regenerate the docs from the JSON; measure nothing")
+    parser.add_argument("--timeout", type=float, default=90.0, help="seconds one type may take (default 90)")
+    parser.add_argument("--json", type=Path, default=RESULTS, help=f"the cached results (default {RESULTS})")
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the worker process
     args = parser.parse_args(argv)
-    rows = []
-    for model_type in args.types or sorted(CONFIG_MAPPING.keys()):
-        row = classify(model_type)
-        if row["status"] is not None:
-            rows.append(row)
-            print(f"{model_type}: {row['status']} ({row.get('shift')}) {row['reason']}", file=sys.stderr)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(rows, indent=1))
-    if not args.no_docs:
-        write_docs(rows)
+    if args.serve:
+        serve()
+        return 0
+    if not args.docs_only:
+        import torch
+        import transformers
+        from transformers import CONFIG_MAPPING
+
+        registry = sorted(CONFIG_MAPPING.keys())
+        previous = load_results(args.json) if args.json.exists() else {}
+        same = previous.get("transformers") == transformers.__version__
+        cached = {row["model_type"]: row for row in previous.get("rows", [])} if same else {}
+        types = args.types or [t for t in registry if not (args.resume and t in cached)]
+        header = {"transformers": transformers.__version__, "torch": torch.__version__, "timeout_s": args.timeout,
+                  "command": "nice -n 10 python3 scripts/audit_architectures.py"}
+
+        def save(rows: dict[str, dict]) -> None:
+            kept = [rows[name] for name in registry if name in rows]
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({**header, "rows": kept}, indent=1) + "\n", encoding="utf-8")
+        measure_types(types, args.timeout, cached, save)
+    write_docs(load_results(args.json))
     return 0
 
 
