@@ -3,7 +3,9 @@
 Public API:
 
 - ``convert_checkpoint(src, out, ...)``: convert a checkpoint directory or hub id, write and verify.
-- ``verify_checkpoint(original, converted)``: compare a converted checkpoint with its original.
+- ``verify_checkpoint(original, converted)``: compare a converted checkpoint with its original
+  (every stored tensor proven against the plan, then the loaders run on a short probe);
+  ``prove_checkpoint(original, converted)``: the weights proof alone.
 - ``load(path)``: a converted checkpoint as an RMSNorm model using normswap's kernels.
 - ``load_model(src)``: any checkpoint (original or converted) and its tokenizer, for evaluation.
 - ``convert_model(model)``: convert a model already in memory; ``save(model, folder)`` (or its
@@ -32,6 +34,7 @@ _EXPORTS = {
     "convert_checkpoint": "normswap.api",
     "rotate_checkpoint": "normswap.api",
     "verify_checkpoint": "normswap.verify.checkpoint",
+    "prove_checkpoint": "normswap.verify.checkpoint",
     "convert_model": "normswap.api",
     "save": "normswap.api",
     "load": "normswap.api",
@@ -51,25 +54,32 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'normswap' has no attribute {name!r}")
 
 
-def patch(model):
-    """Substitute normswap's fused RMSNorm kernels into ``model`` (see ``normswap.kernels.patch``)."""
+def patch(model: Any) -> Any:
+    """Substitute normswap's fused RMSNorm kernels into ``model`` (see ``normswap.kernels.patch``);
+    ``model`` must be a ``torch.nn.Module`` (a ``TypeError`` otherwise)."""
     from normswap.kernels.patch import patch as _patch
 
     return _patch(model)
 
 
 def _importing_normswap() -> bool:
-    """Whether a normswap module is part-way through its own import."""
+    """Whether a normswap submodule is part-way through its own import.
+
+    The package itself does not count: it registers as the last statement of its own import,
+    once every name here is defined, and the registry imports nothing from it.
+    """
     return any(
         getattr(getattr(module, "__spec__", None), "_initializing", False)
         for name, module in list(sys.modules.items())
-        if name == "normswap" or name.startswith("normswap.")
+        if name.startswith("normswap.")
     )
 
 
 def _register_auto_classes() -> None:
-    # When a normswap module is part-way through its own import, registering now could see it
+    # When a normswap submodule is part-way through its own import, registering now could see it
     # half-built; every path that loads a model registers before it does, so nothing is lost.
+    # Registering twice is a no-op, so the order transformers and normswap are imported in
+    # decides only when this runs, never what is registered.
     if not _importing_normswap():
         importlib.import_module("normswap.modeling.registry").register_auto_classes()
 

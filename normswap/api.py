@@ -12,42 +12,67 @@ import torch
 from torch import nn
 
 from normswap.architectures import ARCHITECTURES, architecture_for
+from normswap.arguments import checked
 from normswap.checkpoint import validation
+from normswap.checkpoint.provenance import Provenance, family_config
 from normswap.checkpoint.source import StateDictReader, read_config, resolve_source
 from normswap.convert import card
 from normswap.dtypes import dtype_name
 from normswap.errors import NormswapError
 from normswap.modeling import build, registry, remote
+from normswap.rotate.options import DEFAULT_CALIBRATION_TOKENS
+
+_DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 
 
-def _original_type(config: dict) -> str:
-    return (config.get("normswap") or {}).get("original_model_type", config.get("model_type"))
+def _check_loading(where: str, kwargs: dict) -> None:
+    """``dtype`` and ``device_map`` as ``from_pretrained`` takes them, refused here rather than deep inside."""
+    dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
+    if dtype is not None and dtype != "auto":
+        if not isinstance(dtype, (str, torch.dtype)):
+            raise TypeError(f"{where}: dtype must be a torch.dtype, a dtype name or 'auto', not {type(dtype).__name__}")
+        from normswap.dtypes import parse_dtype
+
+        parse_dtype(dtype)
+    device_map = kwargs.get("device_map")
+    if device_map is None or isinstance(device_map, dict) or device_map in _DEVICE_MAPS:
+        return
+    if isinstance(device_map, bool) or not isinstance(device_map, (str, int, torch.device)):
+        raise TypeError(f"{where}: device_map must be a str, int, torch.device or dict, not {type(device_map).__name__}")
+    try:
+        torch.device(device_map)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"{where}: device_map {device_map!r:.40} is neither a device nor one of "
+                         f"{', '.join(_DEVICE_MAPS)}") from None
 
 
+@checked
 def load(path: str | Path, **from_pretrained_kwargs) -> nn.Module:
     """A converted checkpoint as an RMSNorm model whose norms use normswap's kernels.
 
     Keyword arguments go to ``from_pretrained`` (``dtype``, ``device_map``, ...).
     """
+    _check_loading("normswap.load", from_pretrained_kwargs)
     registry.register_auto_classes()
     path = resolve_source(path)
     config = read_config(path)
-    block = config.get("normswap")
-    if block is None:
+    provenance = Provenance.of(config, path)
+    if provenance is None:
         raise NormswapError(f"{path} is not a normswap checkpoint; convert it first with `normswap convert`")
-    validation.check_provenance(block, path)
     validation.check_structure(path, config)
-    architecture = architecture_for({**config, "model_type": _original_type(config)})
+    architecture = architecture_for(family_config(config))
     base = build.model_class(config, architecture.auto_class)
-    cls = registry.kernel_class(base, own_type=not block.get("stock_loadable", True))
+    cls = registry.kernel_class(base, own_type=not provenance.stock_loadable)
     return build.load_pretrained(cls, path, **from_pretrained_kwargs)
 
 
-def load_model(src: str | Path, *, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
+@checked
+def load_model(src: str | Path, *, dtype: torch.dtype | str = torch.float32, trust_remote_code: bool = False,
                **from_pretrained_kwargs) -> tuple[nn.Module, Any]:
     """Any checkpoint and its tokenizer (or None): converted ones in RMSNorm form via ``load``."""
     from normswap.runtime.reference import load_tokenizer
 
+    _check_loading("normswap.load_model", {**from_pretrained_kwargs, "dtype": dtype})
     registry.register_auto_classes()
     path = resolve_source(src, trust_remote_code=trust_remote_code)
     config = read_config(path)
@@ -67,6 +92,20 @@ def load_model(src: str | Path, *, dtype: torch.dtype = torch.float32, trust_rem
     return model, load_tokenizer(path)
 
 
+def _check_model(model: nn.Module, method: str) -> None:
+    """A transformers model with finite weights, and a known method (see ``convert_model``)."""
+    if not callable(getattr(getattr(model, "config", None), "to_diff_dict", None)):
+        raise TypeError(f"normswap.convert_model: model must be a transformers model (PreTrainedModel), "
+                        f"not {type(model).__name__}")
+    if method not in ("exact", "naive"):
+        raise NormswapError(f"normswap.convert_model: method must be 'exact' or 'naive', not {method!r:.40}")
+    for name, tensor in model.state_dict().items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise NormswapError(f"normswap.convert_model: {name} holds NaN or inf; a conversion of it would be "
+                                "meaningless")
+
+
+@checked
 def convert_model(model: nn.Module, *, fold_gains: bool = False, method: str = "exact") -> nn.Module:
     """Convert a model already in memory; returns a new model in RMSNorm form (plain torch norms).
 
@@ -79,6 +118,7 @@ def convert_model(model: nn.Module, *, fold_gains: bool = False, method: str = "
     from normswap.convert import fold
     from normswap.convert.pipeline import main_dtype, plan_conversion
 
+    _check_model(model, method)
     # config.json as save_pretrained would write it, which is what convert reads
     config = {**model.config.to_diff_dict(), "architectures": [type(model).__name__]}
     reader = StateDictReader({name: tensor.detach() for name, tensor in model.state_dict().items()})
@@ -106,6 +146,7 @@ def convert_model(model: nn.Module, *, fold_gains: bool = False, method: str = "
     return converted.to(device).eval()
 
 
+@checked
 def save(model: nn.Module, folder: str | Path, *, overwrite: bool = False) -> None:
     """Write a ``convert_model`` result to ``folder`` as ``normswap convert`` writes a conversion
     (no verification figures: there is no original checkpoint to run).
@@ -163,19 +204,38 @@ def _materialise_buffers(converted: nn.Module, original: nn.Module) -> None:
             raise NormswapError(f"the converted model has no value for {name}")
 
 
-def convert_checkpoint(src: str | Path, out: str | Path, **options: Any) -> dict:
-    """``normswap.convert.pipeline.convert_checkpoint`` (its options), verified by
-    ``normswap.verify.checkpoint.verify_checkpoint`` unless ``verification="none"``."""
+@checked
+def convert_checkpoint(
+    src: str | Path, out: str | Path, *, fold_gains: bool = False, method: str = "exact",
+    dtype: str | torch.dtype | None = None, overwrite: bool = False, trust_remote_code: bool = False,
+    atol: float | None = None, rtol: float | None = None, allow_inexact: bool = False, quiet: bool = True,
+    verification: str = "auto", revision: str | None = None,
+) -> dict:
+    """Convert ``src`` to an exact RMSNorm checkpoint at ``out``, verified against ``src`` by
+    ``normswap.verify.checkpoint.verify_checkpoint`` unless ``verification="none"``; the options
+    are ``normswap.convert.pipeline.convert_checkpoint``'s. The verifier is chosen here, in the
+    public layer, because ``convert`` sits below ``verify`` and never imports it."""
     from normswap.convert.pipeline import convert_checkpoint as convert
     from normswap.verify.checkpoint import verify_checkpoint
 
-    return convert(src, out, verifier=verify_checkpoint, **options)
+    return convert(src, out, fold_gains=fold_gains, method=method, dtype=dtype, overwrite=overwrite,
+                   trust_remote_code=trust_remote_code, atol=atol, rtol=rtol, allow_inexact=allow_inexact,
+                   quiet=quiet, verification=verification, revision=revision, verifier=verify_checkpoint)
 
 
-def rotate_checkpoint(src: str | Path, out: str | Path, **options: Any) -> dict:
-    """``normswap.rotate.pipeline.rotate_checkpoint`` (its options), verified by
-    ``normswap.verify.checkpoint.verify_rotated`` unless ``verification="none"``."""
+@checked
+def rotate_checkpoint(
+    src: str | Path, out: str | Path, *, method: str = "hadamard", seed: int = 0,
+    calibration: str | Path | None = None, calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS,
+    dtype: str | torch.dtype | None = None, overwrite: bool = False, trust_remote_code: bool = False,
+    atol: float | None = None, rtol: float | None = None, verification: str = "auto", quiet: bool = True,
+) -> dict:
+    """Write ``src`` with its residual basis rotated to ``out``, verified against ``src`` by
+    ``normswap.verify.checkpoint.verify_rotated`` unless ``verification="none"``; the options are
+    ``normswap.rotate.pipeline.rotate_checkpoint``'s (method ``hadamard``, ``orthogonal`` or ``pca``)."""
     from normswap.rotate.pipeline import rotate_checkpoint as rotate
     from normswap.verify.checkpoint import verify_rotated
 
-    return rotate(src, out, verifier=verify_rotated, **options)
+    return rotate(src, out, method=method, seed=seed, calibration=calibration, calibration_tokens=calibration_tokens,
+                  dtype=dtype, overwrite=overwrite, trust_remote_code=trust_remote_code, atol=atol, rtol=rtol,
+                  verification=verification, quiet=quiet, verifier=verify_rotated)

@@ -5,6 +5,12 @@ Each subcommand lives beside the code it drives, in a module that offers two fun
 dispatches, and is the one boundary that turns a ``NormswapError`` (bad input, exit 2; failed
 verification, exit 3) or an ``OSError`` (exit 2) into one line on stderr. Anything else is a bug
 in normswap and keeps its traceback.
+
+Interrupts are handled from ``main``'s first line: the first SIGINT (or SIGTERM) before anything
+is installed raises ``KeyboardInterrupt``, whose clean-up leaves nothing and ends in one line and
+exit 130; further interrupts while that clean-up runs are only counted. Once an output is
+installed (``normswap.checkpoint.output.installed``), an interrupt no longer stops the command:
+it finishes, says that the output is complete, and exits 130.
 """
 
 from __future__ import annotations
@@ -14,7 +20,9 @@ import contextlib
 import importlib
 import logging
 import os
+import signal
 import sys
+import threading
 from typing import NoReturn
 
 from normswap.errors import NormswapError
@@ -64,11 +72,80 @@ def build_parser(only: str | None = None) -> tuple[argparse.ArgumentParser, dict
     return parser, modules
 
 
+class _Interrupts:
+    """SIGINT handling for one command (see the module docstring); ``restore`` puts back what was there."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.before = len(self._installed())  # outputs of earlier commands in this process do not count
+        # a process started with SIGINT ignored (``cmd &`` in a script) keeps ignoring it
+        self.active = (threading.current_thread() is threading.main_thread()
+                       and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN)
+        self.previous = signal.signal(signal.SIGINT, self._on_signal) if self.active else None
+
+    @staticmethod
+    def _installed() -> list:
+        output = sys.modules.get("normswap.checkpoint.output")  # not imported: nothing was installed
+        return output.installed if output is not None else []
+
+    def _on_signal(self, signum, frame) -> None:
+        self.count += 1
+        if self.count == 1 and len(self._installed()) == self.before:
+            raise KeyboardInterrupt
+
+    def outcome(self, command: str) -> int | None:
+        """After an interrupt: the line saying what was left, and exit 130; None when there was none."""
+        if not self.count:
+            return None
+        installed = self._installed()[self.before:]
+        if installed:
+            done = ", ".join(str(path) for path in installed)
+            print(f"normswap {command}: interrupted after the output was complete: {done} is installed and whole",
+                  file=sys.stderr)
+        else:
+            print(f"normswap {command}: interrupted; nothing was written", file=sys.stderr)
+        return 130
+
+    def restore(self, command_line: bool) -> None:
+        # A command run from the shell has decided its exit status: ignoring SIGINT from here on
+        # keeps a late one from killing the interpreter's shutdown (exit -2, no message).
+        if self.active:
+            signal.signal(signal.SIGINT, signal.SIG_IGN if command_line else self.previous)
+
+
 def main(argv: list[str] | None = None) -> int:
+    interrupts = _Interrupts()  # before anything else, so that no interrupt prints a traceback
+    command, command_line = "command", argv is None
+    try:
+        argv = sys.argv[1:] if argv is None else argv
+        command = next((arg for arg in argv if not arg.startswith("-")), "") or command
+        code = _run(argv, interrupts)
+    except KeyboardInterrupt:
+        interrupts.count = max(interrupts.count, 1)
+        code = 130
+    except Exception:
+        if not interrupts.count:
+            raise
+        code = 130  # a library turned the interrupt into an error of its own (an import that "failed")
+    finally:
+        interrupts.restore(command_line)
+    code = interrupts.outcome(command) or code
+    if command_line and interrupts.count:
+        # Interrupted from the shell: every output is installed or removed, so leave now. The
+        # interpreter's shutdown could otherwise be cut short by a late SIGINT (exit -2, no message).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _run(argv: list[str], interrupts: _Interrupts) -> int:
     # Hub and transformers chatter would bury our own one-line messages.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    # transformers sets its logger's level when it is first imported, from TRANSFORMERS_VERBOSITY
+    # (default warning): the level below holds only if transformers is already imported.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    argv = sys.argv[1:] if argv is None else argv
     chosen = next((arg for arg in argv if not arg.startswith("-")), "")
     parser, modules = build_parser(chosen)
     args, unknown = parser.parse_known_args(argv)
@@ -82,17 +159,18 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.redirect_stdout(sys.stderr):
             return int(modules[args.command].run(args) or 0)
     except NormswapError as error:
+        if interrupts.count:
+            raise KeyboardInterrupt from None  # the interrupt surfaced as this error: report the interrupt
         print(f"normswap {args.command}: error: {_one_line(str(error))}", file=sys.stderr)
         return error.exit_code
     except OSError as error:
+        if interrupts.count:
+            raise KeyboardInterrupt from None
         # a file the command had to read or write (an input, or a report in --out) failed
         reason = error.strerror or _one_line(str(error)) or type(error).__name__
         where = f": {error.filename}" if error.filename else ""
         print(f"normswap {args.command}: error: {reason}{where}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"normswap {args.command}: interrupted; nothing was written", file=sys.stderr)
-        return 130
 
 
 def _one_line(text: str) -> str:

@@ -16,3 +16,9 @@ def lazy_getattr(package: str, exports: Mapping[str, str]) -> Callable[[str], An
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
 
     return __getattr__
+
+
+def lazy_exports(package: str, modules: Mapping[str, tuple[str, ...]]) -> tuple[Callable[[str], Any], list[str]]:
+    """``(__getattr__, __all__)`` for a package that exports each of ``modules[module]`` lazily from ``module``."""
+    exports = {name: module for module, names in modules.items() for name in names}
+    return lazy_getattr(package, exports), sorted(exports)

@@ -1,56 +1,67 @@
-"""End to end: original GPT-2 (LayerNorm) against its normswap conversion; JSON to benchmarks/results/.
+"""End to end: a LayerNorm GPT-2 against its conversion loaded with normswap.load, side by side.
 
-    python scripts/bench_generate.py            # CUDA: GPT-2-small and ~1B configs, bf16 (~3 min)
-    python scripts/bench_generate.py --cpu      # CPU: GPT-2-small, fp32, one thread (~1 min)
-    python scripts/bench_generate.py --quick    # tiny settings, for checking the script
+    python scripts/bench_generate.py --out benchmarks/results/gpu/bench_generate-cuda.json
+                                                     # CUDA, bf16: GPT-2-small and 1.3B shapes
+    python scripts/bench_generate.py --cpu           # CPU, fp32: the same table on small shapes
+    python scripts/bench_generate.py --cpu --quick   # tiny shapes and settings, to check the script
 
-Models have random weights (speed does not depend on their values). Three are timed:
+Models have random weights (speed does not depend on their values). ``original`` is the stock
+``GPT2LMHeadModel`` with its LayerNorms; ``converted`` is ``normswap.convert_model(original)``
+written with ``normswap.save`` and read back with ``normswap.load``: normswap's kernels, the
+residual adds fused into the norms they feed.
 
-* ``original``: the stock ``GPT2LMHeadModel`` with its LayerNorms;
-* ``converted``: ``normswap.convert_model(original)``, plain-torch RMSNorms (the remote-code path);
-* ``patched``: the same after ``normswap.patch``: kernels, and the attention residual add fused
-  into ``ln_2``.
+Phases: ``prefill``, one forward over a batch of prompts (32 x 512 on CUDA); ``decode``,
+``model.generate`` of 128 new tokens (greedy, every token generated) at batch 1 and 32 from a
+128-token prompt, reported per new token, the time from the first generated token to the last
+(prefill excluded; a streamer takes the time stamps, and generate synchronises every step).
 
-Reported: prefill tokens/s (one forward over a prompt, cache on) and decode latency per token at
-batch 1 and 32 (single-token forwards against a KV cache, fixed token ids so every model does
-identical work). Rounds alternate between the models so drift hits them alike; medians reported.
-The converted models' logits are compared with the original's first, for a prompt and for one
-decode step against the prompt's KV cache (they agree to rounding).
+Modes: ``eager``; ``compiled``, ``normswap.kernels.compile_for_generation`` on both models
+(static cache, ``torch.compile(fullgraph=True, mode="reduce-overhead")``: CUDA graphs), the
+norms decomposed into torch ops that Inductor fuses; ``compiled-kernel``, the same with the
+norms as normswap's kernel (a custom op). On CPU the compiled modes trace with the ``eager``
+backend: they check that the models compile without graph breaks; their times mean little.
+
+Rounds alternate the two models so drift hits them alike; medians are reported. JSON: ``rows``
+of {model, phase, batch, mode, original_ms, converted_ms, speedup}, written after every row
+(a run cut short keeps what it measured). Only where ``--out`` says.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import datetime
-import inspect
 import json
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
+from transformers.generation.streamers import BaseStreamer
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import normswap  # noqa: E402
-from normswap.kernels import patch as kernels_patch  # noqa: E402
+from normswap.kernels import compile_for_generation  # noqa: E402
 
-CONFIGS = {
-    "gpt2-small": {"n_layer": 12, "n_embd": 768, "n_head": 12},  # 124M
-    "gpt2-1b": {"n_layer": 18, "n_embd": 2048, "n_head": 16},  # 1.0B (12 * 18 * 2048**2 + embeddings)
+VOCAB = 50257
+# name -> (n_layer, n_embd, n_head)
+SHAPES = {
+    "cuda": {"gpt2-small": (12, 768, 12), "gpt2-1.3b": (24, 2048, 16)},
+    "cpu": {"gpt2-small-cpu": (4, 256, 4)},
+    "quick": {"gpt2-tiny": (2, 64, 2)},
 }
-# per mode: prefill (batch, prompt length) pairs; decode batches, context length and steps;
-# timing rounds after one warm-up. CPU prompts are short so the run fits in about a minute.
+# prefill (batch, length); decode batches, prompt length, new tokens; timing rounds
 SETTINGS = {
-    "cuda": {"prefill": [(1, 512), (32, 512)], "decode": [1, 32], "context": 128, "steps": 64, "rounds": 5},
-    "cpu": {"prefill": [(1, 64), (32, 8)], "decode": [1, 32], "context": 16, "steps": 4, "rounds": 4},
-    "quick": {"prefill": [(1, 16), (4, 8)], "decode": [1, 4], "context": 8, "steps": 3, "rounds": 2},
+    "cuda": {"prefill": (32, 512), "decode": (1, 32), "prompt": 128, "new": 128, "rounds": 2},
+    "cpu": {"prefill": (4, 64), "decode": (1, 4), "prompt": 16, "new": 16, "rounds": 2},
+    "quick": {"prefill": (2, 16), "decode": (1, 2), "prompt": 8, "new": 4, "rounds": 1},
 }
+MODES = ("eager", "compiled", "compiled-kernel")
 
 
 def sync(device: str) -> None:
@@ -58,70 +69,54 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def build_models(name: str, device: str, dtype: torch.dtype, quick: bool) -> dict:
-    """{"original", "converted", "patched"} models."""
-    shape = {"n_layer": 2, "n_embd": 64, "n_head": 2} if quick else CONFIGS[name]
-    config = GPT2Config(**shape, vocab_size=50257, n_positions=1024)
+def build(shape: tuple[int, int, int], device: str, dtype: torch.dtype, folder: Path) -> tuple:
+    """(original, converted through normswap.save and normswap.load), on ``device`` in ``dtype``."""
+    n_layer, n_embd, n_head = shape
+    config = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab_size=VOCAB, n_positions=1024)
     torch.manual_seed(0)
     with torch.device(device):
-        original = GPT2LMHeadModel(config).eval()
-    converted = normswap.convert_model(original)
-    original, converted = original.to(dtype), converted.to(dtype).eval()
-    return {"original": original, "converted": converted, "patched": kernels_patch(copy.deepcopy(converted))}
+        original = GPT2LMHeadModel(config).to(dtype).eval()
+    normswap.save(normswap.convert_model(original), folder)
+    converted = normswap.load(folder, dtype=dtype).to(device).eval()
+    for model in (original, converted):
+        model.generation_config.pad_token_id = model.generation_config.eos_token_id = None
+    return original, converted
 
 
-def cache_kwarg(model) -> str:
-    """The KV-cache keyword of this transformers version (``cache``; ``past_key_values`` before)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+class _Stamps(BaseStreamer):
+    """Time stamps of generate's token outputs: the prompt, then each new token."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, value):
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
 
 
-def forward(model, ids, cache=None):
-    kwargs = {cache_kwarg(model): cache} if cache is not None else {}
-    out = model(input_ids=ids, use_cache=True, **kwargs)
-    return out, getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+def decode_ms(model, prompt: torch.Tensor, new: int) -> float:
+    """Milliseconds per new token of greedy generate, first new token to last."""
+    stamps = _Stamps()
+    model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, min_new_tokens=new,
+                   do_sample=False, streamer=stamps)  # fmt: skip
+    tokens = stamps.times[1:]  # [0] is the prompt
+    return (tokens[-1] - tokens[0]) / (len(tokens) - 1) * 1e3
 
 
-def time_prefill(model, ids, device) -> float:
+def prefill_ms(model, ids: torch.Tensor, device: str) -> float:
     sync(device)
     start = time.perf_counter()
-    forward(model, ids)
+    model(input_ids=ids, use_cache=False)
     sync(device)
-    return time.perf_counter() - start
+    return (time.perf_counter() - start) * 1e3
 
 
-def time_decode(model, context, steps, device) -> float:
-    """Seconds per decode step (one token per sequence) after prefilling ``context``."""
-    _, cache = forward(model, context)
-    step_ids = torch.randint(0, 50257, (context.shape[0], steps), generator=torch.Generator().manual_seed(2))
-    step_ids = step_ids.to(context.device)
-    sync(device)
-    start = time.perf_counter()
-    for i in range(steps):
-        _, cache = forward(model, step_ids[:, i : i + 1], cache)
-    sync(device)
-    return (time.perf_counter() - start) / steps
-
-
-def compare_logits(models: dict, device: str) -> dict:
-    """max |Δlogit| / max |logit| against the original: a prompt, then one cached decode step."""
-    gen = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, 50257, (2, 16), generator=gen).to(device)
-    step = torch.randint(0, 50257, (2, 1), generator=gen).to(device)
-    outputs = {}
-    for name, model in models.items():
-        out, cache = forward(model, ids)
-        outputs[name] = (out.logits.float(), forward(model, step, cache)[0].logits.float())
-    ref = outputs["original"]
-    return {
-        name: {kind: float((got[i] - ref[i]).abs().max() / ref[i].abs().max()) for i, kind in enumerate(("prompt", "step"))}
-        for name, got in outputs.items() if name != "original"
-    }  # fmt: skip
-
-
-def alternate(models: dict, rounds: int, measure) -> dict:
-    """Median of ``measure(model)`` per model, models alternating within each round."""
+def side_by_side(models: dict, rounds: int, measure) -> dict[str, float]:
+    """Median of ``measure(model)`` per model, alternating within rounds, after one warm-up each."""
     samples = {name: [] for name in models}
-    for model in models.values():  # warm-up: kernel compiles, allocator, caches
+    for model in models.values():
         measure(model)
     for _ in range(rounds):
         for name, model in models.items():
@@ -129,92 +124,105 @@ def alternate(models: dict, rounds: int, measure) -> dict:
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
-def bench_config(name: str, device: str, dtype: torch.dtype, settings: dict, quick: bool, entry: dict, save) -> None:
-    """Fill ``entry`` with one configuration's figures, calling ``save()`` after each (partial
-    results survive a time limit)."""
-    models = build_models(name, device, dtype, quick)
-    entry.update(config=name, dtype=str(dtype).removeprefix("torch."),
-                 params=sum(p.numel() for p in models["original"].parameters()))  # fmt: skip
+def set_mode(models: dict, mode: str, device: str) -> None:
+    """Compile both models for ``mode`` (their forwards are restored for ``eager``)."""
+    torch._dynamo.reset()
+    # two models, prefill and decode shapes through one code object: more graphs than the default
+    torch._dynamo.config.recompile_limit = 64
+    for model in models.values():
+        model.__dict__.pop("forward", None)
+        model.generation_config.cache_implementation = None
+        if mode != "eager":
+            on_cuda = device == "cuda"
+            compile_for_generation(model, mode="reduce-overhead" if on_cuda else None,
+                                   norm_path="kernel" if mode == "compiled-kernel" else "decompose",
+                                   backend="inductor" if on_cuda else "eager")  # fmt: skip
+
+
+def logit_diff(models: dict, device: str) -> float:
+    """max |Δlogit| / max |logit| of the converted model against the original on one prompt."""
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(3)).to(device)
     with torch.inference_mode():
-        entry["max_rel_logit_diff"] = compare_logits(models, device)
-        gen = torch.Generator().manual_seed(1)
-        for batch, length in settings["prefill"]:
-            prompt = torch.randint(0, 50257, (batch, length), generator=gen).to(device)
-            seconds = alternate(models, settings["rounds"], lambda m, p=prompt: time_prefill(m, p, device))
-            report(entry, f"prefill_b{batch}_t{length}", summarise(seconds, batch * length, "prefill"))
-            save()
-        for batch in settings["decode"]:
-            context = torch.randint(0, 50257, (batch, settings["context"]), generator=gen).to(device)
-            per_step = alternate(
-                models, settings["rounds"], lambda m, c=context: time_decode(m, c, settings["steps"], device)
-            )
-            report(entry, f"decode_b{batch}", summarise(per_step, batch, "decode"))
-            save()
+        want, got = (models[k](input_ids=ids).logits.float() for k in ("original", "converted"))
+    return float((got - want).abs().max() / want.abs().max())
 
 
-def report(entry: dict, key: str, rows: dict) -> None:
-    entry[key] = rows
-    unit = "ms" if "ms" in rows["original"] else "ms_per_token"
-    cells = "  ".join(
-        f"{name} {row[unit]:.2f} ms {row['tokens_per_s']:.0f} tok/s x{row['speedup_vs_original']:.3f}"
-        for name, row in rows.items()
-    )
-    print(f"{entry['config']:<10} {key:<16} {cells}", flush=True)
+def bench_mode(name: str, models: dict, device: str, settings: dict, mode: str, add_row) -> None:
+    """Every phase of one (model, mode) pair, a row each."""
+    gen = torch.Generator().manual_seed(1)
+    batch, length = settings["prefill"]
+    prefill = torch.randint(0, VOCAB, (batch, length), generator=gen).to(device)
+    prompts = {b: torch.randint(0, VOCAB, (b, settings["prompt"]), generator=gen).to(device)
+               for b in settings["decode"]}  # fmt: skip
+    set_mode(models, mode, device)
+    try:
+        with torch.inference_mode():
+            for b, prompt in prompts.items():
+                ms = side_by_side(models, settings["rounds"], lambda m, p=prompt: decode_ms(m, p, settings["new"]))
+                add_row(name, "decode", b, mode, ms, new_tokens=settings["new"])
+            ms = side_by_side(models, settings["rounds"], lambda m: prefill_ms(m, prefill, device))
+            add_row(name, "prefill", batch, mode, ms, length=length)
+    finally:
+        set_mode(models, "eager", device)
 
 
-def summarise(seconds: dict, tokens: int, kind: str) -> dict:
-    """Per model: time, tokens/s, and the speedup over the original."""
-    base = seconds["original"]
-    out = {}
-    for name, s in seconds.items():
-        row = {"tokens_per_s": tokens / s, "speedup_vs_original": base / s}
-        row["ms" if kind == "prefill" else "ms_per_token"] = s * 1e3
-        out[name] = row
-    return out
+def plan(names: list[str], modes: list[str]) -> list[tuple[str, str]]:
+    """(model, mode) pairs in the order they run: every model eager first, then the compiled modes
+    (slow to compile) model by model, so a run cut short has the eager table complete."""
+    return [(n, m) for m in modes if m == "eager" for n in names] + [(n, m) for n in names for m in modes if m != "eager"]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cpu", action="store_true", help="run on CPU even if CUDA exists")
-    parser.add_argument("--quick", action="store_true", help="tiny model and settings")
-    parser.add_argument("--configs", default=None, help=f"comma-separated subset of {sorted(CONFIGS)}")
+    parser.add_argument("--cpu", action="store_true", help="run on CPU even if CUDA exists (small shapes)")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes and settings")
+    parser.add_argument("--models", help="comma-separated subset of the shapes' names")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {MODES}")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: steadier)")
-    parser.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/bench_generate-<device>.json)")
+    parser.add_argument("--out", type=Path, help="write the JSON here")
     args = parser.parse_args(argv)
-
     device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
     if device == "cpu":
         torch.set_num_threads(args.threads)
+    kind = "quick" if args.quick else device
+    shapes, settings = SHAPES[kind], SETTINGS[kind]
+    names = args.models.split(",") if args.models else list(shapes)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    settings = SETTINGS["quick" if args.quick else device]
-    names = args.configs.split(",") if args.configs else (list(CONFIGS) if device == "cuda" else ["gpt2-small"])
-    if args.quick:
-        names = names[:1]
     started = time.time()
-    report = {
-        "meta": {
-            "script": "scripts/bench_generate.py",
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "device": torch.cuda.get_device_name(0) if device == "cuda" else platform.processor() or platform.machine(),
-            "cpu_threads": torch.get_num_threads() if device == "cpu" else None,
-            "torch": torch.__version__,
-            "settings": settings,
-            "mode": "quick" if args.quick else "full",
-        },
-        "results": [],
-    }
-    out = args.out or ROOT / "benchmarks" / "results" / f"bench_generate-{device}{'-quick' if args.quick else ''}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    report = {"meta": {
+        "script": "scripts/bench_generate.py",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(0) if device == "cuda" else platform.processor() or platform.machine(),
+        "torch": torch.__version__, "dtype": str(dtype).removeprefix("torch."), "settings": settings,
+        "shapes": {n: shapes[n] for n in names}, "kind": kind,
+    }, "models": {}, "rows": []}  # fmt: skip
 
     def save() -> None:
         report["meta"]["seconds"] = round(time.time() - started, 1)
-        out.write_text(json.dumps(report, indent=1) + "\n")
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(report, indent=1) + "\n")
 
-    for name in names:
-        report["results"].append({})
-        bench_config(name, device, dtype, settings, args.quick, report["results"][-1], save)
+    def add_row(model, phase, batch, mode, ms, **extra) -> None:
+        row = {"model": model, "phase": phase, "batch": batch, "mode": mode, "original_ms": ms["original"],
+               "converted_ms": ms["converted"], "speedup": ms["original"] / ms["converted"], **extra}  # fmt: skip
+        report["rows"].append(row)
+        print(f"{model:<15} {phase:<8} b={batch:<3} {mode:<16} original {row['original_ms']:9.3f} ms  "
+              f"converted {row['converted_ms']:9.3f} ms  x{row['speedup']:.3f}", flush=True)  # fmt: skip
         save()
-    print(f"wrote {out} ({report['meta']['seconds']} s)")
+
+    built: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="bench_generate-") as tmp:
+        for name, mode in plan(names, args.modes.split(",")):
+            if name not in built:
+                original, converted = build(shapes[name], device, dtype, Path(tmp) / name)
+                built[name] = {"original": original, "converted": converted}
+                report["models"][name] = {"params": sum(p.numel() for p in original.parameters()),
+                                          "max_rel_logit_diff": logit_diff(built[name], device)}  # fmt: skip
+                save()
+            bench_mode(name, built[name], device, settings, mode, add_row)
+    save()
+    print(f"wrote {args.out} ({report['meta']['seconds']} s)" if args.out else f"done ({report['meta']['seconds']} s)")
     return 0
 
 

@@ -1,14 +1,21 @@
 """Benchmark normswap's RMSNorm kernels against their peers; JSON to benchmarks/results/.
 
-    python scripts/bench_kernels.py                 # CUDA: every section, bf16 first (~3 min on an H200)
+    python scripts/bench_kernels.py --out benchmarks/results/gpu/bench_kernels-cuda.json
+                                                    # CUDA: every section, bf16 first (~3 min on an H200)
     python scripts/bench_kernels.py --quick         # CUDA: a few shapes, for checking the script
-    python scripts/bench_kernels.py --cpu           # CPU: the fallback and its alternatives, and the
-                                                    # host cost of a kernel launch (~1 min)
+    python scripts/bench_kernels.py --cpu           # CPU: the fallback and its alternatives, then the host time
+    python scripts/bench_kernels.py --host          # CPU: host time per eager call only, launch stubbed (~20 s)
+    python scripts/bench_kernels.py --dry-run --out out/bench_kernels-dry-run.json
+                                                    # the CUDA sections in the Triton interpreter, tiny shapes
+
+JSON is written only where ``--out`` says.
 
 Sections (CUDA), each implementation's output checked against float64 before it is timed:
 
-* ``forward``: y = RMSNorm(x) ("plain") and (y, s) with s = x + r ("fused_add") for M >= 4096,
-  N from 768 to 65536. Bandwidth counts the bytes an ideal kernel moves (x read and y written,
+* ``forward``: y = RMSNorm(x) ("plain") and (y, s) with s = x + r ("fused_add"), bf16 at
+  M = 32768 (``forward4096``: M = 4096; ``fp16``: fp16), N from 768 to 65536. ``normswap`` is the
+  dispatch table's choice; ``normswap[design]`` forces each design that can hold the row
+  (``launch.bench_designs``), so one run shows which design wins at each N. Bandwidth counts the bytes an ideal kernel moves (x read and y written,
   plus r read and s written when fused, plus the weight), as GB/s and as a % of a device copy of
   the same bytes timed in the same run. Peers: the add-then-norm through normswap's kernel
   (``normswap_unfused``), Liger-Kernel (its fused add+norm kernel for fused_add),
@@ -17,7 +24,10 @@ Sections (CUDA), each implementation's output checked against float64 before it 
   graph is kept); the same peers.
 * ``decode``: M = 1-32. ``wall_us`` is the host wall time per call in a loop of calls (what a
   decode step pays when it is launch-bound); ``graph_us`` is the device time per call replayed
-  from a CUDA graph.
+  from a CUDA graph. ``torch_composite`` is the exact torch path that ``launch.NATIVE_MAX_ROWS``
+  would send small calls to.
+* ``host_overhead`` (``--host``, CPU): host time per eager call with the launch stubbed, against
+  ``F.layer_norm`` and ``F.rms_norm``.
 * ``large``: a bf16 input of more than 2**31 elements, its last rows checked (32-bit offsets).
 
 Timing: ``triton.testing.do_bench`` medians with p20/p80. ``--budget-s`` is a hard limit: a
@@ -128,6 +138,23 @@ def _liger() -> Callable | None:
     return run
 
 
+def _normswap_design(design: str) -> Callable:
+    """normswap with every forward forced to ``design`` (the dispatch table's alternatives)."""
+
+    def run(x, w, r):
+        with launch.forced_design(design):
+            return rms_norm(x, w, None, EPS, residual=r)
+
+    return run
+
+
+def _torch_composite(x, w, r):
+    """The exact torch composite that ``launch.NATIVE_MAX_ROWS`` sends small calls to."""
+    if r is None:
+        return fallback.rms_norm_torch(x, w, None, EPS)
+    return fallback.add_rms_norm_torch(x, r, w, None, EPS)
+
+
 def cuda_impls(device: str) -> dict[str, Callable]:
     impls = {
         "normswap": _normswap,
@@ -220,7 +247,7 @@ def copy_ms(numel: int, dtype, device, timer, quick) -> float:
 class Run:
     """Shared state of one benchmark run: report, deadline, output file."""
 
-    def __init__(self, args, out: Path):
+    def __init__(self, args, out: Path | None):
         self.args, self.out = args, out
         self.device = "cpu" if args.cpu or args.dry_run else "cuda"
         self.timer = time_cuda if self.device == "cuda" else time_cpu
@@ -239,6 +266,8 @@ class Run:
 
     def save(self) -> None:
         self.report["meta"]["seconds"] = round(time.time() - self.started, 1)
+        if self.out is None:
+            return
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.out.write_text(json.dumps(self.report, indent=1) + "\n")
 
@@ -256,7 +285,8 @@ def bench_forward(run: Run, impls: dict, dtypes: list[str], ms: list[int], ns: l
                     nbytes = (4 if fused else 2) * m * n * x.element_size() + n * w.element_size()
                     ref_ms = copy_ms(nbytes // (2 * x.element_size()), dtype, run.device, run.timer, run.args.quick)
                     rows = []
-                    for name, impl in impls.items():
+                    designs = {f"normswap[{d}]": _normswap_design(d) for d in launch.bench_designs(n, x.element_size())}
+                    for name, impl in {**impls, **designs}.items():
                         if name == "normswap_unfused" and not fused:
                             continue
                         run.check_time()
@@ -347,7 +377,7 @@ def bench_decode(run: Run, impls: dict, ms: list[int], ns: list[int], calls: int
                 run.check_time()
                 x, w, r = inputs(m, n, dtype, run.device, fused)
                 rows = []
-                for name, impl in impls.items():
+                for name, impl in {**impls, "torch_composite": _torch_composite}.items():
                     if name == "normswap_unfused" and not fused:
                         continue
                     run.check_time()
@@ -475,37 +505,63 @@ def bench_cpu(run: Run) -> None:
     bench_host_overhead(run)
 
 
-def bench_host_overhead(run: Run) -> None:
-    """Host time of one kernel-path call without running a kernel: the launch is replaced by a
-    no-op, so what remains is normswap's Python (plan lookup, allocations, argument packing).
+HOST_SHAPES = ((1, 768), (32, 768), (1, 2048), (32, 2048))
 
-    ``planned`` is a repeated call (its plan cached); ``unplanned`` rebuilds the plan every call
-    (the cost before plans were cached); ``fallback`` is the torch path for comparison.
+
+def bench_host_overhead(run: Run) -> None:
+    """Host time per eager call on CPU, normswap's op with its launch stubbed against the native
+    ops it replaces or competes with.
+
+    ``normswap`` is the kernel path of a repeated call (cached plan) with the Triton launch
+    replaced by a no-op: what remains is normswap's Python (plan look-up, allocations, argument
+    packing); on CUDA the launch adds the driver call, as every native op's launch does.
+    ``normswap_unplanned`` rebuilds the plan each call. ``F.layer_norm`` (what the original
+    model runs; one native op) and ``F.rms_norm`` run on CPU tensors this small, so their figures
+    include a few hundred nanoseconds of compute; with a residual the add is a second native op
+    for them. ``empty_like`` is the floor: one native op that allocates and computes nothing.
     """
     real_launch, real_use = launch._launch, rms_norm.__globals__["use_kernels"]
-    rows = []
-    for m, n in ((1, 768), (32, 2048)):
+    shapes = HOST_SHAPES[:2] if run.args.quick else HOST_SHAPES
+    for m, n in shapes:
         for fused in (False, True):
+            run.check_time()
             x, w, r = inputs(m, n, torch.bfloat16, "cpu", fused)
+            b = 0.1 * randn((n,), torch.bfloat16, "cpu", 3)
             timings = {}
             try:
                 launch._launch = lambda plan, args: None
                 rms_norm.__globals__["use_kernels"] = lambda t: True
                 launch.clear_cache()
-                call = functools.partial(rms_norm, x, w, None, EPS, residual=r)
-                timings["planned"] = _host_us(call)
-                timings["unplanned"] = _host_us(lambda call=call: (launch.clear_cache(), call()))
+                call = functools.partial(rms_norm, x, w, b, EPS, residual=r)
+                timings["normswap"] = _host_us(call, quick=run.args.quick)
+                timings["normswap_unplanned"] = _host_us(lambda call=call: (launch.clear_cache(), call()),
+                                                         quick=run.args.quick)  # fmt: skip
             finally:
                 launch._launch, rms_norm.__globals__["use_kernels"] = real_launch, real_use
                 launch.clear_cache()
-            timings["fallback"] = _host_us(functools.partial(rms_norm, x, w, None, EPS, residual=r))
-            for name, us in timings.items():
-                rows.append({"section": "host_overhead", "impl": name, "M": m, "N": n, "dtype": "bf16",
-                             "variant": "fused_add" if fused else "plain", "host_us": us})  # fmt: skip
-    run.add(rows)
+            timings.update(_native_host_us(x, w, b, r, run.args.quick))
+            rows = [{"section": "host_overhead", "impl": name, "M": m, "N": n, "dtype": "bf16",
+                     "variant": "fused_add" if fused else "plain", "host_us": us,
+                     "vs_F.layer_norm": us / timings["F.layer_norm"]} for name, us in timings.items()]  # fmt: skip
+            run.add(rows)
 
 
-def _host_us(call: Callable, calls: int = 2000) -> float:
+def _native_host_us(x, w, b, r, quick: bool) -> dict[str, float]:
+    """Host time per call of the native ops (with the residual add first when ``r`` is given)."""
+    n = x.shape[-1]
+
+    def add(t):
+        return t if r is None else t + r
+
+    return {
+        "F.layer_norm": _host_us(lambda: F.layer_norm(add(x), (n,), w, b, EPS), quick=quick),
+        "F.rms_norm": _host_us(lambda: F.rms_norm(add(x), (n,), w, EPS), quick=quick),
+        "empty_like": _host_us(lambda: torch.empty_like(x), quick=quick),
+    }
+
+
+def _host_us(call: Callable, calls: int = 2000, quick: bool = False) -> float:
+    calls = 50 if quick else calls
     for _ in range(50):
         call()
     rounds = []
@@ -531,7 +587,7 @@ def meta(args) -> dict:
         "triton": _version("triton"),
         "liger_kernel": _version("liger_kernel"),
         "peak_GBps": peak_gbps() if on_cuda else None,
-        "mode": "dry-run" if args.dry_run else "quick" if args.quick else "full",
+        "mode": "dry-run" if args.dry_run else "host" if args.host else "quick" if args.quick else "full",
         "budget_s": args.budget_s,
         "eps": EPS,
         "bytes": "ideal traffic: x read + y written (+ residual read + s written when fused) + weight",
@@ -553,7 +609,7 @@ def format_row(row: dict) -> str:
     if "error" in row:
         return f"{head} {row['error']}"
     if "host_us" in row:
-        return f"{head} {row['host_us']:8.2f} us host"
+        return f"{head} {row['host_us']:8.2f} us host  x{row['vs_F.layer_norm']:.2f} F.layer_norm's"
     if "wall_us" in row:
         graph = f"{row['graph_us']:8.2f} us graph" if "graph_us" in row else row.get("graph_error", "")
         return f"{head} {row['wall_us']:8.2f} us wall {graph}"
@@ -591,12 +647,13 @@ def sections(args) -> list[tuple[str, Callable[[Run], None]]]:
     impls = cuda_impls("cuda")
     wanted, quick = args.sections.split(","), args.quick
     chosen = [
-        ("forward", lambda run: bench_forward(run, impls, ["bf16"], [4096] if quick else FWD_M,
+        ("forward", lambda run: bench_forward(run, impls, ["bf16"], [4096] if quick else [FWD_M[0]],
                                               [768, 65536 + 3] if quick else FWD_N)),
-        ("decode", lambda run: bench_decode(run, impls, [1, 32] if quick else DECODE_M, [768] if quick else DECODE_N)),
         ("backward", lambda run: bench_backward(run, impls, [768, 16384] if quick else BWD_N, 4096 if quick else BWD_M)),
+        ("decode", lambda run: bench_decode(run, impls, [1, 32] if quick else DECODE_M, [768] if quick else DECODE_N)),
+        ("forward4096", lambda run: None if quick else bench_forward(run, impls, ["bf16"], FWD_M[1:], FWD_N)),
         ("large", lambda run: None if quick else bench_large(run)),
-        ("forward", lambda run: None if quick else bench_forward(run, impls, ["fp16", "fp32"], FWD_M, FWD_N)),
+        ("fp16", lambda run: None if quick else bench_forward(run, impls, ["fp16"], FWD_M, FWD_N)),
     ]  # fmt: skip
     return [(name, fn) for name, fn in chosen if name in wanted]
 
@@ -605,22 +662,26 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few shapes and short timings")
     parser.add_argument("--cpu", action="store_true", help="benchmark the CPU path even if CUDA exists")
+    parser.add_argument("--host", action="store_true",
+                        help="only the host time per eager call, launch stubbed, against F.layer_norm and F.rms_norm")
     parser.add_argument("--dry-run", action="store_true",
                         help="run the CUDA sections on the CPU in the Triton interpreter, tiny shapes (checks the script)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: steadier)")
-    parser.add_argument("--sections", default="forward,backward,decode,large", help="CUDA sections to run")
+    parser.add_argument("--sections", default="forward,backward,decode,large,forward4096,fp16",
+                        help="CUDA sections to run, in this order")
     parser.add_argument("--budget-s", type=float, default=240.0, help="hard time limit of the whole run")
-    parser.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/bench_kernels-<device>.json)")
+    parser.add_argument("--out", type=Path, help="write the JSON here (e.g. benchmarks/results/bench_kernels-host.json); "
+                                                 "without it the figures are only printed")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.host:
+        args.cpu = True
     if not args.cpu and not args.dry_run and not torch.cuda.is_available():
         args.cpu = True
-    kind = "cpu" if args.cpu else "dry-run" if args.dry_run else "cuda"
-    out = args.out or ROOT / "benchmarks" / "results" / f"bench_kernels-{kind}{'-quick' if args.quick else ''}.json"
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are first imported
     if args.cpu:
         torch.set_num_threads(args.threads)
-    run = Run(args, out)
+    run = Run(args, args.out)
 
     def on_alarm(*_):
         raise BudgetExceeded
@@ -628,7 +689,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGALRM, on_alarm)
     signal.alarm(max(1, math.ceil(args.budget_s + 15)))  # a hard stop even inside one measurement
     try:
-        if args.cpu:
+        if args.host:
+            bench_host_overhead(run)
+        elif args.cpu:
             bench_cpu(run)
         else:
             for name, section in sections(args):
@@ -646,7 +709,8 @@ def main(argv: list[str] | None = None) -> int:
         signal.alarm(0)
     run.report["summary"] = summarise(run.report["results"])
     run.save()
-    print(f"wrote {out} ({run.report['meta']['seconds']} s)")
+    print(f"wrote {args.out} ({run.report['meta']['seconds']} s)" if args.out else
+          f"done ({run.report['meta']['seconds']} s; --out to keep the JSON)")  # fmt: skip
     return 0
 
 

@@ -39,7 +39,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import normswap  # noqa: E402
-from normswap.analysis.outliers import linear_input_outliers, plot_outliers, summarise  # noqa: E402
+from normswap.analysis.outliers import (  # noqa: E402
+    linear_input_outliers,
+    mark_stream_readers,
+    plot_outliers,
+    summarise_groups,
+)
 from normswap.api import rotate_checkpoint  # noqa: E402
 from normswap.architectures import architecture_for  # noqa: E402
 from normswap.checkpoint.source import read_config, resolve_source  # noqa: E402
@@ -73,8 +78,8 @@ def measure(name: str, load, ids: torch.Tensor, outlier_ids: torch.Tensor, windo
     model = load()
     row = {"model": name, "perplexity": perplexity(model, ids, window)}
     layers = linear_input_outliers(model, outlier_ids, seq_len=window)
-    stream_layers = [layer for layer in layers if _reads_stream(layer["layer"])]
-    row["outliers"] = {"all": summarise(layers), "stream_readers": summarise(stream_layers), "layers": layers}
+    mark_stream_readers(model, layers)  # the family's adapter names the layers that read a norm
+    row["outliers"] = {**summarise_groups(layers), "layers": layers}
     reference = torch.log_softmax(_logits(model, outlier_ids, window), -1)
     del model
     for label, (bits, group) in QUANTISATIONS.items():
@@ -120,15 +125,6 @@ def synthetic_model(directory: Path, tokenizer_dir: Path, *, d: int = 256, layer
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(tokenizer_dir / name, directory / name)
     return directory
-
-
-# layers whose input is a norm's output (the residual stream), per family naming
-_STREAM_READERS = ("c_attn", "c_fc", "q_attn", "q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value",
-                   "dense_h_to_4h", "fc1", "fc_in", "lm_head", "project_out")
-
-
-def _reads_stream(name: str) -> bool:
-    return name.rsplit(".", 1)[-1] in _STREAM_READERS
 
 
 def main() -> int:

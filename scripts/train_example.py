@@ -55,28 +55,22 @@ NOVELS = (
 HELD_OUT = "persuasion.txt"
 EOS = "<|endoftext|>"
 
+# the model's and the run's settings by flag; each flag takes its default's type
+HYPERPARAMETERS = {
+    "--seed": 1234, "--threads": 2, "--vocab-size": 2048,
+    "--n-layer": 4, "--n-embd": 128, "--n-head": 4, "--n-positions": 256,
+    "--steps": 800, "--batch-size": 16, "--lr": 3e-3, "--min-lr-ratio": 0.1, "--warmup": 50, "--weight-decay": 0.1,
+    "--eval-every": 100, "--heldout-excerpt-bytes": 60_000, "--train-excerpt-bytes": 5_000,
+}
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", default="../shared/data/austen", help="Austen directory (relative to repo root)")
     p.add_argument("--out", default="normswap/data/austen-gpt2", help="model output directory")
     p.add_argument("--text-out", default="normswap/data/text", help="directory for text excerpts")
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--vocab-size", type=int, default=2048)
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--n-embd", type=int, default=128)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--n-positions", type=int, default=256)
-    p.add_argument("--steps", type=int, default=800)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--min-lr-ratio", type=float, default=0.1)
-    p.add_argument("--warmup", type=int, default=50)
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--eval-every", type=int, default=100)
-    p.add_argument("--heldout-excerpt-bytes", type=int, default=60_000)
-    p.add_argument("--train-excerpt-bytes", type=int, default=5_000)
+    for flag, default in HYPERPARAMETERS.items():
+        p.add_argument(flag, type=type(default), default=default)
     p.add_argument("--benchmark", type=int, default=0, help="only time N training steps and exit")
     p.add_argument(
         "--render-only", action="store_true", help="only rewrite TRAINING.md from training_metrics.json"

@@ -8,6 +8,7 @@ that writes reports, under the same rules as every normswap output; ``--device``
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -46,7 +47,7 @@ def tiny(tmp_path_factory):
     excerpt = (example_model_path().parent / "text" / "persuasion-excerpt.txt").read_text(encoding="utf-8")
     text.write_text(excerpt[20_000:21_500], encoding="utf-8")
     converted = root / "converted"
-    assert main(["convert", str(src), "--out", str(converted), "--quiet"]) == 0
+    assert main(["convert", str(src), "--out", str(converted), "--no-progress"]) == 0
     recipe = root / "tiny.yaml"
     recipe.write_text(yaml.safe_dump({
         "name": "tiny", "source": str(src), "convert": {"method": "exact"},
@@ -60,14 +61,14 @@ def argv(command: str, tiny: dict, out) -> list[str]:
     src, converted, text = str(tiny["src"]), str(tiny["converted"]), str(tiny["text"])
     quick_eval = ["--text", text, "--max-length", "32", "--batch-size", "4", "--device", "cpu", "--no-progress"]
     return {
-        "convert": ["convert", src, "--out", str(out), "--quiet"],
-        "rotate": ["rotate", src, "--out", str(out), "--quiet"],
+        "convert": ["convert", src, "--out", str(out), "--no-progress"],
+        "rotate": ["rotate", src, "--out", str(out), "--no-progress"],
         "inspect": ["inspect", src],
-        "verify": ["verify", src, converted, "--quiet"],
+        "verify": ["verify", src, converted, "--no-progress"],
         "eval": ["eval", converted, "--baseline", src, *quick_eval],
         "run": ["run", str(tiny["recipe"]), "--out", str(out), "--device", "cpu", "--no-progress"],
         "geometry": ["geometry", src, "--compare", converted, "--text", text, "--max-tokens", "128",
-                     "--seq-len", "32", "--device", "cpu"],
+                     "--seq-len", "32", "--device", "cpu", "--no-progress"],
     }[command]
 
 
@@ -159,3 +160,72 @@ def test_run_without_a_device_evaluates_on_auto(tiny, monkeypatch):
     args = parser.parse_args([str(tiny["recipe"])])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert _merged_settings(load_recipe(tiny["recipe"]), args).device == "cpu"
+
+
+# One spelling per option: the same flag, destination and help in every command that has it;
+# older spellings parse the same but are not listed by --help.
+PROGRESS_COMMANDS = ("convert", "rotate", "verify", "eval", "run", "geometry")
+VERIFY_COMMANDS = ("convert", "rotate", "verify")
+
+
+def subparser(command: str):
+    parser, _ = build_parser(command)
+    return parser._subparsers._group_actions[0].choices[command]
+
+
+def option(command: str, flag: str):
+    return next((a for a in subparser(command)._actions if flag in a.option_strings), None)
+
+
+def test_every_command_that_shows_progress_has_the_same_switch():
+    for command in ALL_COMMANDS:
+        action = option(command, "--no-progress")
+        assert (action is not None) == (command in PROGRESS_COMMANDS), command
+    actions = [option(command, "--no-progress") for command in PROGRESS_COMMANDS]
+    assert {(a.dest, a.nargs, a.default, a.help) for a in actions} == {
+        (actions[0].dest, 0, False, actions[0].help)}
+    for command in PROGRESS_COMMANDS:  # the old spelling: same destination, hidden
+        quiet = option(command, "--quiet")
+        assert quiet.dest == "no_progress" and quiet.help == argparse.SUPPRESS, command
+
+
+def test_every_verifying_command_names_its_mode_with_verify():
+    actions = {command: option(command, "--verify") for command in VERIFY_COMMANDS}
+    for command, action in actions.items():
+        assert action.dest == "verification" and action.default == "auto", command
+        assert {"auto", "layerwise", "full"} <= set(action.choices), command
+    assert set(actions["convert"].choices) == set(actions["rotate"].choices) == {*actions["verify"].choices, "none"}
+    for flag, mode in (("--layerwise", "layerwise"), ("--full", "full")):
+        alias = option("verify", flag)
+        assert alias.help == argparse.SUPPRESS and alias.const == mode and alias.dest == "verification"
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["verify", "a", "b"], {"verification": "auto", "no_progress": False}),
+    (["verify", "a", "b", "--verify", "layerwise", "--no-progress"], {"verification": "layerwise", "no_progress": True}),
+    (["verify", "a", "b", "--full", "--quiet"], {"verification": "full", "no_progress": True}),
+    (["convert", "a", "--out", "x", "--quiet"], {"verification": "auto", "no_progress": True}),
+    (["geometry", "a", "--no-progress"], {"no_progress": True}),
+])
+def test_old_and_new_spellings_parse_alike(argv, expected):
+    parser, _ = build_parser(argv[0])
+    args = parser.parse_args(argv)
+    assert {key: getattr(args, key) for key in expected} == expected
+
+
+def test_help_lists_only_the_current_spellings():
+    for command in PROGRESS_COMMANDS:
+        text = subparser(command).format_help()
+        assert "--no-progress" in text and "--quiet" not in text, command
+    text = subparser("verify").format_help()
+    assert "--verify" in text and "--layerwise" not in text and "--full" not in text
+    assert "normswap:austen-gpt2" in text  # verify takes normswap: names, as every command does
+
+
+def test_bundled_names_the_bundled_text_everywhere():
+    from normswap.evaluation.text import BUNDLED_TEXT
+
+    parser, _ = build_parser("geometry")
+    assert parser.parse_args(["geometry", "a", "--text", "bundled"]).text == BUNDLED_TEXT
+    for flag in ("--calibration", "--held-out"):
+        assert "'bundled'" in option("rotate", flag).help

@@ -6,8 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
-import transformers
 import yaml
 
 from normswap.checkpoint.source import EXAMPLE_MODEL, example_model_path
@@ -15,7 +13,6 @@ from normswap.cli import main
 from normswap.evaluation import hub, lmeval
 from normswap.evaluation.text import BUNDLED_TEXT, TextSource
 
-SHARED_TOKENIZER = Path(__file__).resolve().parents[2] / "shared" / "data" / "gpt2-tokenizer"
 LOCAL = ["persuasion_cloze", "persuasion_lastword", "persuasion_rolling"]
 
 
@@ -27,17 +24,9 @@ def offline(monkeypatch):
 
 @pytest.fixture(scope="module")
 def model_src(tmp_path_factory) -> str:
-    """The bundled example model; a tiny random GPT-2 with the shared tokenizer until it exists."""
-    if (example_model_path() / "config.json").is_file():
-        return EXAMPLE_MODEL
-    if not SHARED_TOKENIZER.is_dir():
-        pytest.skip("neither the bundled model nor ../shared/data/gpt2-tokenizer is available")
-    path = tmp_path_factory.mktemp("tiny-gpt2")
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, n_positions=128)
-    transformers.GPT2LMHeadModel(config).save_pretrained(path)
-    transformers.AutoTokenizer.from_pretrained(SHARED_TOKENIZER).save_pretrained(path)
-    return str(path)
+    """The bundled example model, which ships in the package (no file outside the repository is needed)."""
+    assert (example_model_path() / "config.json").is_file()
+    return EXAMPLE_MODEL
 
 
 @pytest.fixture(scope="module")

@@ -489,7 +489,9 @@ def test_python_api_refuses_impossible_tolerances(source, converted, tmp_path, c
         "rotate": lambda: rotate_checkpoint(source, tmp_path / "out", **tolerance),
         "verify": lambda: verify_checkpoint(source, converted, **tolerance),
     }[call]
-    with pytest.raises(NormswapError, match="must be a finite number >= 0"):
+    wrong_type = any(isinstance(value, str) for value in tolerance.values())  # a wrong type is a TypeError
+    with pytest.raises(TypeError if wrong_type else NormswapError,
+                       match="must be float or None" if wrong_type else "must be a finite number >= 0"):
         run()
     assert not (tmp_path / "out").exists()
 
@@ -814,6 +816,7 @@ def _dead_pid() -> int:
 def test_stale_temporary_folder_is_removed(source, tmp_path, capsys):
     stale = tmp_path / f"out{temporaries.TMP_TAG}{_dead_pid()}-0-deadbeef"
     stale.mkdir()
+    (stale / temporaries.TMP_MARKER).write_text("deadbeef\n")
     (stale / "model.safetensors").write_bytes(b"\0" * 1024)
     live = tmp_path / f"out{temporaries.TMP_TAG}{os.getpid()}-{temporaries.process_start(os.getpid())}-cafecafe"
     live.mkdir()
@@ -1253,9 +1256,9 @@ def test_impossible_numbers_are_refused_before_any_work(capsys, args, needle):
     assert_refused(code, capsys.readouterr().err, needle)
 
 
-@pytest.mark.parametrize("mode, needle", [("--full", "rerun with --layerwise"), ("--layerwise", "worst block ")])
+@pytest.mark.parametrize("mode, needle", [("--full", "rerun with --verify layerwise"), ("--layerwise", "worst block ")])
 def test_failed_verify_names_the_block_or_how_to_find_it(source, converted, tmp_path, capsys, mode, needle):
-    """A converted checkpoint whose config changes every norm (eps) passes the weight pre-check;
+    """A converted checkpoint whose config changes every norm (eps) passes the weights proof;
     the comparison fails, and the one error line says where to look."""
     bad = tmp_path / "bad"
     shutil.copytree(converted, bad)

@@ -16,14 +16,14 @@ ROOT = Path(__file__).resolve().parent.parent / "normswap"
 
 # lowest first; a module's layer is the first entry its dotted name starts with
 LAYERS: list[tuple[str, ...]] = [
-    ("normswap.errors", "normswap.lazy", "normswap.dtypes", "normswap.extras", "normswap.memory",
+    ("normswap.errors", "normswap.arguments", "normswap.lazy", "normswap.dtypes", "normswap.extras", "normswap.memory",
      "normswap.threads"),
     ("normswap.text",),
     ("normswap.checkpoint",),
     ("normswap.kernels",),
     ("normswap.architectures", "normswap.modeling"),
-    ("normswap.convert",),
     ("normswap.runtime", "normswap.evaluation.perplexity"),
+    ("normswap.convert",),
     ("normswap.rotate",),
     ("normswap.verify",),
     ("normswap.api", "normswap.evaluation", "normswap.analysis"),

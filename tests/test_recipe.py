@@ -8,15 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-import yaml
 
 from normswap.checkpoint.source import example_model_path
 from normswap.cli import main
 from normswap.evaluation import hub
 from normswap.evaluation.recipe import RECIPES_DIR, load_recipe
 from normswap.evaluation.text import BUNDLED_TEXT
-
-SHARED_TOKENIZER = Path(__file__).resolve().parents[2] / "shared" / "data" / "gpt2-tokenizer"
 
 
 @pytest.fixture(autouse=True)
@@ -31,29 +28,20 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
 
 
 def tiny_checkpoint(path: Path, seed: int = 0) -> Path:
+    """A tiny random GPT-2 with the bundled model's tokenizer (2048 tokens), which ships in the package."""
     torch.manual_seed(seed)
-    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, n_positions=128)
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, n_positions=128, vocab_size=2048,
+                                     bos_token_id=0, eos_token_id=0)
     transformers.GPT2LMHeadModel(config).save_pretrained(path)
-    transformers.AutoTokenizer.from_pretrained(SHARED_TOKENIZER).save_pretrained(path)
+    transformers.AutoTokenizer.from_pretrained(example_model_path()).save_pretrained(path)
     return path
 
 
 @pytest.fixture(scope="module")
 def offline_recipe(tmp_path_factory) -> Path:
-    """recipes/austen-gpt2.yaml; until the bundled model exists, the same recipe on a tiny model."""
-    shipped = RECIPES_DIR / "austen-gpt2.yaml"
-    if (example_model_path() / "config.json").is_file() and BUNDLED_TEXT.is_file():
-        return shipped
-    if not SHARED_TOKENIZER.is_dir():
-        pytest.skip("neither the bundled model nor ../shared/data/gpt2-tokenizer is available")
-    folder = tmp_path_factory.mktemp("recipe")
-    data = yaml.safe_load(shipped.read_text())
-    data["source"] = str(tiny_checkpoint(folder / "tiny"))
-    (folder / "text.txt").write_text("Anne walked to Uppercross in the rain.\n\n" * 40, encoding="utf-8")
-    data["eval"]["text"] = str(folder / "text.txt")
-    recipe = folder / "austen-gpt2.yaml"
-    recipe.write_text(yaml.safe_dump(data), encoding="utf-8")
-    return recipe
+    """recipes/austen-gpt2.yaml, on the bundled model and text that ship in the package."""
+    assert (example_model_path() / "config.json").is_file() and BUNDLED_TEXT.is_file()
+    return RECIPES_DIR / "austen-gpt2.yaml"
 
 
 def test_shipped_recipes_are_valid():
@@ -90,8 +78,6 @@ def test_offline_recipe_end_to_end(capsys, tmp_path, offline_recipe):
 
 @pytest.mark.slow
 def test_eval_fails_when_models_differ(capsys, tmp_path):
-    if not SHARED_TOKENIZER.is_dir():
-        pytest.skip("../shared/data/gpt2-tokenizer is not available")
     a = tiny_checkpoint(tmp_path / "a", seed=0)
     b = tiny_checkpoint(tmp_path / "b", seed=1)
     (tmp_path / "t.txt").write_text("It was a fine day at Kellynch.\n\n" * 20, encoding="utf-8")

@@ -25,7 +25,7 @@ import normswap
 from normswap.api import rotate_checkpoint
 from normswap.convert import fold
 from normswap.errors import NormswapError
-from normswap.rotate import hadamard
+from normswap.rotate import hadamard, matrices
 from normswap.rotate.matrices import ROTATION_FILE, load_rotation
 
 BUNDLED = Path(normswap.__file__).parent / "data"
@@ -40,31 +40,31 @@ CALIBRATION = BUNDLED / "text" / "emma-excerpt.txt"
 def test_rotations_are_one_contraction_in_every_storage_layout():
     generator = torch.Generator().manual_seed(0)
     d, n = 8, 5
-    q = fold.random_orthogonal(d, 1)
+    q = matrices.random_orthogonal(d, 1)
     x = torch.randn(3, d, generator=generator, dtype=torch.float64)
     u = torch.randn(3, n, generator=generator, dtype=torch.float64)
     # Conv1D writer W: [in, d], u·W + b written into x
     w_conv, b = torch.randn(n, d, generator=generator, dtype=torch.float64), torch.randn(d, generator=generator,
                                                                                          dtype=torch.float64)
-    assert torch.allclose(u @ fold.rotate_writer(w_conv, q, 1) + fold.rotate_writer(b, q, 0), (u @ w_conv + b) @ q)
+    assert torch.allclose(u @ fold.rotate_axis(w_conv, q, 1) + fold.rotate_axis(b, q, 0), (u @ w_conv + b) @ q)
     # nn.Linear writer stores Wᵀ: [d, in]
     w_linear = w_conv.T.contiguous()
-    assert torch.allclose(u @ fold.rotate_writer(w_linear, q, 0).T, (u @ w_conv) @ q)
+    assert torch.allclose(u @ fold.rotate_axis(w_linear, q, 0).T, (u @ w_conv) @ q)
     # readers: (x·Q)·W' = x·W, Conv1D [d, out] and nn.Linear [out, d]
     r_conv = torch.randn(d, n, generator=generator, dtype=torch.float64)
-    assert torch.allclose((x @ q) @ fold.rotate_reader(r_conv, q, 0), x @ r_conv)
-    assert torch.allclose((x @ q) @ fold.rotate_reader(r_conv.T.contiguous(), q, 1).T, x @ r_conv)
+    assert torch.allclose((x @ q) @ fold.rotate_axis(r_conv, q, 0), x @ r_conv)
+    assert torch.allclose((x @ q) @ fold.rotate_axis(r_conv.T.contiguous(), q, 1).T, x @ r_conv)
     head = torch.randn(11, d, generator=generator, dtype=torch.float64)
-    assert torch.allclose((x @ q) @ fold.rotate_head(head, q).T, x @ head.T)
+    assert torch.allclose((x @ q) @ fold.rotate_axis(head, q, 1).T, x @ head.T)
     table = torch.randn(11, d, generator=generator, dtype=torch.float64)
-    assert torch.allclose(fold.rotate_embedding(table, q), table @ q)
+    assert torch.allclose(fold.rotate_axis(table, q, 1), table @ q)
     # a kept bias: RMSNorm(x·Q) + (β⊘γ)·Q = (RMSNorm(x) + β⊘γ)·Q
     kept = torch.randn(d, generator=generator, dtype=torch.float64)
 
     def rms(v):
         return v / v.pow(2).mean(-1, keepdim=True).sqrt()
 
-    assert torch.allclose(rms(x @ q) + fold.rotate_norm_bias(kept, q), (rms(x) + kept) @ q)
+    assert torch.allclose(rms(x @ q) + fold.rotate_axis(kept, q, 0), (rms(x) + kept) @ q)
     # a 3-D tensor along its middle axis
     cube = torch.randn(2, d, 3, generator=generator, dtype=torch.float64)
     assert torch.allclose(fold.rotate_axis(cube, q, 1), torch.einsum("akb,kj->ajb", cube, q))
@@ -79,7 +79,7 @@ def test_hadamard_is_orthogonal_for_each_supported_order(d):
     h = hadamard.hadamard_matrix(d).double()
     assert set(h.unique().tolist()) <= {-1.0, 1.0}
     assert torch.equal(h @ h.T, d * torch.eye(d, dtype=torch.float64))
-    q = fold.randomised_hadamard(h, seed=5)
+    q = matrices.randomised_hadamard(h, seed=5)
     assert torch.allclose(q @ q.T, torch.eye(d, dtype=torch.float64), atol=1e-12)
     assert torch.allclose(q.abs(), torch.full((d, d), d**-0.5, dtype=torch.float64))
 
@@ -95,7 +95,7 @@ def test_hadamard_seeds_differ_beyond_coordinate_signs():
     """Two seeds must not give the same stream up to signs (which symmetric quantisers cannot see):
     Q₀ᵀQ₁ must not be a signed permutation."""
     h = hadamard.hadamard_matrix(64)
-    relative = fold.randomised_hadamard(h, 0).T @ fold.randomised_hadamard(h, 1)
+    relative = matrices.randomised_hadamard(h, 0).T @ matrices.randomised_hadamard(h, 1)
     assert float(relative.abs().max()) < 0.5  # a signed permutation has an entry ±1 in every row
 
 
@@ -111,17 +111,17 @@ def test_hadamard_constructions_are_named_and_gaps_refused():
 
 def test_random_orthogonal_is_orthogonal_and_seeded():
     for d in (5, 32, 100):
-        q = fold.random_orthogonal(d, 7)
+        q = matrices.random_orthogonal(d, 7)
         assert torch.allclose(q.T @ q, torch.eye(d, dtype=torch.float64), atol=1e-12)
-        assert torch.equal(q, fold.random_orthogonal(d, 7))
-        assert not torch.equal(q, fold.random_orthogonal(d, 8))
+        assert torch.equal(q, matrices.random_orthogonal(d, 7))
+        assert not torch.equal(q, matrices.random_orthogonal(d, 8))
 
 
 def test_principal_rotation_sorts_directions_and_fixes_signs():
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(500, 6, generator=generator, dtype=torch.float64) * torch.tensor([1.0, 5, 0.1, 3, 2, 0.5],
                                                                                        dtype=torch.float64)
-    q, values = fold.principal_rotation(x.T @ x)
+    q, values = matrices.principal_rotation(x.T @ x)
     assert torch.allclose(q.T @ q, torch.eye(6, dtype=torch.float64), atol=1e-12)
     assert bool((values[:-1] >= values[1:]).all())
     variance = (x @ q).pow(2).sum(0)
@@ -129,7 +129,7 @@ def test_principal_rotation_sorts_directions_and_fixes_signs():
     assert int((x @ q).pow(2).sum(0).argmax()) == 0
     largest = q.abs().argmax(dim=0)
     assert bool((q[largest, torch.arange(6)] > 0).all())
-    q_again, _ = fold.principal_rotation((x.T @ x).clone())
+    q_again, _ = matrices.principal_rotation((x.T @ x).clone())
     assert torch.equal(q, q_again)
 
 
@@ -498,11 +498,18 @@ def test_geometry_shows_rotation_spreading_outliers(tmp_path, capsys):
                         "--max-tokens", "256", "--out", str(report.parent))
     printed = capsys.readouterr().out
     assert code == 0 and "is rotated" in printed and "outlier ratio" in printed
+    # the layers that read the stream are reported apart, and the rotated model is called so
+    assert "| rotated | read the stream | 5 |" in printed and "| original | inside blocks | 4 |" in printed
+    assert "| converted |" not in printed
     reports = json.loads(report.read_text())
+    for label in ("original", "converted"):  # the adapter's readers are exactly these layers
+        layers = reports[label]["outliers"]["layers"]
+        assert [row["reads_stream"] for row in layers] == [
+            row["layer"].rsplit(".", 1)[-1] in STREAM_READERS for row in layers]
 
     def stream(label: str, key: str) -> list[float]:
         layers = reports[label]["outliers"]["layers"]
-        return [layer[key] for layer in layers if layer["layer"].rsplit(".", 1)[-1] in STREAM_READERS]
+        return [layer[key] for layer in layers if layer["reads_stream"]]
 
     before, after = stream("original", "outlier_ratio"), stream("converted", "outlier_ratio")
     assert len(before) == len(after) == 5

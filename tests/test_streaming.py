@@ -292,9 +292,9 @@ def test_layerwise_pinpoints_a_corrupted_block(tmp_path):
     state = load_file(out / "model.safetensors")
     state["transformer.h.2.mlp.c_fc.weight"] *= 1.05
     save_file(state, out / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(VerificationError, match=r"pre-check: transformer\.h\.2\.mlp\.c_fc\.weight should be"):
+    with pytest.raises(VerificationError, match=r"weights proof: transformer\.h\.2\.mlp\.c_fc\.weight should be"):
         normswap.verify_checkpoint(src, out)  # the weights alone show it, before any model runs
-    result = normswap.verify_checkpoint(src, out, layerwise=True, precheck=False)
+    result = normswap.verify_checkpoint(src, out, layerwise=True, proof=False)
     assert not result["passed"]
     assert result["worst_layer"]["layer"] == 2
     layers = result["loaders"]["remote_code"]["layers"]

@@ -13,20 +13,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from normswap.lazy import lazy_getattr
+from normswap.lazy import lazy_exports
 
 # The text measured when none is given: an excerpt of Persuasion shipped with the package.
 DEFAULT_TEXT = Path(__file__).resolve().parent.parent / "data" / "text" / "persuasion-excerpt.txt"
 
-# Config keys that give a model's maximum sequence length, in the order transformers' families use them.
-_EXPORTS = {
-    "find_norms": "normswap.analysis.collect",
-    "run_geometry": "normswap.analysis.collect",
-    "build_report": "normswap.analysis.report",
-    "format_comparison": "normswap.analysis.report",
-    "format_report": "normswap.analysis.report",
-}
-
-__all__ = sorted(_EXPORTS)
-
-__getattr__ = lazy_getattr(__name__, _EXPORTS)
+__getattr__, __all__ = lazy_exports(__name__, {
+    "normswap.analysis.collect": ("find_norms", "run_geometry"),
+    "normswap.analysis.report": ("build_report", "format_comparison", "format_report"),
+})

@@ -10,11 +10,13 @@ from typing import TYPE_CHECKING
 from normswap.analysis import DEFAULT_TEXT
 from normswap.commands import (
     add_device_option,
+    add_progress_option,
     add_report_options,
     at_least,
     check_report_out,
+    command_inputs,
     emit_json,
-    local_inputs,
+    quiet_progress_bars,
     write_reports,
 )
 from normswap.errors import NormswapError
@@ -32,8 +34,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="model to measure: hub id, local directory or normswap:austen-gpt2")
     parser.add_argument("--compare", metavar="CONVERTED",
                         help="also measure this (converted) model on the same tokens and print both side by side")
-    parser.add_argument("--text", type=Path, default=None,
-                        help=f"text to run the model on (default: the bundled excerpt {DEFAULT_TEXT.name})")
+    parser.add_argument("--text", type=_text_file, default=None,
+                        help=f"text file to run the model on, or 'bundled' (the default: the bundled excerpt "
+                             f"{DEFAULT_TEXT.name})")
     parser.add_argument("--random-tokens", action="store_true",
                         help="use uniformly random token ids instead of text (for models without a tokenizer)")
     parser.add_argument("--audio", metavar="PATH",
@@ -54,9 +57,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-dims", type=at_least(1), default=5, help="dimensions listed per norm as carrying the mean")
     parser.add_argument("--seed", type=int, default=0, help="seed for --random-tokens")
     add_report_options(parser)
+    add_progress_option(parser)
     parser.add_argument("--outliers", action="store_true",
                         help="also measure max|x|/RMS(x) and kurtosis at every linear layer's input "
                              "(what a rotation changes); with --plot, also report-outliers.png")
+
+
+def _text_file(spec: str) -> Path:
+    from normswap.evaluation.text import text_file
+
+    return text_file(spec)
 
 
 def read_text(path: Path, max_chars: int) -> str:
@@ -86,7 +96,8 @@ def token_ids(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase | Non
     text = read_text(path, args.max_tokens * _CHARS_PER_TOKEN)
     if tokenizer is None:
         raise NormswapError(f"{args.model} has no tokenizer; pass --random-tokens to measure on random token ids")
-    ids = torch.tensor(tokenizer(text)["input_ids"][: args.max_tokens], dtype=torch.long)
+    # the text is longer than the model's context on purpose: it is cut into windows below
+    ids = torch.tensor(tokenizer(text, verbose=False)["input_ids"][: args.max_tokens], dtype=torch.long)
     if ids.numel() < 2:
         raise NormswapError(f"{path} gives fewer than 2 tokens")
     return ids, str(path)
@@ -181,7 +192,7 @@ def _check_arguments(args: argparse.Namespace) -> None:
         raise NormswapError("--max-tokens must be at least 2")
     if args.text is not None and not args.random_tokens and not args.text.is_file():
         raise NormswapError(f"text file not found: {args.text}")
-    check_report_out(args, local_inputs(args.model, args.compare))
+    check_report_out(args, command_inputs(args))
     if args.plot:
         require("plot", "normswap geometry --plot")
     check_source(args.model, trust_remote_code=args.trust_remote_code)  # before any heavy import
@@ -214,6 +225,7 @@ def _check_seq_len(seq_len: int, sources: list[str], configs: list[dict]) -> Non
 
 
 def run(args: argparse.Namespace) -> int:
+    quiet_progress_bars(args)
     _check_arguments(args)
     from normswap.analysis.report import format_comparison, format_report
 
@@ -228,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
     payload = reports if converted is not None else original
     if args.out is not None:
         write_reports(args.out, lambda folder: _write_files(folder, payload, reports, text, args.plot),
-                      inputs=local_inputs(args.model, args.compare), overwrite=args.overwrite)
+                      inputs=command_inputs(args), overwrite=args.overwrite)
     if args.json:
         emit_json(args, payload)
     return 0
@@ -246,7 +258,10 @@ def _write_files(folder: Path, payload: dict, reports: dict, text: str, plot: bo
         from normswap.analysis.plot import plot_reports
 
         written.append(plot_reports(reports, folder / "report.png"))
-        layers = {label: report["outliers"]["layers"] for label, report in reports.items() if "outliers" in report}
+        from normswap.analysis.report import display_label
+
+        layers = {display_label(label, report): report["outliers"]["layers"]
+                  for label, report in reports.items() if "outliers" in report}
         if layers:
             from normswap.analysis.outliers import plot_outliers
 
@@ -258,10 +273,12 @@ def _write_files(folder: Path, payload: dict, reports: dict, text: str, plot: bo
 def _outliers(args: argparse.Namespace, models: dict, ids: torch.Tensor, reports: dict) -> str:
     """Linear-input outlier statistics per model, added to each report; returns their table."""
     from normswap.analysis.outliers import format_outliers, geometry_outliers
+    from normswap.analysis.report import display_label
     from normswap.runtime.reference import context_length
 
     seq_len = min([args.seq_len or 1024] + [context_length(model) for model in models.values()])
     results = geometry_outliers(models, ids, seq_len, args.batch_size)
     for label, result in results.items():
         reports[label]["outliers"] = result
-    return format_outliers({label: result["summary"] for label, result in results.items()})
+    return format_outliers({display_label(label, reports[label]): result["summary"]
+                            for label, result in results.items()})

@@ -9,12 +9,15 @@ input features) is summarised by
 
 The statistics are accumulated in float64 over windows of text, so memory stays one window's
 activations. Layers that read a norm (attention's q/k/v, the MLP's first layer, the head) see
-the residual stream and change under a rotation; the others read inside a block and do not.
+the residual stream and change under a rotation; the others read inside a block and do not. The
+family's adapter (``normswap.architectures``) names the readers, and every table reports them
+apart from the rest, so that averaging over all layers does not hide what a rotation does.
 """
 
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 from torch import nn
@@ -76,8 +79,32 @@ def linear_input_outliers(model: nn.Module, token_ids: torch.Tensor, *, seq_len:
     return [{"layer": name, **moments[name].summary()} for name, _, _ in layers if moments[name].count]
 
 
+def stream_readers(model: nn.Module) -> list[re.Pattern] | None:
+    """Patterns of the module names of the layers that read a norm's output (the residual
+    stream), from the family's adapter; None for a family normswap has no adapter for."""
+    from normswap.architectures import ARCHITECTURES
+    from normswap.architectures.spec import pattern
+    from normswap.modeling.remote import MODEL_TYPE_PREFIX
+
+    config = model.config.to_dict()
+    model_type = str(config.get("model_type", "")).removeprefix(MODEL_TYPE_PREFIX)
+    if model_type not in ARCHITECTURES:
+        return None
+    architecture = ARCHITECTURES[model_type].for_config({**config, "model_type": model_type})
+    return [re.compile(pattern(reader.module)) for norm in architecture.norms for reader in norm.readers]
+
+
+def mark_stream_readers(model: nn.Module, rows: list[dict]) -> None:
+    """Set each row's ``reads_stream``: whether its layer reads a norm's output."""
+    readers = stream_readers(model)
+    for row in rows:
+        row["reads_stream"] = None if readers is None else any(p.fullmatch(row["layer"]) for p in readers)
+
+
 def summarise(rows: list[dict]) -> dict:
     """Mean and max of the outlier ratio and kurtosis over layers."""
+    if not rows:
+        return {"layers": 0}
     ratios = [row["outlier_ratio"] for row in rows]
     kurtoses = [row["kurtosis"] for row in rows]
     return {
@@ -89,8 +116,18 @@ def summarise(rows: list[dict]) -> dict:
     }
 
 
+def summarise_groups(rows: list[dict]) -> dict:
+    """The summary over every layer (``all``), over the stream readers and over the rest."""
+    groups = {"all": summarise(rows)}
+    if rows and all(row.get("reads_stream") is not None for row in rows):
+        groups["stream_readers"] = summarise([row for row in rows if row["reads_stream"]])
+        groups["inside_blocks"] = summarise([row for row in rows if not row["reads_stream"]])
+    return groups
+
+
 def plot_outliers(reports: dict[str, list[dict]], path) -> None:
-    """Two panels (outlier ratio, kurtosis; log scale) of each model's linear layers, side by side."""
+    """Two panels (outlier ratio, kurtosis; log scale) of each model's linear layers, side by side;
+    the layers that read the stream are marked with filled dots, the others with open ones."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -99,15 +136,22 @@ def plot_outliers(reports: dict[str, list[dict]], path) -> None:
     first = next(iter(reports.values()))
     labels = [row["layer"].split(".", 1)[-1] for row in first]
     fig, axes = plt.subplots(2, 1, figsize=(max(8, 0.3 * len(labels) + 3), 8), sharex=True)
-    for label, rows in reports.items():
-        axes[0].plot(range(len(rows)), [row["outlier_ratio"] for row in rows], marker="o", label=label)
-        axes[1].plot(range(len(rows)), [row["kurtosis"] for row in rows], marker="o", label=label)
+    for index, (label, rows) in enumerate(reports.items()):
+        for axis, key in zip(axes, ("outlier_ratio", "kurtosis"), strict=True):
+            xs = range(len(rows))
+            axis.plot(xs, [row[key] for row in rows], color=f"C{index}", alpha=0.5, label=label)
+            readers = [x for x, row in zip(xs, rows, strict=True) if row.get("reads_stream")]
+            others = [x for x, row in zip(xs, rows, strict=True) if not row.get("reads_stream")]
+            axis.plot(readers, [rows[x][key] for x in readers], "o", color=f"C{index}",
+                      label=f"{label}: reads the stream")
+            axis.plot(others, [rows[x][key] for x in others], "o", mfc="none", color=f"C{index}",
+                      label=f"{label}: inside a block")
     axes[0].set_ylabel("max|x| / RMS(x)")
     axes[1].set_ylabel("kurtosis")
     for axis in axes:
         axis.set_yscale("log")
         axis.grid(alpha=0.3)
-    axes[0].legend()
+    axes[0].legend(fontsize=7)
     axes[1].set_xticks(range(len(labels)))
     axes[1].set_xticklabels(labels, rotation=90, fontsize=7)
     axes[0].set_title("inputs of the linear layers")
@@ -116,14 +160,22 @@ def plot_outliers(reports: dict[str, list[dict]], path) -> None:
     plt.close(fig)
 
 
+GROUP_NAMES = {"stream_readers": "read the stream", "inside_blocks": "inside blocks", "all": "all"}
+
+
 def format_outliers(summaries: dict[str, dict]) -> str:
-    """A Markdown table: per model, the outlier ratio and kurtosis over all linear inputs and over
-    the layers that read the residual stream."""
-    lines = ["| model | layers | outlier ratio mean / max | kurtosis mean / max |", "|---|---|---|---|"]
-    for label, summary in summaries.items():
-        lines.append(f"| {label} | {summary['layers']} | {summary['outlier_ratio_mean']:.3g} / "
-                     f"{summary['outlier_ratio_max']:.3g} | {summary['kurtosis_mean']:.3g} / "
-                     f"{summary['kurtosis_max']:.3g} |")
+    """A Markdown table: per model, the outlier ratio and kurtosis at the inputs of the layers that
+    read the residual stream, of the layers inside blocks, and of all linear layers."""
+    lines = ["| model | linear layers | count | outlier ratio mean / max | kurtosis mean / max |",
+             "|---|---|---|---|---|"]
+    for label, groups in summaries.items():
+        for group in ("stream_readers", "inside_blocks", "all"):
+            summary = groups.get(group)
+            if not summary or not summary["layers"]:
+                continue
+            lines.append(f"| {label} | {GROUP_NAMES[group]} | {summary['layers']} | "
+                         f"{summary['outlier_ratio_mean']:.3g} / {summary['outlier_ratio_max']:.3g} | "
+                         f"{summary['kurtosis_mean']:.3g} / {summary['kurtosis_max']:.3g} |")
     return "\n".join(lines)
 
 
@@ -132,5 +184,6 @@ def geometry_outliers(models: dict[str, nn.Module], token_ids: torch.Tensor, seq
     results = {}
     for label, model in models.items():
         rows = linear_input_outliers(model, token_ids, seq_len=seq_len, batch_size=batch_size)
-        results[label] = {"summary": summarise(rows), "layers": rows}
+        mark_stream_readers(model, rows)
+        results[label] = {"summary": summarise_groups(rows), "layers": rows}
     return results

@@ -45,8 +45,11 @@ def plot_reports(reports: dict[str, dict], path: str | Path) -> Path:
         ("RMS(x) / std(x)", "rms_over_std", False),
         ("naive-swap error ‖LN−RMSNorm‖/‖LN‖", "naive_error", True),
     ]
+    from normswap.analysis.report import display_label
+
     for (title, key, log), ax in zip(panels, axes, strict=True):
-        for i, (name, report) in enumerate(reports.items()):
+        for i, (label, report) in enumerate(reports.items()):
+            name = display_label(label, report)
             norms = report["norms"]
             xs = list(range(len(norms)))
             colour = f"C{i}"

@@ -16,6 +16,7 @@ from collections import defaultdict
 import torch
 
 from normswap.analysis import stats
+from normswap.text import count
 
 # The per-norm figures whose dependence on depth is reported: (label, getter).
 _METRICS = {
@@ -201,7 +202,7 @@ def format_summary(report: dict) -> list[str]:
              + ", ".join(f"{_g(v)} (d={d})" for d, v in o["isotropic_mean_share"].items())]
     if len(o.get("by_stack", {})) > 1:
         for stack, v in o["by_stack"].items():
-            lines.append(f"side {stack}: {v['norms']} norms over {v['tokens']} positions, mean share average "
+            lines.append(f"side {stack}: {count(v['norms'], 'norm')} over {count(v['tokens'], 'position')}, mean share average "
                          f"{_g(v['mean_share_avg'])} (range {_g(v['mean_share_min'])}-{_g(v['mean_share_max'])}), "
                          f"naive err average {_g(v['naive_error_avg'])}")
     if o["mean_at_noise"]:
@@ -218,10 +219,15 @@ def format_summary(report: dict) -> list[str]:
                  for kind, v in kinds.items()]
         lines.append(f"by role ({stack}): " + "; ".join(parts))
     if report["dominant_dims"]:
-        dims = ", ".join(f"{r['dim']} ({r['norms']} norms, median {r['median_share_of_mean']:+.2f})"
+        dims = ", ".join(f"{r['dim']} ({count(r['norms'], 'norm')}, median {r['median_share_of_mean']:+.2f})"
                          for r in report["dominant_dims"][:5])
         lines.append(f"dimensions carrying the mean (share >= 0.1 at a norm): {dims}")
     return lines
+
+
+def display_label(label: str, report: dict) -> str:
+    """What a measured model is called in tables and plots: a rotated checkpoint is "rotated"."""
+    return "rotated" if label == "converted" and report.get("rotated") else label
 
 
 def format_comparison(original: dict, converted: dict) -> str:
@@ -236,12 +242,13 @@ def format_comparison(original: dict, converted: dict) -> str:
     rows = [[a["name"], _where(a), _g(a["mean_share"]), _g(b["mean_share"]), _g(a["pooled_share"]),
              _g(b["pooled_share"]), _ratio(a["rms_over_std"]["mean"]), _ratio(b["rms_over_std"]["mean"]),
              _g(a["naive_error"]["mean"]), _g(b["naive_error"]["mean"])] for a, b in pairs]
-    lines = [f"original:  {original['model']}", f"converted: {converted['model']}",
+    name = display_label("converted", converted)
+    lines = [f"original:  {original['model']}", f"{name}:{' ' * max(1, 10 - len(name))}{converted['model']}",
              f"{original['tokens']} tokens of {original['text']}, {original['dtype']}", "",
-             _table(header, rows), "", "original:", *format_summary(original), "", "converted:",
+             _table(header, rows), "", "original:", *format_summary(original), "", f"{name}:",
              *format_summary(converted)]
     if converted.get("rotated"):
-        lines.append("note: the converted checkpoint is rotated: its stream is C·h·Q, which is not orthogonal "
+        lines.append("note: the compared checkpoint is rotated: its stream is C·h·Q, which is not orthogonal "
                      "to 1 by design (its norms are weightless RMSNorms, which a rotation commutes with)")
     elif not converted["overall"]["mean_at_noise"]:
         lines.append(f"warning: the converted model's norm inputs are NOT orthogonal to 1 "

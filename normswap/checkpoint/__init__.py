@@ -6,5 +6,8 @@
 - ``provenance``: a typed view of the ``normswap`` block of a config, read once and passed down.
 - ``validation``: config.json checked against itself and its weight headers, before any work.
 - ``output``: output folders claimed before any work and installed atomically.
-- ``temporaries``: temporary output folders and the removal of stale ones.
+- ``temporaries``: temporary output folders (marked with a token) and the removal of stale ones.
+- ``files``: the files read or copied from a checkpoint, each a regular file inside it.
+- ``removal``: removing an old output without following links or leaving its filesystem.
+- ``space``: free space for an output, and the progress of writing it.
 """

@@ -5,16 +5,22 @@ Every command that writes a folder (``convert``, ``run``) goes through ``claimed
 1. ``--out`` is checked: not a symbolic link, not a file, not the current directory or above it,
    not containing and not inside any input; a non-empty folder is replaced only with
    ``--overwrite`` and only when it carries ``MARKER``, the file normswap writes into every
-   folder it installs.
+   folder it installs, recording the same kind (``checkpoint``, ``report``, ``run``): a report
+   never replaces a checkpoint. A folder holding a mount point or another filesystem is never
+   replaced (its removal would reach into what is mounted there).
 2. ``--out`` is claimed: created when absent (so no one else can create it meanwhile) and locked
    with ``flock``, so of two commands writing one ``--out`` the second fails at once.
 3. The work is written into a temporary folder beside ``--out`` whose name carries the owning
-   process id and start time (``<out>.normswap-tmp-<pid>-<start>-<token>``). A later command for
-   the same ``--out`` removes such folders whose process is gone, and says so.
+   process id and start time (``<out>.normswap-tmp-<pid>-<start>-<token>``) and which holds
+   ``temporaries.TMP_MARKER`` with the same token. A later command for the same ``--out`` removes
+   such folders whose process is gone, and says so; a folder without the marker is never removed.
 4. Install: the temporary folder is renamed onto the claimed empty folder (the rename fails, and
    nothing is replaced, if anything was put into it meanwhile), or swapped with the old
    normswap folder in one ``renameat2(RENAME_EXCHANGE)`` under ``--overwrite``. A folder that
-   was replaced at ``--out`` while the command ran is never touched.
+   was replaced at ``--out`` while the command ran is never touched. The old folder is removed
+   by ``removal.remove_tree``, which never follows a link or leaves its filesystem; what it
+   cannot remove safely is left in place and named. ``installed`` lists the outputs this
+   process has installed, so that an interrupt arriving afterwards can say they are complete.
 
 On any failure, SIGINT or SIGTERM, the temporary folder, a claimed ``--out`` that is still empty
 and the parent folders this command created are removed. Only SIGKILL (or a power cut) can leave
@@ -32,7 +38,6 @@ import errno
 import fcntl
 import json
 import os
-import shutil
 import signal
 import sys
 import threading
@@ -40,10 +45,16 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
-from normswap.checkpoint.temporaries import make_temporary, remove_stale_temporaries
+from normswap.checkpoint.removal import mounts_inside, remove_tree
+from normswap.checkpoint.space import check_free_space as check_free_space  # re-exported
+from normswap.checkpoint.space import progress_bar as progress_bar  # re-exported
+from normswap.checkpoint.temporaries import drop_marker, make_temporary, remove_stale_temporaries
 from normswap.errors import NormswapError
 
 MARKER = ".normswap-output"
+KINDS = ("checkpoint", "report", "run")
+installed: list[Path] = []  # every outermost --out this process installed (not one nested in another's work)
+_open_claims: list[Path] = []
 
 
 def absolute(out: str | Path) -> Path:
@@ -62,7 +73,20 @@ def _within(inner: Path, outer: Path) -> bool:
     return inner == outer or outer in inner.parents
 
 
-def check_out(out: Path, inputs: Sequence[Path], overwrite: bool) -> None:
+def marked_kind(folder: Path) -> str | None:
+    """The kind recorded in ``folder``'s marker; None when it has no marker (or not a regular file)."""
+    marker = folder / MARKER
+    if marker.is_symlink() or not marker.is_file():
+        return None
+    try:
+        data = json.loads(marker.read_text(encoding="utf-8")[:4096])
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return ""
+    kind = data.get("kind") if isinstance(data, dict) else None
+    return kind if kind in KINDS else ""
+
+
+def check_out(out: Path, inputs: Sequence[Path], overwrite: bool, *, kind: str) -> None:
     """Refuse an ``--out`` that normswap may not write (see the module docstring); no side effects."""
     if out.is_symlink():
         raise NormswapError(f"--out {out} is a symbolic link; pass the folder itself")
@@ -89,17 +113,26 @@ def check_out(out: Path, inputs: Sequence[Path], overwrite: bool) -> None:
         return
     if not overwrite:
         raise NormswapError(f"--out {out} exists and is not empty; pass --overwrite to replace a folder normswap wrote")
-    if not (out / MARKER).is_file() or (out / MARKER).is_symlink():
+    found = marked_kind(out)
+    if found is None:
         raise NormswapError(
             f"--out {out} was not written by normswap (it has no {MARKER}); --overwrite only replaces "
             "folders normswap wrote, so remove or rename it yourself"
         )
+    if found != kind:
+        raise NormswapError(f"--out {out} holds a normswap {found or 'output of unknown kind'}, not a {kind}; "
+                            f"--overwrite only replaces a folder of the same kind, so pick another --out")
+    mounts = mounts_inside(out)
+    if mounts:
+        raise NormswapError(f"--out {out} holds {mounts[0]}, a mount point or another filesystem; normswap never "
+                            "removes across filesystems, so unmount it or pick another --out")
 
 
 class Claim:
     """A claimed ``--out`` and the temporary folder to fill; ``install`` puts it in place."""
 
-    def __init__(self, out: Path, tmp: Path, fd: int, kind: str) -> None:
+    def __init__(self, out: Path, tmp: Path, fd: int, kind: str, log: Callable[[str], None]) -> None:
+        self.log = log
         self.out = out
         self.tmp = tmp
         self.kind = kind
@@ -112,12 +145,13 @@ class Claim:
 
         marker = {"written_by": "normswap", "version": __version__, "kind": self.kind}
         (self.tmp / MARKER).write_text(json.dumps(marker) + "\n")
+        drop_marker(self.tmp)
         with _signals_held(_is_main_thread()):
             if not _same_folder(self._fd, self.out):
                 raise NormswapError(f"--out {self.out} was replaced by something else while normswap worked; "
                                     "left it as it is, nothing was written")
             if any(self.out.iterdir()):
-                if not (self.out / MARKER).is_file():
+                if marked_kind(self.out) != self.kind or mounts_inside(self.out):
                     raise NormswapError(f"something was written into --out {self.out} while normswap worked; "
                                         "left it as it is, nothing was written")
                 _exchange(self.tmp, self.out)  # the old folder is now at self.tmp, removed below
@@ -130,7 +164,11 @@ class Claim:
                                             "worked; left it as it is, nothing was written") from None
                     raise
             self.installed = True
-        shutil.rmtree(self.tmp, ignore_errors=True)
+            if _open_claims and _open_claims[0] == self.out:
+                installed.append(self.out)
+        left = remove_tree(self.tmp)
+        for path in left:
+            self.log(f"left {path} in place: it cannot be removed safely (another filesystem, a mount point, or denied)")
 
 
 @contextmanager
@@ -142,7 +180,9 @@ def claimed_output(out: Path, *, inputs: Sequence[Path], overwrite: bool, kind: 
     one-line ``NormswapError``. SIGTERM is turned into ``KeyboardInterrupt`` so that cleanup runs.
     """
     log = log or (lambda message: print(f"normswap: {message}", file=sys.stderr))
-    check_out(out, inputs, overwrite)
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {', '.join(KINDS)}, not {kind!r}")
+    check_out(out, inputs, overwrite, kind=kind)
     created: list[Path] = []
     fd = -1
     claim: Claim | None = None
@@ -154,31 +194,37 @@ def claimed_output(out: Path, *, inputs: Sequence[Path], overwrite: bool, kind: 
 
     if in_main_thread:
         signal.signal(signal.SIGTERM, on_term)
+    _open_claims.append(out)
     try:
         with _output_errors(out):
-            created = _make_parents(out.parent)
+            # each folder is recorded as it is made, with interrupts held, so clean-up knows them all
+            with _signals_held(in_main_thread):
+                created = _make_parents(out.parent)
             for stale in remove_stale_temporaries(out):
                 log(f"removed {stale}, left by a normswap process that no longer runs")
-            try:
-                os.mkdir(out)
-                created.append(out)
-            except FileExistsError:
-                pass
-            fd = _lock(out)
-            check_out(out, inputs, overwrite)  # again, now that nobody else can write here
-            tmp = make_temporary(out)
-            claim = Claim(out, tmp, fd, kind)
+            with _signals_held(in_main_thread):
+                try:
+                    os.mkdir(out)
+                    created.append(out)
+                except FileExistsError:
+                    pass
+                fd = _lock(out)
+                check_out(out, inputs, overwrite, kind=kind)  # again, now that nobody else can write here
+                claim = Claim(out, make_temporary(out), fd, kind, log)
             yield claim
     finally:
         with _signals_held(in_main_thread):
             if claim is not None and not claim.installed:
-                shutil.rmtree(claim.tmp, ignore_errors=True)
+                for path in remove_tree(claim.tmp):
+                    log(f"left {path} in place: it cannot be removed safely (another filesystem, a mount point, "
+                        "or denied)")
             if claim is None or not claim.installed:
                 for folder in reversed(created):
                     if folder != out or fd < 0 or _same_folder(fd, out):
                         _remove_if_empty(folder)
             if fd >= 0:
                 os.close(fd)
+            _open_claims.remove(out)
             if in_main_thread:
                 signal.signal(signal.SIGTERM, previous)
 
@@ -302,49 +348,3 @@ def _signals_held(enabled: bool = True) -> Iterator[None]:
 
 def _is_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
-
-
-def check_free_space(out: Path, needed: int) -> None:
-    """Refuse early when the filesystem of ``out`` cannot hold ``needed`` bytes of weights."""
-    existing = next(folder for folder in (out, *out.parents) if folder.exists())
-    try:
-        free = shutil.disk_usage(existing).free
-    except OSError:
-        return  # no figure to compare with; a full disk is still reported when writing
-    if free < needed:
-        raise NormswapError(f"not enough disk space beside --out: the converted weights need {_size(needed)}, "
-                            f"{_size(free)} {'is' if free == 1 else 'are'} free; nothing was written")
-
-
-def _size(count: int) -> str:
-    """A byte count for people: 512 bytes, 3.4 kB, 12.0 MB, 1.50 GB."""
-    if count < 1000:
-        return f"{count} byte{'s' if count != 1 else ''}"
-    unit, scale = next((u, s) for u, s in (("kB", 1e3), ("MB", 1e6), ("GB", 1e9), ("TB", 1e12))
-                       if count < s * 1000 or u == "TB")
-    return f"{count / scale:.{2 if unit == 'GB' else 1}f} {unit}"
-
-
-@contextmanager
-def progress_bar(total_bytes: int, count: int, quiet: bool) -> Iterator[Callable[[int], None] | None]:
-    """A callback ``done(nbytes)`` per tensor written, drawing bytes and tensors written, rate and
-    ETA on stderr (shown after 1 s only); None when ``quiet``. The bar is closed after the block."""
-    if quiet:
-        yield None
-        return
-    from tqdm import tqdm
-
-    bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="converting", delay=1.0,
-               leave=False, dynamic_ncols=True)
-    written = 0
-
-    def done(nbytes: int) -> None:
-        nonlocal written
-        written += 1
-        bar.set_postfix_str(f"{written}/{count} tensors", refresh=False)
-        bar.update(nbytes)
-
-    try:
-        yield done
-    finally:
-        bar.close()

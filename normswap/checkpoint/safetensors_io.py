@@ -40,6 +40,24 @@ def tensor_nbytes(shape: tuple[int, ...], dtype: torch.dtype | str) -> int:
     return math.prod(shape) * itemsize(dtype)
 
 
+class StoredTensor:
+    """What a tensor's ``shape`` and ``dtype_name`` say about it (a mixin for the dataclasses
+    that describe a tensor before it is read or written)."""
+
+    shape: tuple[int, ...]
+    dtype_name: str
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The ``torch.dtype`` named by ``dtype_name``."""
+        return torch_dtype(self.dtype_name)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensor as stored."""
+        return tensor_nbytes(self.shape, self.dtype_name)
+
+
 class SafetensorsShard:
     """One safetensors file: its header parsed and checked at open, tensors read on demand.
 

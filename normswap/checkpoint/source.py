@@ -19,9 +19,10 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from normswap.checkpoint.files import check_files, inside_file
 from normswap.checkpoint.reads import RecentReads as RecentReads  # re-exported for the writer
-from normswap.checkpoint.safetensors_io import SafetensorsShard, tensor_nbytes
-from normswap.dtypes import dtype_name, torch_dtype
+from normswap.checkpoint.safetensors_io import SafetensorsShard, StoredTensor
+from normswap.dtypes import dtype_name
 from normswap.errors import NormswapError, first_line
 
 if TYPE_CHECKING:  # torch is imported where tensors are read: resolving a source stays light
@@ -65,17 +66,21 @@ def resolve_source(src: str | Path, *, trust_remote_code: bool = False, revision
             raise NormswapError(f"{src} has no config.json; it is not a Hugging Face checkpoint directory")
         if revision is not None:
             raise NormswapError(f"--revision applies to hub ids, not to the local directory {src}")
+        check_files(path)
         return path
     if not _HUB_ID.match(str(src)):
         raise NormswapError(f"{src} does not exist and is not a Hugging Face hub id")
     from normswap.checkpoint.hub import download
 
-    return download(str(src), trust_remote_code=trust_remote_code, revision=revision)
+    path = download(str(src), trust_remote_code=trust_remote_code, revision=revision)
+    check_files(path)
+    return path
 
 
 def read_config(path: Path) -> dict:
     """The checkpoint's config.json as a dict."""
     file = path / "config.json"
+    inside_file(path, "config.json")  # a link out of the checkpoint, or not a regular file: refused
     try:
         config = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -87,7 +92,7 @@ def read_config(path: Path) -> dict:
 
 
 @dataclass(frozen=True)
-class TensorInfo:
+class TensorInfo(StoredTensor):
     """Where a tensor lives and what it is, known before reading it.
 
     The dtype is kept by name (``float32``; a ``torch.dtype`` given is stored as its name), so that
@@ -101,14 +106,6 @@ class TensorInfo:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype_name", dtype_name(self.dtype_name))
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return torch_dtype(self.dtype_name)
-
-    @property
-    def nbytes(self) -> int:
-        return tensor_nbytes(self.shape, self.dtype_name)
 
 
 class CheckpointReader:
@@ -307,18 +304,24 @@ def _weight_map(index: Path) -> dict[str, str]:
 
 
 def _weight_shards(path: Path) -> list[str]:
-    """Weight file names of a checkpoint, preferring safetensors."""
-    for index_name in (SAFETENSORS_INDEX, PICKLE_INDEX):
+    """Weight file names of a checkpoint, in ``from_pretrained``'s order (single safetensors file,
+    its index, ``.bin``, its index), so that normswap and transformers read the same weights. A
+    single file beside an index of the same format is refused: which one is meant is ambiguous."""
+    for single, index_name in ((SAFETENSORS_FILE, SAFETENSORS_INDEX), (PICKLE_FILE, PICKLE_INDEX)):
         index = path / index_name
-        if index.is_file():
+        has_single, has_index = os.path.lexists(path / single), os.path.lexists(index)
+        if has_single and has_index:
+            raise NormswapError(f"{path} holds both {single} and {index_name}: two sets of weights, and which one is "
+                                f"meant is ambiguous (transformers reads {single}); remove one")
+        inside_file(path, single if has_single else index_name)
+        if has_single:
+            return [single]
+        if has_index:
             shards = sorted(set(_weight_map(index).values()))
-            missing = [shard for shard in shards if not (path / shard).is_file()]
+            missing = [shard for shard in shards if inside_file(path, shard) is None]
             if missing:
                 raise NormswapError(f"{path} is missing weight file {missing[0]} named in {index_name}")
             return shards
-    for single in (SAFETENSORS_FILE, PICKLE_FILE):
-        if (path / single).is_file():
-            return [single]
     raise NormswapError(
         f"{path} has no weights: expected {SAFETENSORS_FILE}, a sharded {SAFETENSORS_INDEX}, or {PICKLE_FILE}"
     )

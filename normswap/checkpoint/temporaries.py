@@ -1,14 +1,23 @@
 """Temporary output folders, named for the process that fills them, and removal of the ones
-whose process is gone (``normswap.checkpoint.output`` explains the lifecycle)."""
+whose process is gone (``normswap.checkpoint.output`` explains the lifecycle).
+
+A temporary folder carries ``TMP_MARKER``, a file holding the random token that ends the
+folder's name. Clean-up removes only folders whose marker is a regular file with that token: a
+user's folder that merely looks like a temporary one by its name is never touched.
+"""
 
 from __future__ import annotations
 
 import os
 import secrets
-import shutil
+import stat
+from contextlib import suppress
 from pathlib import Path
 
+from normswap.checkpoint.removal import remove_tree
+
 TMP_TAG = ".normswap-tmp-"
+TMP_MARKER = ".normswap-tmp"
 
 
 def process_start(pid: int) -> str:
@@ -25,12 +34,35 @@ def make_temporary(out: Path) -> Path:
     """A fresh folder beside ``out``, named for this process, created with the umask's mode."""
     pid = os.getpid()
     while True:
-        tmp = out.with_name(f"{out.name}{TMP_TAG}{pid}-{process_start(pid)}-{secrets.token_hex(4)}")
+        token = secrets.token_hex(8)
+        tmp = out.with_name(f"{out.name}{TMP_TAG}{pid}-{process_start(pid)}-{token}")
         try:
             os.mkdir(tmp, 0o777)
-            return tmp
         except FileExistsError:
             continue
+        with open(tmp / TMP_MARKER, "x", encoding="utf-8") as marker:
+            marker.write(token + "\n")
+        return tmp
+
+
+def drop_marker(tmp: Path) -> None:
+    """Remove the temporary marker before ``tmp`` is installed as an output."""
+    with suppress(FileNotFoundError):
+        os.unlink(tmp / TMP_MARKER)
+
+
+def _marked(path: Path, token: str) -> bool:
+    """Whether ``path`` is a real folder (not a link) holding normswap's marker with ``token``."""
+    try:
+        fd = os.open(path / TMP_MARKER, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode) or os.path.islink(path):
+            return False
+        return os.read(fd, 64).decode("ascii", "replace").strip() == token
+    finally:
+        os.close(fd)
 
 
 def _alive(pid: int, start: str) -> bool:
@@ -60,7 +92,6 @@ def remove_stale_temporaries(out: Path) -> list[Path]:
         if _alive(int(parts[0]), parts[1]):
             continue
         path = out.parent / name
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
+        if _marked(path, parts[2]) and not remove_tree(path, last=TMP_MARKER):
             removed.append(path)
     return removed

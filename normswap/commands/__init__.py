@@ -119,12 +119,54 @@ def add_tolerance_options(parser: argparse.ArgumentParser, what: str = "logit") 
     parser.add_argument("--rtol", type=tolerance, help=f"relative part of the tolerance, times max |{what}|")
 
 
+VERIFY_MODES = ("auto", "layerwise", "full")
+VERIFY_HELP = ("layerwise: block by block within bounded memory; full: whole models; "
+               "auto (default): layerwise for models above 1 GiB of float32 weights")
+
+
 def add_verification_options(parser: argparse.ArgumentParser) -> None:
     """The built-in verification's options, shared by ``convert`` and ``rotate``."""
     add_tolerance_options(parser)
-    parser.add_argument("--verify", dest="verification", choices=["auto", "layerwise", "full", "none"], default="auto",
-                        help="layerwise: block by block within bounded memory; full: whole models; "
-                             "auto (default): layerwise for models above 1 GiB of float32 weights")
+    parser.add_argument("--verify", dest="verification", choices=[*VERIFY_MODES, "none"], default="auto",
+                        help=VERIFY_HELP + "; none: write without checking")
+
+
+def add_verify_mode_option(parser: argparse.ArgumentParser) -> None:
+    """``verify``'s ``--verify {auto,layerwise,full}``, the same choices as convert's and rotate's
+    (``none`` aside: checking is the command); ``--layerwise`` and ``--full`` stay as hidden aliases."""
+    parser.add_argument("--verify", dest="verification", choices=VERIFY_MODES, default="auto", help=VERIFY_HELP)
+    parser.add_argument("--layerwise", dest="verification", action="store_const", const="layerwise",
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--full", dest="verification", action="store_const", const="full", help=argparse.SUPPRESS)
+
+
+def add_progress_option(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--no-progress``, the same in every command (``--quiet`` is a hidden alias). Bars are also
+    off whenever stderr is not a terminal, and with ``HF_HUB_DISABLE_PROGRESS_BARS=1`` or ``TQDM_DISABLE=1``."""
+    parser.add_argument("--no-progress", dest="no_progress", action="store_true",
+                        help="no progress bars (also off when stderr is not a terminal)")
+    parser.add_argument("--quiet", dest="no_progress", action="store_true", help=argparse.SUPPRESS)
+
+
+def progress_off(args: argparse.Namespace) -> bool:
+    """Whether progress bars stay off: ``--no-progress``, a stderr that is not a terminal, or the
+    environment switches Hugging Face and tqdm users already set."""
+    import os
+
+    environment = any(os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+                      for name in ("HF_HUB_DISABLE_PROGRESS_BARS", "TQDM_DISABLE"))
+    return bool(getattr(args, "no_progress", False)) or environment or not sys.stderr.isatty()
+
+
+def quiet_progress_bars(args: argparse.Namespace) -> None:
+    """When ``progress_off``, turn off the bars of the libraries normswap drives too (datasets,
+    lm-eval's task building, transformers' loading). tqdm reads ``TQDM_DISABLE`` when it is
+    imported, so this runs before anything imports it."""
+    if progress_off(args):
+        import os
+
+        os.environ["TQDM_DISABLE"] = "1"
+        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
 
 
 def add_json_option(parser: argparse.ArgumentParser) -> None:
@@ -144,12 +186,30 @@ def add_report_options(parser: argparse.ArgumentParser, *, plot: bool = True, ou
     add_json_option(parser)
 
 
-def local_inputs(*sources: str | None) -> list[Path]:
-    """The local folders among a command's sources: ``--out`` may not overlap them."""
-    return [Path(src).expanduser() for src in sources if src is not None and Path(src).expanduser().exists()]
+# Every option through which a command reads a file or folder: --out may overlap none of them.
+INPUT_OPTIONS = ("src", "model", "baseline", "compare", "original", "converted", "text", "audio", "images",
+                 "calibration", "held_out", "recipe")
 
 
-def check_report_out(args: argparse.Namespace, inputs: list[Path]) -> None:
+def local_inputs(*sources: str | Path | None) -> list[Path]:
+    """The local paths among a command's inputs, with the real files behind a folder's links (a
+    hub cache's blobs): ``--out`` may not overlap them."""
+    from normswap.checkpoint.source import source_inputs
+
+    found: list[Path] = []
+    for src in sources:
+        path = Path(src).expanduser() if src is not None else None
+        if path is not None and (path.exists() or path.is_symlink()):
+            found += source_inputs(path) if path.is_dir() else [path]
+    return found
+
+
+def command_inputs(args: argparse.Namespace) -> list[Path]:
+    """Every local input a command's arguments name (``INPUT_OPTIONS``)."""
+    return local_inputs(*(getattr(args, name, None) for name in INPUT_OPTIONS))
+
+
+def check_report_out(args: argparse.Namespace, inputs: list[Path], kind: str = "report") -> None:
     """Refuse, before any work, an ``--out`` normswap may not write, and ``--plot`` without one."""
     if getattr(args, "plot", False) and args.out is None:
         raise NormswapError("--plot needs --out DIR (the plots are written there)")
@@ -157,7 +217,7 @@ def check_report_out(args: argparse.Namespace, inputs: list[Path]) -> None:
         from normswap.checkpoint import output
 
         args.out = output.absolute(args.out)
-        output.check_out(args.out, inputs, args.overwrite)
+        output.check_out(args.out, inputs, args.overwrite, kind=kind)
 
 
 def write_reports(out: Path, write: Callable[[Path], list[Path]], *, inputs: list[Path],

@@ -8,10 +8,12 @@ import sys
 from normswap.commands import (
     add_checkpoint_out,
     add_json_option,
+    add_progress_option,
     add_verification_options,
     check_source,
     emit_json,
     non_empty,
+    progress_off,
 )
 
 
@@ -29,29 +31,29 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="no effect: conversion and its verification never run code from a checkpoint "
                              "(only families transformers implements are converted)")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_progress_option(parser)
     add_json_option(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     check_source(args.src, trust_remote_code=args.trust_remote_code)
     from normswap.api import convert_checkpoint
-    from normswap.commands.verify import describe_mode
-    from normswap.text import format_table
+    from normswap.commands.verify import describe_verification
+    from normswap.text import count, format_table
 
     provenance = convert_checkpoint(
         args.src, args.out,
         fold_gains=args.fold_gains, method=args.method, dtype=args.dtype, overwrite=args.overwrite,
         trust_remote_code=args.trust_remote_code, atol=args.atol, rtol=args.rtol,
-        allow_inexact=args.allow_inexact, quiet=args.quiet,
+        allow_inexact=args.allow_inexact, quiet=progress_off(args),
         verification=args.verification, revision=args.revision,
     )
-    print(f"wrote {args.out}: {len(provenance['norms_swapped'])} norms swapped to RMSNorm, "
-          f"{provenance['writers_centred']} writers centred, {len(provenance['norms_folded'])} norms folded")
+    print(f"wrote {args.out}: {count(len(provenance['norms_swapped']), 'norm')} swapped to RMSNorm, "
+          f"{count(provenance['writers_centred'], 'writer')} centred, {count(len(provenance['norms_folded']), 'norm')} folded")
     verification = provenance.get("verification")
     if verification:
         print(format_table(verification["loaders"]))
-        print(describe_mode(verification))
+        print(describe_verification(verification))
         if args.method == "naive":
             print("warning: --method naive is inexact by design; the figures above are its measured degradation",
                   file=sys.stderr)

@@ -5,9 +5,15 @@ from __future__ import annotations
 
 import argparse
 
-from normswap.commands import add_checkpoint_out, add_json_option, add_verification_options, emit_json
-
-METHODS = ("hadamard", "orthogonal", "pca")
+from normswap.commands import (
+    add_checkpoint_out,
+    add_json_option,
+    add_progress_option,
+    add_verification_options,
+    emit_json,
+    progress_off,
+)
+from normswap.rotate.options import DEFAULT_CALIBRATION_TOKENS, METHODS
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -19,48 +25,54 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "orthogonal; pca: principal directions of the stream on --calibration text "
                              "(the default, and the only method, with --slice)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random signs / random matrix (default 0)")
-    parser.add_argument("--calibration", metavar="TEXT_FILE", help="UTF-8 text the pca directions are measured on")
-    parser.add_argument("--calibration-tokens", type=int, default=32768,
-                        help="use at most this many calibration tokens (default 32768)")
+    parser.add_argument("--calibration", metavar="TEXT_FILE",
+                        help="UTF-8 text the pca directions are measured on, or 'bundled' (held-out Persuasion)")
+    parser.add_argument("--calibration-tokens", type=int, default=DEFAULT_CALIBRATION_TOKENS,
+                        help=f"use at most this many calibration tokens (default {DEFAULT_CALIBRATION_TOKENS})")
     parser.add_argument("--slice", type=float, metavar="FRACTION",
                         help="delete this share (0 < f < 1) of the stream's dimensions, the least-variance principal "
                              "directions at every norm input (SliceGPT); needs --calibration. NOT exact: the "
                              "perplexity cost on held-out text is measured and reported")
     parser.add_argument("--held-out", metavar="TEXT_FILE",
-                        help="with --slice: text the perplexity cost is measured on (default: the last 10%% of the "
+                        help="with --slice: text the perplexity cost is measured on, or 'bundled' (default: the last 10%% of the "
                              "calibration text's tokens, then not used for calibration)")
     parser.add_argument("--dtype", help="output dtype (float32, float16, bfloat16, float64); default: the source's")
     add_verification_options(parser)
     parser.add_argument("--trust-remote-code", action="store_true", help="allow the source's own code to run")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_progress_option(parser)
     add_json_option(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    from normswap.evaluation.text import text_file
+
+    for name in ("calibration", "held_out"):  # 'bundled' names the bundled text, as --text does elsewhere
+        if getattr(args, name) is not None:
+            setattr(args, name, str(text_file(getattr(args, name))))
     if args.slice is not None or args.held_out is not None:
         from normswap.commands.rotate_slice import run_slice
 
         return run_slice(args)
     from normswap.api import rotate_checkpoint
-    from normswap.commands.verify import describe_mode
-    from normswap.text import format_table
+    from normswap.commands.verify import describe_verification
+    from normswap.text import count, format_table
 
     provenance = rotate_checkpoint(
         args.src, args.out, method=args.method or "hadamard", seed=args.seed, calibration=args.calibration,
         calibration_tokens=args.calibration_tokens, dtype=args.dtype, overwrite=args.overwrite,
         trust_remote_code=args.trust_remote_code, atol=args.atol, rtol=args.rtol,
-        verification=args.verification, quiet=args.quiet,
+        verification=args.verification, quiet=progress_off(args),
     )
     rotation = provenance["rotation"]
     counts = rotation["rotated"]
     seed = "" if rotation["seed"] is None else f" (seed {rotation['seed']})"
     print(f"wrote {args.out}: residual stream rotated by {rotation['method']}{seed}, d = {rotation['dimension']}, "
-          f"sha256 {rotation['matrix_sha256'][:16]}…; {counts['writers']} writers, {counts['readers']} readers, "
-          f"{counts['norm_biases']} norm biases rotated")
+          f"sha256 {rotation['matrix_sha256'][:16]}…; {count(counts['writers'], 'writer')}, "
+          f"{count(counts['readers'], 'reader')}, {count(counts['norm_biases'], 'norm bias')} rotated")
     verification = provenance.get("verification")
     if verification:
         print(format_table(verification["loaders"]))
-        print(describe_mode(verification))
+        print(describe_verification(verification))
     if args.json:
         emit_json(args, provenance)
     return 0

@@ -6,27 +6,28 @@ import argparse
 from pathlib import Path
 
 from normswap.commands import (
+    add_progress_option,
     add_report_options,
     add_tolerance_options,
+    add_verify_mode_option,
     check_report_out,
     check_source,
+    command_inputs,
     emit_json,
-    local_inputs,
+    json_text,
+    progress_off,
+    write_reports,
 )
 from normswap.errors import VerificationError
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("original", help="the original checkpoint (hub id or directory)")
-    parser.add_argument("converted", help="the converted checkpoint directory")
+    parser.add_argument("original", help="the original checkpoint: hub id, local directory or normswap:austen-gpt2")
+    parser.add_argument("converted", help="the converted checkpoint: local directory, hub id or a normswap: name")
     add_tolerance_options(parser, what="output")
     add_report_options(parser, plot=False)
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--layerwise", action="store_const", const=True, dest="layerwise",
-                      help="compare block by block within bounded memory (default above 1 GiB of float32 weights)")
-    mode.add_argument("--full", action="store_const", const=False, dest="layerwise",
-                      help="compare whole models (default for small models)")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_verify_mode_option(parser)
+    add_progress_option(parser)
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="run the converted checkpoint's own modeling_normswap.py instead of normswap's "
                              "installed copy of it (by default no code from either checkpoint runs)")
@@ -35,16 +36,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     check_source(args.original)
     check_source(args.converted)
-    inputs = local_inputs(args.original, args.converted)
+    inputs = command_inputs(args)
     check_report_out(args, inputs)
+    from normswap.convert.install import LAYERWISE
     from normswap.verify.checkpoint import verify_checkpoint
 
     result = verify_checkpoint(args.original, args.converted, atol=args.atol, rtol=args.rtol,
-                               layerwise=args.layerwise, quiet=args.quiet, trust_remote_code=args.trust_remote_code)
+                               layerwise=LAYERWISE[args.verification], quiet=progress_off(args),
+                               trust_remote_code=args.trust_remote_code)
     text = summary(result)
     print(text)
     if args.out is not None:
-        from normswap.commands import json_text, write_reports
 
         def write(folder: Path) -> list[Path]:
             files = {"report.json": json_text(result), "report.md": to_markdown(args, text)}
@@ -67,10 +69,28 @@ def summary(result: dict) -> str:
     verdict = "verified: outputs match" if result["passed"] else "FAILED: outputs differ beyond tolerance"
     return "\n".join([
         format_table(result["loaders"]),
-        describe_mode(result),
+        describe_verification(result),
         f"probe: {result['probe']} {result['probe_shape']}, tolerance {result['tolerance']['limit']:.3g}",
         verdict,
     ])
+
+
+def describe_verification(result: dict) -> str:
+    """How a verification result was obtained: the weights proof, then the forward comparison."""
+    return "\n".join(line for line in (describe_proof(result), describe_mode(result)) if line)
+
+
+def describe_proof(result: dict) -> str:
+    """One line on the weights proof: how many tensors, and the worst one in ulps of its dtype."""
+    proof = result.get("proof")
+    if not proof:
+        return ""
+    worst = proof["worst"]
+    how = ("every recomputed tensor bit-exact to its correctly rounded value" if worst["tensor"] is None else
+           f"worst: {worst['tensor']}, {worst['ulp']:.3g} ulp of {worst['dtype']} from its correctly rounded value "
+           f"({worst['elements_off_by_rounding']} elements off by rounding)")
+    return (f"weights proven: {proof['tensors']} tensors ({proof['byte_identical']} byte-identical to the source, "
+            f"{proof['recomputed']} recomputed in float64); {how}")
 
 
 def describe_mode(result: dict) -> str:
@@ -89,7 +109,7 @@ def blame(result: dict) -> str:
     """Where a failed verification points: the worst block, or how to find it."""
     worst = result.get("worst_layer") if result.get("mode") == "layerwise" else None
     if not worst:
-        return "rerun with --layerwise to name the block to blame"
+        return "rerun with --verify layerwise to name the block to blame"
     return f"worst block {worst['layer']} ({worst['loader']} loader)"
 
 

@@ -107,9 +107,13 @@ def rotation_provenance(source: str, plan: ConversionPlan, auto_class: str, dtyp
     return block
 
 
-def converted_config(config: dict, plan: ConversionPlan, meta: nn.Module, architecture: Architecture,
+def converted_config(config: dict, plan: ConversionPlan, meta: nn.Module | None, architecture: Architecture,
                      provenance: dict) -> dict:
     """config.json of the output: the source's, untied, with auto_map and the provenance block.
+
+    The classes it names are those of ``meta`` (the model built on the meta device), or, when the
+    plan came from the adapter's declarations and nothing was built (``meta`` None), the ones
+    transformers' tables give for the config.
 
     A checkpoint the stock class cannot hold (``provenance["stock_loadable"]`` false: a naive
     swap, a baked norm, a rotation) gets the model type ``normswap_<type>``, which stock
@@ -125,7 +129,10 @@ def converted_config(config: dict, plan: ConversionPlan, meta: nn.Module, archit
         new["dtype"] = dtype_name(dtypes.pop())
         if "torch_dtype" in new:
             new["torch_dtype"] = new["dtype"]
-    model_name = type(meta).__name__
+    if meta is None:
+        model_name, config_name = build.class_names(config, architecture.auto_class)
+    else:
+        model_name, config_name = type(meta).__name__, type(meta.config).__name__
     new["architectures"] = [model_name]
     # the family's Auto class, and every other Auto class that maps this type to this class
     # (AutoModelForImageClassification for a ViTForImageClassification)
@@ -135,7 +142,7 @@ def converted_config(config: dict, plan: ConversionPlan, meta: nn.Module, archit
     else:
         new["model_type"] = remote.MODEL_TYPE_PREFIX + config["model_type"]
         new["auto_map"] = {
-            "AutoConfig": f"modeling_normswap.{remote.CLASS_PREFIX}{type(meta.config).__name__}",
+            "AutoConfig": f"modeling_normswap.{remote.CLASS_PREFIX}{config_name}",
             **{auto: f"modeling_normswap.{remote.OWN_TYPE_PREFIX}{model_name}" for auto in autos},
         }
     new["normswap"] = provenance

@@ -17,7 +17,6 @@ conversion runs.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -156,6 +155,14 @@ def chunked_bias_fold(
 def rotate_axis(tensor: torch.Tensor, rotation: torch.Tensor, axis: int) -> torch.Tensor:
     """t'[.., j, ..] = Σ_k t[.., k, ..]·Q[k, j] along ``axis``, in float64.
 
+    Every rotation identity is this contraction on the tensor's stream axis:
+
+    * a writer's output side, W·Q (and b·Q): Conv1D stores W [in, d] (axis 1); nn.Linear stores
+      Wᵀ [d, in] (axis 0), which becomes Qᵀ·Wᵀ; an embedding table E [vocab, d] becomes E·Q;
+    * a reader's input side, Qᵀ·W, so that (n·Q)·W' = n·W: Conv1D W [d, out] (axis 0); nn.Linear
+      and the head store Wᵀ [out, d] (axis 1), which becomes Wᵀ·Q;
+    * the bias a weightless norm keeps, n + β⊘γ, becomes (β⊘γ)·Q (axis 0).
+
     Acts independently on every slice across ``axis``, so it can run on slices of a tensor.
     """
     tensor, rotation = tensor.double(), rotation.double()
@@ -166,106 +173,25 @@ def rotate_axis(tensor: torch.Tensor, rotation: torch.Tensor, axis: int) -> torc
     return torch.movedim(torch.movedim(tensor, axis, -1) @ rotation, -1, axis)
 
 
-def rotate_writer(weight: torch.Tensor, rotation: torch.Tensor, hidden_axis: int) -> torch.Tensor:
-    """W·Q (and b·Q for a bias): a writer's output side, whose stream axis is ``hidden_axis``.
-
-    An nn.Linear writer stores Wᵀ ([d, in], hidden_axis 0), so its stored form becomes Qᵀ·Wᵀ;
-    a Conv1D writer stores W ([in, d], hidden_axis 1) and becomes W·Q.
-    """
-    return rotate_axis(weight, rotation, hidden_axis)
-
-
-def rotate_embedding(table: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
-    """E·Q: every row of a [vocab, d] (or [positions, d]) table that writes the stream."""
-    return rotate_axis(table, rotation, 1)
-
-
-def rotate_reader(weight: torch.Tensor, rotation: torch.Tensor, input_axis: int) -> torch.Tensor:
-    """Qᵀ·W: a reader's input side, whose stream axis is ``input_axis``.
-
-    For n·W with W: [d, out] (Conv1D, input_axis 0) this is Qᵀ·W; an nn.Linear stores Wᵀ
-    ([out, d], input_axis 1) and becomes Wᵀ·Q. Either way (n·Q)·W' = n·W.
-    """
-    return rotate_axis(weight, rotation, input_axis)
-
-
-def rotate_head(weight: torch.Tensor, rotation: torch.Tensor, input_axis: int = 1) -> torch.Tensor:
-    """Qᵀ·W_head: the head reads the final norm like any reader (nn.Linear [vocab, d]: W_head·Q)."""
-    return rotate_reader(weight, rotation, input_axis)
-
-
-def rotate_norm_bias(kept_bias: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
-    """(β⊘γ)·Q: the bias a weightless norm keeps, n + β⊘γ, expressed in the rotated basis."""
-    return rotate_axis(kept_bias, rotation, 0)
-
-
-def random_signs(d: int, seed: int) -> torch.Tensor:
-    """d signs ±1 (float64) drawn from a generator seeded with ``seed``."""
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 2, (d,), generator=generator).double() * 2 - 1
-
-
-def randomised_hadamard(hadamard: torch.Tensor, seed: int) -> torch.Tensor:
-    """Q = diag(s)·H/√d for a Hadamard matrix H (entries ±1, HHᵀ = d·I) and seeded signs s.
-
-    QQᵀ = diag(s)·HHᵀ·diag(s)/d = I. Every entry of Q is ±1/√d, so each coordinate of the rotated
-    stream x·Q is an equal-weight mix of all of x's, which spreads a few large coordinates evenly.
-    This is the issue's H·diag(±1)/√d written for row vectors: the signs act on x before H mixes
-    it (x·diag(s)·H). Signs applied after H (x·H·diag(s)) would only flip coordinates of x·H,
-    which no symmetric quantiser or outlier statistic can see: every seed would give the same
-    model up to signs.
-    """
-    d = hadamard.shape[0]
-    return random_signs(d, seed)[:, None] * hadamard.double() / math.sqrt(d)
-
-
-def random_orthogonal(d: int, seed: int) -> torch.Tensor:
-    """A Haar-random orthogonal d×d matrix: QR of a seeded Gaussian matrix, with the sign fix.
-
-    For G = QR, Q·diag(sign(diag R)) is distributed uniformly over O(d) (without the fix the
-    distribution depends on the QR routine's sign convention).
-    """
-    generator = torch.Generator().manual_seed(seed)
-    gaussian = torch.randn(d, d, generator=generator, dtype=torch.float64)
-    q, r = torch.linalg.qr(gaussian)
-    signs = torch.sign(torch.diagonal(r))
-    signs[signs == 0] = 1.0
-    return q * signs
-
-
-def principal_rotation(second_moment: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q whose columns are the eigenvectors of M = Σ xᵀx, by decreasing eigenvalue; and those.
-
-    x·Q then has its coordinates sorted by how much of the stream's energy they carry (the
-    first column is the stream's principal direction). Each column's sign is fixed so that its
-    largest-magnitude entry is positive, making Q a function of M alone.
-    """
-    values, vectors = torch.linalg.eigh(second_moment.double())
-    order = torch.argsort(values, descending=True, stable=True)
-    values, vectors = values[order], vectors[:, order]
-    largest = vectors.abs().argmax(dim=0)
-    signs = torch.sign(vectors[largest, torch.arange(vectors.shape[1])])
-    signs[signs == 0] = 1.0
-    return vectors * signs, values
-
-
 # ---------------------------------------------------------------------------------------------
 # Executing a plan's steps with the functions above.
 
 
-def compute_tensor(plan: TensorPlan, read: Read) -> torch.Tensor:
-    """The output value of one tensor: its source, transformed by its steps, in float64, cast once."""
+def compute_tensor(plan: TensorPlan, read: Read, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The output value of one tensor: its source, transformed by its steps, in float64, cast once
+    to ``dtype`` (default the plan's; ``torch.float64`` gives the value before the cast)."""
+    dtype = plan.dtype if dtype is None else dtype
     value = torch.zeros(plan.shape, dtype=torch.float64) if plan.source is None else read(plan.source)
     if not plan.steps:
-        return value.to(plan.dtype)
+        return value.to(dtype)
     slice_steps = [step for step in plan.steps if step.slice_wise]
     other_steps = [step for step in plan.steps if not step.slice_wise]
     if slice_steps:
-        target = torch.float64 if other_steps else plan.dtype
+        target = torch.float64 if other_steps else dtype
         value = apply_slice_steps(value, slice_steps, read, target, name=plan.name)
     for step in other_steps:
         value = whole_step(step, value.double(), read)
-    return value.to(plan.dtype)
+    return value.to(dtype)
 
 
 def apply_slice_steps(value: torch.Tensor, steps: list[Step], read: Read, out_dtype: torch.dtype, *,

@@ -1,33 +1,13 @@
-"""Names in a plan: checkpoint names to the model class's, structure patterns to module paths,
-source shards to output shards."""
+"""Names in a plan: the adapter's structure patterns resolved to the model class's module paths.
+
+Checkpoint tensor and shard names are ``normswap.checkpoint.names``'s."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 
 from normswap.convert.steps import Structure
 from normswap.errors import NormswapError
-
-
-def canonical_names(
-    source_names: list[str], model_keys: set[str], base_prefix: str, rename: Callable[[str], str] | None = None
-) -> dict[str, str]:
-    """Map checkpoint names to the model class's names, adding the base-model prefix if missing.
-
-    Hub GPT-2 stores ``h.0.ln_1.weight`` (saved from GPT2Model) where GPT2LMHeadModel expects
-    ``transformer.h.0.ln_1.weight``. ``rename`` applies transformers' own load-time key renamings
-    first (transformers 5 renames e.g. ViT's ``encoder.layer.0.attention.attention.query`` to
-    ``layers.0.attention.q_proj``), so adapters only ever see the model class's names.
-    """
-    mapping = {}
-    for name in source_names:
-        renamed = rename(name) if rename is not None else name
-        if renamed not in model_keys and name in model_keys:
-            renamed = name
-        prefixed = f"{base_prefix}.{renamed}" if base_prefix else renamed
-        mapping[name] = prefixed if renamed not in model_keys and prefixed in model_keys else renamed
-    return mapping
 
 
 def resolve_structure(structure: dict[str, list[str]], module_names: list[str] | None) -> Structure:
@@ -50,11 +30,3 @@ def resolve_structure(structure: dict[str, list[str]], module_names: list[str] |
             paths.extend(name for name in matched if name not in paths)
         resolved[kind] = paths
     return Structure.from_json(resolved)
-
-
-def output_shard_names(source_shards: list[str]) -> dict[str, str]:
-    """Output shard for each source shard, named as transformers names them."""
-    if len(source_shards) == 1:
-        return {source_shards[0]: "model.safetensors"}
-    total = len(source_shards)
-    return {shard: f"model-{i:05d}-of-{total:05d}.safetensors" for i, shard in enumerate(source_shards, 1)}

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from normswap.arguments import checked
 from normswap.checkpoint import output
 from normswap.checkpoint.source import CheckpointReader, read_config, resolve_source, source_inputs
 from normswap.convert import card, install
@@ -19,6 +20,7 @@ from normswap.dtypes import dtype_name, parse_dtype
 from normswap.errors import NormswapError
 
 
+@checked
 def convert_checkpoint(
     src: str | Path,
     out: str | Path,
@@ -56,12 +58,12 @@ def convert_checkpoint(
     source_dir = resolve_source(src, trust_remote_code=trust_remote_code, revision=revision)
     out = output.absolute(out)
     inputs = source_inputs(source_dir)
-    output.check_out(out, inputs, overwrite)
+    output.check_out(out, inputs, overwrite, kind="checkpoint")
     config = read_config(source_dir)
     architecture = check_convertible(source_dir, config)  # before reading any weights
     with CheckpointReader(source_dir) as reader:
         _, plan, meta = plan_conversion(source_dir, config, reader, architecture=architecture, method=method,
-                                        fold_gains=fold_gains, dtype=out_dtype)
+                                        fold_gains=fold_gains, dtype=out_dtype, build_class=False)
         options = {"method": method, "fold_gains": fold_gains, "dtype": dtype_name(main_dtype(plan))}
         provenance = card.provenance_block(str(src), plan, options, architecture.auto_class)
         if revision is not None:

@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING
 
 from normswap.architectures.facts import ModelFacts
 from normswap.architectures.spec import Architecture, HeadNorm, Norm
+from normswap.checkpoint.names import canonical_names, output_shard_names
 from normswap.checkpoint.source import TensorInfo
 from normswap.convert.heads import centre_heads, fold_layer_scales
-from normswap.convert.names import canonical_names, output_shard_names, resolve_structure
+from normswap.convert.names import resolve_structure
 from normswap.convert.steps import (
     Bake,
     Centre,

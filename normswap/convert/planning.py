@@ -40,8 +40,10 @@ def plan_conversion(
 
     ``architecture`` is the adapter ``check_convertible`` returned; without it the check runs here.
     With ``build_class`` False, a class whose facts the adapter declares is not built (no torch,
-    no transformers: what ``inspect`` needs) and the model returned is None; an undeclared class
-    is built as always. Conversion builds the class anyway, and plans from the class itself.
+    no transformers: what ``inspect`` needs) and the model returned is None; an undeclared class,
+    or a config whose declaration is unsure (``facts.Unstated``), is built as always. ``convert``
+    and the rebuilt plan of ``verify`` plan this way; ``tests/test_model_facts.py`` holds every
+    declaration equal to its class (LayerNorm modules included).
     """
     if architecture is None:
         architecture = check_convertible(source_dir, config)

@@ -11,14 +11,10 @@ indexes the hidden dimension), so it can run in float64 slices of a large tensor
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING
 
-from normswap.checkpoint.safetensors_io import tensor_nbytes
-from normswap.dtypes import dtype_name, torch_dtype
+from normswap.checkpoint.safetensors_io import StoredTensor
+from normswap.dtypes import dtype_name
 from normswap.errors import NormswapError
-
-if TYPE_CHECKING:  # planning imports no torch
-    import torch
 
 
 class SliceStep:
@@ -97,7 +93,7 @@ class Fill(WholeStep):
 class Rotate:
     """Contract the stream axis ``axis`` with the orthogonal Q of ``rotation`` (``fold.rotate_axis``).
 
-    ``side`` says which of the ``fold.rotate_*`` identities this is (writer, reader, norm_bias).
+    ``side`` says which of ``fold.rotate_axis``'s identities this is (writer, reader, norm_bias).
     Slice-wise: every slice across ``axis`` is rotated on its own. A norm bias is rotated after
     its β ⊘ γ is formed, so that step is whole-tensor (``slice_wise`` False) and keeps its order.
     """
@@ -151,7 +147,7 @@ class Structure:
 
 
 @dataclass
-class TensorPlan:
+class TensorPlan(StoredTensor):
     """How one output tensor is made. Its dtype is kept by name (a ``torch.dtype`` given is stored
     as its name); ``dtype`` is the ``torch.dtype``."""
 
@@ -164,15 +160,6 @@ class TensorPlan:
 
     def __post_init__(self) -> None:
         self.dtype_name = dtype_name(self.dtype_name)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return torch_dtype(self.dtype_name)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the output tensor."""
-        return tensor_nbytes(self.shape, self.dtype_name)
 
 
 @dataclass

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,21 +28,13 @@ from pathlib import Path
 import torch
 
 from normswap.checkpoint import safetensors_io
+from normswap.checkpoint.files import SIDE_FILES, copy_inside_file
 from normswap.checkpoint.source import CheckpointReader, RecentReads
 from normswap.convert import fold
 from normswap.convert.plan import ConversionPlan, TensorPlan
 
 Read = Callable[[str], torch.Tensor]
 Progress = Callable[[int], None]
-
-# Files copied from the source checkpoint as they are (tokenizers, processors, generation).
-COPIED_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
-    "added_tokens.json", "tokenizer.model", "spiece.model", "vocab.txt", "generation_config.json",
-    "preprocessor_config.json", "processor_config.json", "feature_extractor_config.json",
-    "normalizer.json", "chat_template.jinja", "chat_template.json",
-)
-
 
 class ShardSource:
     """What the writer needs from the checkpoint: cached reads, and the fast paths it allows.
@@ -115,13 +106,22 @@ def write_tensor(fd: int, position: int, plan: TensorPlan, source: ShardSource) 
     safetensors_io.write_at(fd, position, safetensors_io.bytes_of(value))
 
 
-def _stream_rows(fd: int, position: int, plan: TensorPlan, source: ShardSource,
-                 slice_elements: int = fold.SLICE_ELEMENTS) -> None:
-    """Read, transform (float64, in place) and write ``plan`` a block of rows at a time.
+def _stream_rows(fd: int, position: int, plan: TensorPlan, source: ShardSource) -> None:
+    """Read, transform (float64, in place) and write ``plan`` a block of rows at a time
+    (``row_blocks``); memory holds three buffers of one block each."""
+    out_row_bytes = max(1, math.prod(plan.shape[1:])) * plan.dtype.itemsize
+    for start, block in row_blocks(plan, source):
+        result = source.buffer("out", block.numel() * plan.dtype.itemsize).view(plan.dtype).view(block.shape)
+        result.copy_(block)
+        safetensors_io.write_at(fd, position + start * out_row_bytes, safetensors_io.bytes_of(result))
 
-    Row blocks are whole slices for steps along a non-leading axis, so the values are exactly
-    those of ``fold.apply_slice_steps``; memory holds three buffers of one block each.
-    """
+
+def row_blocks(plan: TensorPlan, source: ShardSource,
+               slice_elements: int = fold.SLICE_ELEMENTS) -> Iterator[tuple[int, torch.Tensor]]:
+    """(first row, float64 rows) of a ``row_streamable`` tensor's value, block by block: each block
+    read from the source and run through ``fold``'s in-place slice kernels. Row blocks are whole
+    slices for steps along a non-leading axis, so the values are exactly those of
+    ``fold.apply_slice_steps``. Each block is overwritten by the next."""
     rows_total = plan.shape[0]
     row = max(1, math.prod(plan.shape[1:]))
     rows = max(1, slice_elements // row)
@@ -129,16 +129,30 @@ def _stream_rows(fd: int, position: int, plan: TensorPlan, source: ShardSource,
     source_dtype = source.reader.tensors[plan.source].dtype
     raw = source.buffer("raw", rows * row * source_dtype.itemsize)
     work = source.buffer("work", rows * row * 8).view(torch.float64)
-    out = source.buffer("out", rows * row * plan.dtype.itemsize).view(plan.dtype)
-    out_row_bytes = row * plan.dtype.itemsize
     for start in range(0, rows_total, rows):
         count = min(rows, rows_total - start)
         piece = source.reader.read_rows(plan.source, start, count, raw)
         block = work[: count * row].view(piece.shape)
         block.copy_(piece)
-        result = out[: count * row].view(piece.shape)
-        result.copy_(fold.run_kernels(kernels, block))
-        safetensors_io.write_at(fd, position + start * out_row_bytes, safetensors_io.bytes_of(result))
+        yield start, fold.run_kernels(kernels, block)
+
+
+def expected_blocks(plan: TensorPlan, source: ShardSource,
+                    slice_elements: int = fold.SLICE_ELEMENTS) -> Iterator[tuple[int, torch.Tensor]]:
+    """(first row, float64 rows) of the value ``plan`` says the output tensor has, before its
+    cast to the output dtype: what ``write_tensor`` writes, by the same code path (``row_blocks``
+    for row-streamable tensors, ``fold.compute_tensor`` in float64 for the rest, cut into row
+    blocks of about ``slice_elements``)."""
+    if source.row_streamable(plan):
+        yield from row_blocks(plan, source, slice_elements)
+        return
+    value = fold.compute_tensor(plan, source.read, torch.float64)
+    if value.dim() == 0 or value.shape[0] == 0:
+        yield 0, value
+        return
+    rows = max(1, slice_elements // max(1, value.numel() // value.shape[0]))
+    for start in range(0, value.shape[0], rows):
+        yield start, value[start: start + rows]
 
 
 def write_weights(out_dir: Path, plan: ConversionPlan, reader: CheckpointReader,
@@ -148,13 +162,10 @@ def write_weights(out_dir: Path, plan: ConversionPlan, reader: CheckpointReader,
     The index follows transformers: ``metadata.total_size`` is the bytes of tensor data and
     ``weight_map`` names each tensor's shard, keys sorted.
     """
-    by_shard: dict[str, list[TensorPlan]] = {shard: [] for shard in plan.shards}
-    for tensor in plan.tensors.values():
-        by_shard[tensor.shard].append(tensor)
     source = ShardSource(reader)
     total = 0
-    with _one_thread():
-        for shard, tensors in by_shard.items():
+    with one_thread():
+        for shard, tensors in tensors_by_shard(plan).items():
             total += write_shard(out_dir / shard, tensors, source, progress)
     if len(plan.shards) > 1:
         index = {
@@ -164,8 +175,16 @@ def write_weights(out_dir: Path, plan: ConversionPlan, reader: CheckpointReader,
         write_json(out_dir / "model.safetensors.index.json", index)
 
 
+def tensors_by_shard(plan: ConversionPlan) -> dict[str, list[TensorPlan]]:
+    """The plan's tensors per output shard, in the order they are written."""
+    by_shard: dict[str, list[TensorPlan]] = {shard: [] for shard in plan.shards}
+    for tensor in plan.tensors.values():
+        by_shard[tensor.shard].append(tensor)
+    return by_shard
+
+
 @contextmanager
-def _one_thread() -> Iterator[None]:
+def one_thread() -> Iterator[None]:
     """Run torch ops on one thread: slice math is memory-bound, and on a busy machine every
     multi-threaded op waits for its slowest thread (measured: 6x slower on 2 shared cores)."""
     threads = torch.get_num_threads()
@@ -179,13 +198,12 @@ def _one_thread() -> Iterator[None]:
 def copy_side_files(source_dir: Path, out_dir: Path) -> list[str]:
     """Copy tokenizer, processor and generation files; returns their names.
 
-    A JSON file's ``auto_map`` (custom tokenizer or processor code) is dropped: normswap never
+    Each is copied only as a regular file inside the checkpoint (``checkpoint.files``). A JSON file's ``auto_map`` (custom tokenizer or processor code) is dropped: normswap never
     copies a checkpoint's code, so the entry would name a file the output does not have.
     """
     copied = []
-    for name in COPIED_FILES:
-        if (source_dir / name).is_file():
-            shutil.copyfile(source_dir / name, out_dir / name)
+    for name in SIDE_FILES:
+        if copy_inside_file(source_dir, name, out_dir / name):
             if name.endswith(".json"):
                 _drop_auto_map(out_dir / name)
             copied.append(name)

@@ -9,19 +9,11 @@ Names are imported lazily so that building the command line does not import torc
 
 from __future__ import annotations
 
-from normswap.lazy import lazy_getattr
+from normswap.lazy import lazy_exports
 
-_EXPORTS = {
-    "evaluate": "normswap.evaluation.api",
-    "EvalSettings": "normswap.evaluation.runner",
-    "Tolerances": "normswap.evaluation.compare",
-    "default_tolerances": "normswap.evaluation.compare",
-    "strided_perplexity": "normswap.evaluation.perplexity",
-    "StridedResult": "normswap.evaluation.perplexity",
-    "load_recipe": "normswap.evaluation.recipe",
-    "run_recipe": "normswap.evaluation.recipe",
-}
-
-__all__ = sorted(_EXPORTS)
-
-__getattr__ = lazy_getattr(__name__, _EXPORTS)
+__getattr__, __all__ = lazy_exports(__name__, {
+    "normswap.evaluation.api": ("evaluate",), "normswap.evaluation.runner": ("EvalSettings",),
+    "normswap.evaluation.compare": ("Tolerances", "default_tolerances"),
+    "normswap.evaluation.perplexity": ("strided_perplexity", "StridedResult"),
+    "normswap.evaluation.recipe": ("load_recipe", "run_recipe"),
+})

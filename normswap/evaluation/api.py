@@ -5,15 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from normswap.arguments import checked
 from normswap.evaluation.compare import Comparison, Tolerances, compare, default_tolerances
 from normswap.evaluation.report import build_report
 from normswap.evaluation.runner import EvalSettings, Evaluator, ModelEval
 
 
+@checked
 def evaluate(
-    model: str,
+    model: str | Path,
     *,
-    baseline: str | None = None,
+    baseline: str | Path | None = None,
     settings: EvalSettings | None = None,
     tolerances: Tolerances | None = None,
     reference: dict[str, float] | None = None,

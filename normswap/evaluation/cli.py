@@ -15,10 +15,13 @@ from typing import TYPE_CHECKING, Any
 
 from normswap.commands import (
     add_device_option,
+    add_progress_option,
     add_report_options,
     check_report_out,
+    command_inputs,
     emit_json,
-    local_inputs,
+    progress_off,
+    quiet_progress_bars,
     tolerance,
 )
 from normswap.errors import NormswapError, VerificationError
@@ -71,7 +74,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--acc-atol", type=tolerance, help="absolute tolerance for accuracies (default by dtype)")
     parser.add_argument("--doc-ll-atol", type=tolerance,
                         help="tolerance for the max per-document |Δ loglikelihood| in nats (default by dtype)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_progress_option(parser)
     add_eval_options(parser)
     parser.set_defaults(dtype="float32", batch_size=8, trust_remote_code=False, device="auto")
 
@@ -102,7 +105,7 @@ def settings_from_args(args: argparse.Namespace, **overrides: Any) -> EvalSettin
         device=resolve_device(args.device), device_map=args.device_map, trust_remote_code=bool(args.trust_remote_code),
         threads=getattr(args, "threads", None),
         share_contexts=not getattr(args, "plain_lm_eval", False),
-        progress=not args.no_progress and sys.stderr.isatty(),
+        progress=not progress_off(args),
         audio=getattr(args, "audio", None), images=getattr(args, "images", None),
     )
     values.update(overrides)
@@ -149,21 +152,13 @@ def finish(args: argparse.Namespace, report: dict, *, out: Path | None, inputs: 
     return 0
 
 
-def quiet_progress_bars(args: argparse.Namespace) -> None:
-    """With --no-progress, or when stderr is not a terminal, turn off the bars of the libraries
-    normswap drives (datasets, lm-eval's task building, transformers' loading). tqdm reads
-    ``TQDM_DISABLE`` when it is imported, so this runs before anything imports it."""
-    if args.no_progress or not sys.stderr.isatty():
-        os.environ["TQDM_DISABLE"] = "1"
-
-
 def run(args: argparse.Namespace) -> int:
     from normswap.commands import check_source
     from normswap.extras import require
 
     quiet_progress_bars(args)
     require("eval", "normswap eval")
-    inputs = local_inputs(args.model, args.baseline)
+    inputs = command_inputs(args)
     check_report_out(args, inputs)  # before any work
     if args.no_perplexity and not args.tasks and not (args.audio or args.images):
         raise NormswapError("nothing to evaluate: --no-perplexity and no --tasks")

@@ -78,6 +78,28 @@ class DocRow:
     worst_doc: int | None
     limit: float
     ok: bool
+    # the distribution of the per-document |Δ| (each document's largest over its scores):
+    # percentile ("p0", "p5", ... "p100") -> nats, which the report's plot draws
+    abs_delta_quantiles: dict[str, float] = field(default_factory=dict)
+
+
+# the percentiles of the per-document |Δ loglik| a comparison keeps (a bounded summary of any task size)
+DOC_PERCENTILES = (0, 5, 25, 50, 75, 95, 100)
+
+
+def quantiles(values: list[float], percentiles: tuple[int, ...] = DOC_PERCENTILES) -> dict[str, float]:
+    """Percentiles of ``values`` by linear interpolation between order statistics (numpy's default)."""
+    ordered = sorted(values)
+    if not ordered:
+        return {}
+    result = {}
+    for p in percentiles:
+        position = (len(ordered) - 1) * p / 100
+        low = math.floor(position)
+        high = min(low + 1, len(ordered) - 1)
+        below, above = ordered[low], ordered[high]
+        result[f"p{p}"] = below if below == above else below + (above - below) * (position - low)
+    return result
 
 
 @dataclass
@@ -124,16 +146,20 @@ def compare_documents(task: str, original: dict[int, list[float]], converted: di
     if set(original) != set(converted):
         problem = f"{task}: the two models were scored on different documents"
     worst, worst_doc = 0.0, None
+    per_document = []
     for doc in common:
         a, b = original[doc], converted[doc]
         if len(a) != len(b):
             problem = f"{task}: document {doc} has a different number of scores"
             continue
-        for x, y in zip(a, b, strict=True):
-            gap = abs(y - x) if math.isfinite(x) and math.isfinite(y) else (0.0 if x == y else math.inf)
-            if worst_doc is None or gap > worst:
-                worst, worst_doc = gap, doc
-    row = DocRow(task, len(common), worst, worst_doc, tol.doc_ll_atol, worst <= tol.doc_ll_atol)
+        gaps = [abs(y - x) if math.isfinite(x) and math.isfinite(y) else (0.0 if x == y else math.inf)
+                for x, y in zip(a, b, strict=True)]
+        if gaps:
+            per_document.append(max(gaps))
+            if worst_doc is None or max(gaps) > worst:
+                worst, worst_doc = max(gaps), doc
+    row = DocRow(task, len(common), worst, worst_doc, tol.doc_ll_atol, worst <= tol.doc_ll_atol,
+                 quantiles(per_document))
     return row, problem
 
 

@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from normswap.errors import NormswapError
+from normswap.errors import NormswapError, first_line
 from normswap.evaluation.local_tasks import (  # noqa: F401  (re-exported: the task folder's names)
+    BUNDLED_EVALS,
     LOCAL_ALIAS,
     TEXT_TASK,
     evals_dir,
@@ -189,17 +190,32 @@ def _data_error(error: Exception) -> NormswapError:
     )
 
 
-def load_tasks(task_manager, names: list[str]) -> list:
+def load_tasks(task_manager, names: list[str], *, sandboxed: bool = False) -> list:
     """lm-eval ``Task`` objects for ``names`` (data read, documents prepared), to pass to every run
     in place of the names; the names themselves when they include groups, which lm-eval
-    aggregates only when it loads them itself."""
+    aggregates only when it loads them itself. ``sandboxed`` as for ``run_tasks``."""
+    from normswap.evaluation.task_code import sandboxed_templates
+
     try:
-        loaded = task_manager.load(list(names))
+        with sandboxed_templates(sandboxed), _template_errors():
+            loaded = task_manager.load(list(names))
     except (ConnectionError, OSError) as error:
         raise _data_error(error) from None
     if loaded.get("groups"):
         return list(names)
     return list(loaded["tasks"].values())
+
+
+@contextmanager
+def _template_errors() -> Iterator[None]:
+    """A template the sandbox stopped, as one line."""
+    from jinja2.exceptions import SecurityError
+
+    try:
+        yield
+    except SecurityError as error:
+        raise NormswapError(f"a task template reaches Python internals ({first_line(error)}); a task folder is "
+                            "code, and code from one outside normswap runs only with --trust-remote-code") from None
 
 
 @contextmanager
@@ -252,17 +268,21 @@ def _versions_only_env_info() -> Iterator[None]:
         evaluator.add_env_info = original
 
 
-def run_tasks(lm, task_manager, tasks: list, *, limit: int | float | None = None) -> TaskResults:
+def run_tasks(lm, task_manager, tasks: list, *, limit: int | float | None = None,
+              sandboxed: bool = False) -> TaskResults:
     """Run ``tasks`` (names, or ``Task`` objects from ``load_tasks``) on an HFLM with lm-eval's
-    Python API, logging samples for per-document deltas."""
+    Python API, logging samples for per-document deltas; ``sandboxed``: templates are rendered
+    in Jinja's sandbox (``task_code``)."""
     import lm_eval
 
+    from normswap.evaluation.task_code import sandboxed_templates
     from normswap.runtime.reference import transformers_errors_only
 
     for name in ("lm_eval", "lm_eval.api.task", "lm_eval.evaluator"):
         logging.getLogger(name).setLevel(logging.WARNING)
     try:
-        with _no_git_probe(), _versions_only_env_info(), transformers_errors_only():
+        with (_no_git_probe(), _versions_only_env_info(), transformers_errors_only(), sandboxed_templates(sandboxed),
+              _template_errors()):
             raw = lm_eval.simple_evaluate(
                 model=lm,
                 tasks=tasks,

@@ -4,6 +4,11 @@ Local tasks are ordinary lm-eval YAMLs whose ``data_files`` are relative to the 
 resolves relative paths against the working directory, so before each run the YAMLs are copied
 into a scratch folder with ``data_files`` rewritten to absolute paths; the ``--text`` documents
 become one more task there, scored by rolling loglikelihood.
+
+A task folder is code (``task_code``): the bundled ``evals/`` is trusted; one named by
+``NORMSWAP_EVALS_DIR`` runs its ``!function``, ``include:`` and ``class:`` only with
+``--trust-remote-code`` (then lm-eval reads the original YAML, through an ``include:`` of it, so
+its code resolves beside it), and is refused, naming what it holds, without.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import Any
 import yaml
 
 from normswap.errors import NormswapError
+from normswap.evaluation.task_code import TaskLoader, code_in
 from normswap.evaluation.text import TextSource
 
 # The task generated at run time over the --text documents (rolling loglikelihood).
@@ -23,10 +29,13 @@ TEXT_TASK = "normswap_text"
 # Shorthand for all tasks shipped in evals/.
 LOCAL_ALIAS = "local"
 
+BUNDLED_EVALS = Path(__file__).resolve().parents[2] / "evals"
+
+
 def evals_dir() -> Path:
     """The ``evals/`` folder: ``$NORMSWAP_EVALS_DIR``, else the one beside the package (a checkout)."""
     override = os.environ.get("NORMSWAP_EVALS_DIR")
-    path = Path(override) if override else Path(__file__).resolve().parents[2] / "evals"
+    path = Path(override) if override else BUNDLED_EVALS
     if not path.is_dir():
         raise NormswapError(f"local task folder {path} not found; set NORMSWAP_EVALS_DIR to a copy of evals/")
     return path
@@ -34,7 +43,7 @@ def evals_dir() -> Path:
 
 def _read_yaml(path: Path) -> dict[str, Any]:
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=TaskLoader)  # noqa: S506 (tags stay data)
     except yaml.YAMLError as error:
         raise NormswapError(f"task file {path} is not valid YAML: {str(error).splitlines()[0]}") from None
     if not isinstance(data, dict):
@@ -74,7 +83,24 @@ def _absolutise_data_files(config: dict[str, Any], base: Path) -> dict[str, Any]
     return config
 
 
-def materialise_tasks(workdir: Path, names: list[str], text: TextSource | None = None) -> Path:
+def _runnable(source: Path, trust_remote_code: bool) -> dict[str, Any]:
+    """The YAML to run for the local task file ``source`` (see the module docstring)."""
+    config = _read_yaml(source)
+    trusted = source.resolve().parent == BUNDLED_EVALS.resolve()
+    found = code_in(config)
+    if found is None:
+        return _absolutise_data_files(config, source.parent)
+    if not (trusted or trust_remote_code):
+        raise NormswapError(f"task file {source} holds {found}: a task folder is code, and code from one outside "
+                            "normswap runs only with --trust-remote-code")
+    kwargs = config.get("dataset_kwargs")
+    plain = {key: value for key, value in config.items() if key in ("task", "dataset_kwargs")}
+    runnable = _absolutise_data_files(plain, source.parent) if isinstance(kwargs, dict) else plain
+    return {"include": str(source.resolve()), **runnable}
+
+
+def materialise_tasks(workdir: Path, names: list[str], text: TextSource | None = None, *,
+                      trust_remote_code: bool = False) -> Path:
     """Write runnable YAMLs for the local tasks in ``names`` (and the text task) into ``workdir``."""
     workdir.mkdir(parents=True, exist_ok=True)
     available = local_tasks() if any(name != TEXT_TASK for name in names) else {}
@@ -82,7 +108,7 @@ def materialise_tasks(workdir: Path, names: list[str], text: TextSource | None =
         if name == TEXT_TASK:
             continue
         source = available[name]
-        config = _absolutise_data_files(_read_yaml(source), source.parent)
+        config = _runnable(source, trust_remote_code)
         (workdir / source.name).write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
     if TEXT_TASK in names:
         if text is None:

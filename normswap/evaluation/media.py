@@ -21,7 +21,9 @@ from importlib import resources
 from pathlib import Path
 from types import ModuleType
 
+from normswap.checkpoint.provenance import original_model_type
 from normswap.errors import NormswapError
+from normswap.text import count
 
 BUNDLED = "bundled"
 AUDIO_SUFFIXES = (".wav", ".flac", ".ogg", ".oga", ".mp3", ".aiff", ".aif")
@@ -34,14 +36,14 @@ MODALITIES = {"whisper": "audio", "vit": "images", "clip": "images", "deit": "im
 
 def modality(config: dict) -> str:
     """``audio``, ``images`` or ``text``: what a checkpoint (original or converted) reads."""
-    model_type = (config.get("normswap") or {}).get("original_model_type", config.get("model_type"))
+    model_type = original_model_type(config)
     return MODALITIES.get(str(model_type), "text")
 
 
 def require_modality(config: dict, source: str, given: str | None) -> None:
     """One line when the input option does not suit the model (``given``: audio, images or None)."""
     wanted = modality(config)
-    model_type = (config.get("normswap") or {}).get("original_model_type", config.get("model_type"))
+    model_type = original_model_type(config)
     if given is None and wanted != "text":
         raise NormswapError(
             f"{source} is a {model_type} model, which reads {wanted}, not text: pass --{wanted} PATH "
@@ -81,7 +83,7 @@ class AudioSet:
         return sum(u.seconds for u in self.utterances)
 
     def describe(self) -> str:
-        return f"{len(self.utterances)} utterances ({self.seconds:.1f} s) of {self.name}"
+        return f"{count(len(self.utterances), 'utterance')} ({self.seconds:.1f} s) of {self.name}"
 
 
 def _audio_pairs(spec: str) -> tuple[str, list[tuple[Path, str]]]:
@@ -207,8 +209,8 @@ class ImageSet:
 
     def describe(self) -> str:
         labels = self.labels
-        classes = f", {len(labels)} classes" if labels else ""
-        return f"{len(self.images)} images{classes} of {self.name}"
+        classes = f", {count(len(labels), 'class')}" if labels else ""
+        return f"{count(len(self.images), 'image')}{classes} of {self.name}"
 
 
 def _image_files(spec: str) -> tuple[str, list[tuple[Path, str | None]]]:

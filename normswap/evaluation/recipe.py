@@ -7,7 +7,7 @@
       fold_gains: false
       method: exact
       dtype: null
-      trust_remote_code: false
+      trust_remote_code: false        # may turn --trust-remote-code off; only the flag turns it on
     verify:                           # the conversion's built-in logit check
       atol: null                      # max |Δlogit|; null: the default for the dtype
       rtol: null
@@ -49,6 +49,7 @@ from typing import Any
 import yaml
 
 from normswap.checkpoint import output
+from normswap.checkpoint.removal import remove_tree
 from normswap.errors import NormswapError
 
 SECTIONS = {"name", "description", "source", "convert", "verify", "eval", "tolerances", "reference"}
@@ -58,6 +59,9 @@ EVAL_KEYS = {"dtype": str, "batch_size": int, "max_length": int, "stride": int, 
              "perplexity": bool, "tasks": list, "limit": float, "device": str, "device_map": str,
              "audio": str, "images": str}
 TOLERANCE_KEYS = {"ppl_rtol": float, "acc_atol": float, "doc_ll_atol": float}
+# Recipe keys that switch a permission on, and the command-line flag that alone may grant it: a
+# recipe is a file people download and share, so it may narrow a permission, never widen it.
+PERMISSION_KEYS = {("convert", "trust_remote_code"): "--trust-remote-code"}
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 # a recipe's name becomes a folder name under runs/: never a path
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -208,6 +212,20 @@ def _check_values(recipe: Recipe, origin: str) -> None:
             raise NormswapError(f"{origin}: eval.{key} {value} does not exist")
 
 
+def permitted(recipe: Recipe, granted: dict[str, bool]) -> dict[str, bool]:
+    """The permissions the run gets: each one the user ``granted`` on the command line (by flag),
+    narrowed by the recipe. A recipe key that would grant what the user did not is refused."""
+    allowed = {}
+    for (section, key), flag in PERMISSION_KEYS.items():
+        asked = getattr(recipe, section).get(key)
+        given = bool(granted.get(flag, False))
+        if asked and not given:
+            raise NormswapError(f"recipe {recipe.path}: {section}.{key}: true cannot grant what only the command "
+                                f"line can; pass {flag} yourself to allow it (or remove the key)")
+        allowed[key] = given and asked is not False
+    return allowed
+
+
 def hub_needs(recipe: Recipe, settings) -> list[str]:
     """What in this recipe needs the Hugging Face hub (empty when it runs offline)."""
     from normswap.checkpoint.source import EXAMPLE_MODEL
@@ -227,14 +245,15 @@ def hub_needs(recipe: Recipe, settings) -> list[str]:
     return needs
 
 
-def convert_kwargs(recipe: Recipe) -> dict[str, Any]:
-    """Keyword arguments for ``normswap.convert_checkpoint``: the recipe's, with verification on."""
+def convert_kwargs(recipe: Recipe, *, trust_remote_code: bool = False) -> dict[str, Any]:
+    """Keyword arguments for ``normswap.convert_checkpoint``: the recipe's, with verification on,
+    and ``trust_remote_code`` as the caller decided it (``permitted``), never as the recipe says."""
     import inspect
 
     from normswap.convert.pipeline import convert_checkpoint
 
     accepted = set(inspect.signature(convert_checkpoint).parameters) - {"verifier"}  # the API passes that one
-    kwargs = {**recipe.convert, **recipe.verify, "overwrite": False}
+    kwargs = {**recipe.convert, **recipe.verify, "overwrite": False, "trust_remote_code": trust_remote_code}
     if kwargs.get("verification") == "none":
         raise NormswapError(f"recipe {recipe.path}: a recipe always verifies; remove verification: none")
     unsupported = sorted(set(kwargs) - set(accepted))
@@ -257,6 +276,7 @@ def run_recipe(recipe: Recipe, out: Path, *, settings, tolerances, overwrite: bo
     from normswap.evaluation.hub import hub_reachable
     from normswap.evaluation.report import write_report
 
+    permitted(recipe, {"--trust-remote-code": settings.trust_remote_code})
     needs = hub_needs(recipe, settings)
     if needs and not hub_reachable():
         raise NormswapError(
@@ -264,17 +284,19 @@ def run_recipe(recipe: Recipe, out: Path, *, settings, tolerances, overwrite: bo
             "run it online, or try the offline recipe recipes/austen-gpt2.yaml"
         )
     out = output.absolute(out)
-    inputs = [recipe.path]
-    if Path(recipe.source).expanduser().exists():
-        from normswap.checkpoint.source import source_inputs
+    from normswap.checkpoint.source import source_inputs
 
-        inputs += source_inputs(Path(recipe.source).expanduser())
+    inputs = [recipe.path]
+    for item in (recipe.source, settings.text, settings.audio, settings.images):
+        path = Path(item).expanduser() if item else None
+        if path is not None and path.exists():
+            inputs += source_inputs(path) if path.is_dir() else [path]
     with output.claimed_output(out, inputs=inputs, overwrite=overwrite, kind="run") as claim:
         folder = claim.tmp
         shutil.copyfile(recipe.path, folder / "recipe.yaml")
         converted = folder / "converted"
         log(f"[1/3] convert + verify {recipe.source} -> {out / 'converted'}")
-        provenance = normswap.convert_checkpoint(recipe.source, converted, **convert_kwargs(recipe))
+        provenance = normswap.convert_checkpoint(recipe.source, converted, **convert_kwargs(recipe, trust_remote_code=settings.trust_remote_code))
         (folder / "conversion.json").write_text(json.dumps(provenance, indent=2, default=str) + "\n", encoding="utf-8")
         log(f"[2/3] evaluate original and converted ({', '.join(settings.tasks) or 'perplexity only'})")
         report = evaluate(
@@ -288,6 +310,7 @@ def run_recipe(recipe: Recipe, out: Path, *, settings, tolerances, overwrite: bo
         report["conversion"] = provenance
         log(f"[3/3] report -> {out}")
         write_report(report, folder, plot=plot)
-        shutil.rmtree(folder / "work", ignore_errors=True)
+        for path in remove_tree(folder / "work"):
+            log(f"left {path} in place: it cannot be removed safely (another filesystem, a mount point, or denied)")
         claim.install()
     return report

@@ -12,19 +12,19 @@ import argparse
 import sys
 from pathlib import Path
 
-from normswap.commands import add_report_options
-from normswap.evaluation.cli import add_eval_options, finish, quiet_progress_bars, settings_from_args
+from normswap.commands import add_progress_option, add_report_options, quiet_progress_bars
+from normswap.evaluation.cli import add_eval_options, finish, settings_from_args
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", help="recipe YAML file, or a name from recipes/ (e.g. austen-gpt2)")
     add_report_options(parser, out_help="the run's folder (default: runs/<recipe name>): absent or empty, "
                                          "or with --overwrite one that normswap wrote")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_progress_option(parser)
     add_eval_options(parser)
 
 
-def _merged_settings(recipe, args: argparse.Namespace):
+def _merged_settings(recipe, args: argparse.Namespace, trust_remote_code: bool = False):
     """Recipe eval settings, overridden by the command-line options that were given."""
     from normswap.evaluation.runner import EvalSettings
 
@@ -41,7 +41,7 @@ def _merged_settings(recipe, args: argparse.Namespace):
         limit=args.limit if args.limit is not None else limit,
         device=args.device or base.device,
         device_map=args.device_map or base.device_map,
-        trust_remote_code=bool(args.trust_remote_code or recipe.convert.get("trust_remote_code")),
+        trust_remote_code=trust_remote_code,
         no_progress=args.no_progress,
         audio=args.audio or base.audio,
         images=args.images or base.images,
@@ -53,16 +53,17 @@ def _merged_settings(recipe, args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     from normswap.commands import check_source
-    from normswap.evaluation.recipe import load_recipe, run_recipe
+    from normswap.evaluation.recipe import load_recipe, permitted, run_recipe
     from normswap.extras import require
 
     quiet_progress_bars(args)
     require("eval", "normswap run")
     recipe = load_recipe(args.recipe)  # a bad recipe or source is refused before torch is imported
-    check_source(recipe.source, trust_remote_code=bool(args.trust_remote_code or recipe.convert.get("trust_remote_code")))
+    trust = permitted(recipe, {"--trust-remote-code": bool(args.trust_remote_code)})["trust_remote_code"]
+    check_source(recipe.source, trust_remote_code=trust)
     from normswap.evaluation.compare import Tolerances, default_tolerances
 
-    settings = _merged_settings(recipe, args)
+    settings = _merged_settings(recipe, args, trust)
     tolerances = Tolerances(**{**default_tolerances(settings.dtype).as_dict(), **recipe.tolerances})
     out = args.out or Path("runs") / recipe.name
     report = run_recipe(

@@ -1,4 +1,4 @@
-"""The evaluation report: one JSON document, a Markdown rendering of it, and an optional bar chart."""
+"""The evaluation report: one JSON document, a Markdown rendering of it, and an optional chart (``plot``)."""
 
 from __future__ import annotations
 
@@ -178,45 +178,7 @@ def write_report(report: dict[str, Any], out_dir: Path, *, plot: bool = False) -
     paths["json"].write_text(json_text(report), encoding="utf-8")
     paths["markdown"].write_text(to_markdown(report) + "\n", encoding="utf-8")
     if plot:
+        from normswap.evaluation.plot import plot_report
+
         paths["plot"] = plot_report(report, out_dir / "report.png")
     return paths
-
-
-def plot_report(report: dict[str, Any], path: Path) -> Path:
-    """Bar chart, one panel per metric (their scales differ), one bar per model (and reference)."""
-    from normswap.extras import require
-
-    require("plot", "report.png")
-    import matplotlib
-
-    matplotlib.use("Agg")  # headless: no display on servers and CI
-    import matplotlib.pyplot as plt
-
-    models = report["models"]
-    reference = {r["key"]: r["reference"] for r in (report.get("reference") or {}).get("rows", [])}
-    keys = sorted({k for m in models.values() for k in m["metrics"]})
-    if not keys:
-        keys = ["(no metrics)"]
-    columns = min(4, len(keys))
-    rows = math.ceil(len(keys) / columns)
-    fig, axes = plt.subplots(rows, columns, figsize=(3.2 * columns, 2.8 * rows), squeeze=False)
-    colours = ["#4c72b0", "#dd8452", "#55a868", "#8172b3"]
-    for ax, key in zip(axes.flat, keys, strict=False):
-        labels = list(models)
-        values = [models[label]["metrics"].get(key, float("nan")) for label in labels]
-        if key in reference:
-            labels.append("reference")
-            values.append(reference[key])
-        bars = ax.bar(range(len(values)), values, color=colours[: len(values)])
-        ax.bar_label(bars, fmt="%.4g", fontsize=7)
-        ax.set_xticks(range(len(values)), labels, rotation=20, fontsize=8)
-        ax.set_title(key, fontsize=9)
-        ax.tick_params(axis="y", labelsize=8)
-    for ax in list(axes.flat)[len(keys):]:
-        ax.axis("off")
-    verdict = report.get("verdict")
-    fig.suptitle("normswap eval" + (f": {verdict.upper()}" if verdict else ""), fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path

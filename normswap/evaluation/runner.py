@@ -51,6 +51,22 @@ class EvalSettings:
     threads: int | None = None  # CPU intra-op threads; None: the idle cores (normswap.threads)
     share_contexts: bool = True  # False: lm-eval's plain HFLM path (see evaluation/shared_context.py)
 
+    def __post_init__(self) -> None:
+        """Every field checked when the settings are made, not deep inside a run."""
+        from normswap.arguments import check_fields
+
+        if isinstance(self.tasks, str):
+            raise TypeError(f"EvalSettings: tasks must be a list of task names, not the string {self.tasks!r:.40} "
+                            f"(pass [{self.tasks!r:.40}])")
+        check_fields(self)
+        parse_dtype(self.dtype)
+        for name in ("batch_size", "max_length", "stride", "threads"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise NormswapError(f"EvalSettings: {name} must be at least 1, not {value}")
+        if self.limit is not None and not (0 < self.limit < float("inf")):
+            raise NormswapError(f"EvalSettings: limit must be a positive count or a fraction below 1, not {self.limit}")
+
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -133,7 +149,11 @@ class Evaluator:
         if workdir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="normswap-eval-")
             workdir = Path(self._tmp.name)
-        self.task_dir = lmeval.materialise_tasks(workdir / "tasks", self.plan.local, self.text)
+        # a task folder other than the bundled one renders its templates in Jinja's sandbox
+        self.sandboxed = bool(self.plan.local) and not settings.trust_remote_code and (
+            lmeval.evals_dir().resolve() != lmeval.BUNDLED_EVALS.resolve())
+        self.task_dir = lmeval.materialise_tasks(workdir / "tasks", self.plan.local, self.text,
+                                                 trust_remote_code=settings.trust_remote_code)
         self._task_manager = None
         self._loaded_tasks: list | None = None
         self._encodings: dict[str, dict] = {}  # tokenizer fingerprint -> encoded strings, across models
@@ -152,7 +172,7 @@ class Evaluator:
     def _task_list(self) -> list:
         # Built once, so the second model of a comparison does not read and prepare the data again.
         if self._loaded_tasks is None:
-            self._loaded_tasks = lmeval.load_tasks(self._tasks(), self.plan.all)
+            self._loaded_tasks = lmeval.load_tasks(self._tasks(), self.plan.all, sandboxed=self.sandboxed)
         return self._loaded_tasks
 
     def _fix_max_length(self, model) -> int:
@@ -191,7 +211,8 @@ class Evaluator:
             lm = lmeval.make_lm(model, tokenizer, batch_size=self.settings.batch_size, max_length=max_length,
                                 progress=self.settings.progress,
                                 share_contexts=self.settings.share_contexts, encodings=self._encodings)
-            self._record_tasks(result, lmeval.run_tasks(lm, self._tasks(), self._task_list(), limit=self.settings.limit))
+            self._record_tasks(result, lmeval.run_tasks(lm, self._tasks(), self._task_list(), limit=self.settings.limit,
+                                                            sandboxed=self.sandboxed))
 
     def _strided(self, result: ModelEval, model, tokenizer, max_length: int) -> None:
         assert self.text is not None
@@ -231,7 +252,8 @@ class Evaluator:
         if self.text is not None and lm.rank == 0:
             self._strided(result, lm.model, lm.tokenizer, max_length)
         if self.plan.all:
-            self._record_tasks(result, lmeval.run_tasks(lm, self._tasks(), self._task_list(), limit=self.settings.limit))
+            self._record_tasks(result, lmeval.run_tasks(lm, self._tasks(), self._task_list(), limit=self.settings.limit,
+                                                            sandboxed=self.sandboxed))
         result.details["seconds"] = round(time.perf_counter() - started, 2)
         result.details["data_parallel_processes"] = data_parallel_world()
         return result

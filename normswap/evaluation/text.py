@@ -116,6 +116,12 @@ def _from_dataset(name: str) -> TextSource:
     )
 
 
+def text_file(spec: str | Path) -> Path:
+    """The file a single-file text option names: ``bundled`` (and its other names) is the bundled
+    held-out excerpt, anything else a path (``--calibration``, ``--held-out``, geometry's ``--text``)."""
+    return BUNDLED_TEXT if str(spec) in BUNDLED_NAMES else Path(spec).expanduser()
+
+
 def load_text(spec: str | Path | None = None, *, doc_chars: int = DEFAULT_DOC_CHARS) -> TextSource:
     """Resolve a text source.
 

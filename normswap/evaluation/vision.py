@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from normswap.checkpoint.provenance import original_model_type
 from normswap.errors import NormswapError
 from normswap.evaluation.media import ImageSet, checkpoint_processor, read_images
 from normswap.evaluation.runner import ModelEval
@@ -73,7 +74,7 @@ def prepare(path: Path, spec: str, tokenizer, config: dict) -> ImageData:
     images = read_images(spec)
     processor = image_processor(path)
     pixels = processor([i.image for i in images.images], return_tensors="pt").pixel_values
-    model_type = (config.get("normswap") or {}).get("original_model_type", config.get("model_type"))
+    model_type = original_model_type(config)
     if model_type != "clip":
         targets, note = class_indices(images, config.get("id2label") or {})
         return ImageData(images, pixels, "vit", targets, note=note)

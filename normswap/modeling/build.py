@@ -50,6 +50,22 @@ def model_class(config: dict, default_auto_class: str) -> type:
     return getattr(transformers, default_auto_class)
 
 
+def class_names(config: dict, default_auto_class: str) -> tuple[str, str]:
+    """(model class name, config class name) that ``meta_model`` would build for ``config``, read
+    from transformers' tables without building the model."""
+    cls = model_class(config, default_auto_class)
+    model_type = config.get("model_type")
+    if model_type not in transformers.CONFIG_MAPPING:
+        raise NormswapError(f"cannot build a config for model type '{model_type}'")
+    config_class = transformers.CONFIG_MAPPING[model_type]
+    if cls.__name__.startswith("Auto"):
+        try:
+            cls = cls._model_mapping[config_class]
+        except KeyError:
+            raise NormswapError(f"transformers' {cls.__name__} has no class for model type '{model_type}'") from None
+    return cls.__name__, config_class.__name__
+
+
 def meta_model(config: dict, default_auto_class: str) -> nn.Module:
     """The family's model on the meta device: names and module types, no memory."""
     cls = model_class(config, default_auto_class)

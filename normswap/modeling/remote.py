@@ -282,7 +282,27 @@ def rms_class(base: type, own_type: bool = False) -> type:
     if own_type:
         namespace["config_class"] = _lookup(CLASS_PREFIX + base.config_class.__name__)
     prefix = OWN_TYPE_PREFIX if own_type else CLASS_PREFIX
-    return type(prefix + base.__name__, (base,), namespace)
+    made = type(prefix + base.__name__, (base,), namespace)
+    list_for_pipelines(made.__name__, base.__name__)
+    return made
+
+
+def list_for_pipelines(name: str, base_name: str) -> None:
+    """Name a model class beside its stock base in the task tables that transformers' pipelines
+    check a model's class name against (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` and the like), so
+    that ``pipeline("text-generation", model=...)`` does not log that the model is not supported.
+
+    The entry's key is the class name, not a model type: the Auto classes resolve a config's model
+    type through ``CONFIG_MAPPING_NAMES`` and never reach it."""
+    try:
+        from transformers.models.auto import modeling_auto
+    except ImportError:  # a transformers without this module checks no names either
+        return
+    for table_name, table in vars(modeling_auto).items():
+        if not (table_name.endswith("_MAPPING_NAMES") and isinstance(table, dict)):
+            continue
+        if any(value == base_name or (isinstance(value, (tuple, list)) and base_name in value) for value in table.values()):
+            table.setdefault(name, name)
 
 
 def normswap_config_class(base: type) -> type:

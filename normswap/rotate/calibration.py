@@ -31,8 +31,7 @@ from normswap.threads import cpu_threads
 if TYPE_CHECKING:
     from normswap.rotate.plan import RotationPlan
 
-# at most this many tokens, in windows of at most this many positions
-DEFAULT_CALIBRATION_TOKENS = 32768
+# windows of at most this many positions
 CALIBRATION_WINDOW = 512
 # windows of the same length run together, this many at a time
 BATCH_WINDOWS = 8
@@ -108,12 +107,13 @@ def stream_moments(model: nn.Module, norm_names: list[str], ids: torch.Tensor, w
     return {name: moments[name].cpu() for name in norm_names}
 
 
-def empty_source_model(source_dir: Path, architecture: Architecture) -> nn.Module:
+def empty_source_model(source_dir: Path, architecture: Architecture, config: dict | None = None) -> nn.Module:
     """The source on the meta device: the stock class for an original, normswap's RMSNorm class
-    for a normswap conversion (nothing from the checkpoint runs)."""
-    if "normswap" in read_config(source_dir):
-        return layerwise.converted_model(source_dir, architecture, "rmsnorm")
-    return layerwise.original_model(source_dir, architecture)
+    for a normswap conversion (nothing from the checkpoint runs). ``config``: its config.json, if read."""
+    config = read_config(source_dir) if config is None else config
+    if "normswap" in config:
+        return layerwise.converted_model(source_dir, architecture, "rmsnorm", config)
+    return layerwise.original_model(source_dir, architecture, config)
 
 
 def window_for(model: nn.Module, limit: int) -> int:
@@ -123,11 +123,12 @@ def window_for(model: nn.Module, limit: int) -> int:
 
 
 def blockwise_moments(source_dir: Path, architecture: Architecture, norm_names: list[str], ids: torch.Tensor,
-                      window_limit: int, device: torch.device | None = None) -> StreamMoments:
+                      window_limit: int, device: torch.device | None = None,
+                      config: dict | None = None) -> StreamMoments:
     """``stream_moments`` with one block's weights in memory at a time, run on ``device`` (default:
     the GPU when there is one); raises ``layerwise.Unsupported`` when the model cannot be
     dispatched block by block."""
-    model = empty_source_model(source_dir, architecture)
+    model = empty_source_model(source_dir, architecture, config)
     found = layerwise.find_blocks(model, architecture.blocks)
     if found is None:
         raise layerwise.Unsupported("no list of residual blocks found in the model")
@@ -141,11 +142,11 @@ def blockwise_moments(source_dir: Path, architecture: Architecture, norm_names: 
 
 
 def whole_moments(source_dir: Path, architecture: Architecture, norm_names: list[str], ids: torch.Tensor,
-                  window_limit: int) -> StreamMoments:
+                  window_limit: int, config: dict | None = None) -> StreamMoments:
     """``stream_moments`` of the whole source model loaded at once (float32, CPU)."""
     from normswap.runtime.reference import reference_model
 
-    model = reference_model(source_dir, architecture)
+    model = reference_model(source_dir, architecture, config=config)
     window = window_for(model, window_limit)
     with cpu_threads(1):
         moments = stream_moments(model, norm_names, ids, window)
@@ -155,12 +156,13 @@ def whole_moments(source_dir: Path, architecture: Architecture, norm_names: list
 
 
 def calibration_moments(source_dir: Path, architecture: Architecture, norm_names: list[str], ids: torch.Tensor,
-                        window_limit: int) -> StreamMoments:
-    """Block by block where the model allows it, else on the whole model."""
+                        window_limit: int, config: dict | None = None) -> StreamMoments:
+    """Block by block where the model allows it, else on the whole model (``config``: the
+    source's config.json, when the caller has read it)."""
     try:
-        return blockwise_moments(source_dir, architecture, norm_names, ids, window_limit)
+        return blockwise_moments(source_dir, architecture, norm_names, ids, window_limit, config=config)
     except layerwise.Unsupported:
-        return whole_moments(source_dir, architecture, norm_names, ids, window_limit)
+        return whole_moments(source_dir, architecture, norm_names, ids, window_limit, config)
 
 
 def calibration_ids(source_dir: Path, text: str, label: str) -> torch.Tensor:
@@ -176,13 +178,14 @@ def calibration_ids(source_dir: Path, text: str, label: str) -> torch.Tensor:
     return ids
 
 
-def calibrate(source_dir: Path, rotation_plan: RotationPlan, text_path: str | Path, max_tokens: int) -> Rotation:
+def calibrate(source_dir: Path, rotation_plan: RotationPlan, text_path: str | Path, max_tokens: int,
+              config: dict | None = None) -> Rotation:
     """The pca rotation of the source's stream on the calibration text: Σ over every norm of its
     input's second moment, measured block by block."""
     text = read_calibration(text_path)
     ids = calibration_ids(source_dir, text, str(text_path))[:max_tokens]
     norms = [norm.name for norm in rotation_plan.plan.norms if norm.baked_into is None]
-    measured = calibration_moments(source_dir, rotation_plan.architecture, norms, ids, CALIBRATION_WINDOW)
+    measured = calibration_moments(source_dir, rotation_plan.architecture, norms, ids, CALIBRATION_WINDOW, config)
     moment = sum(measured.moments[name] for name in norms)
     calibration = {"text": Path(text_path).name, "tokens": int(ids.numel()),
                    "text_sha256": hashlib.sha256(text.encode()).hexdigest(), "window": measured.window}

@@ -2,26 +2,25 @@
 
 Q is ``hadamard`` (diag(±1)·H/√d, H from ``normswap.rotate.hadamard``), ``orthogonal`` (seeded Haar),
 or ``pca`` (the principal directions of the stream on calibration text, ``normswap.rotate.calibration``).
-The constructions are ``normswap.convert.fold``'s. Q is saved beside the weights
-(``normswap_rotation.safetensors``, through the ``safetensors`` package: one small tensor) so
-that the checkpoint can be verified, its activations mapped back (x = x'·Qᵀ), or the rotation
-undone.
+Q is saved beside the weights (``normswap_rotation.safetensors``, through the ``safetensors``
+package: one small tensor) so that the checkpoint can be verified, its activations mapped back
+(x = x'·Qᵀ), or the rotation undone. How a rotated tensor is computed from Q is
+``normswap.convert.fold.rotate_axis``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from normswap.checkpoint.source import read_config
-from normswap.convert import fold
 from normswap.errors import NormswapError
 from normswap.rotate import hadamard
 
-METHODS = ("hadamard", "orthogonal", "pca")
 ROTATION_FILE = "normswap_rotation.safetensors"
 
 
@@ -52,24 +51,74 @@ class Rotation:
         return block
 
 
+def random_signs(d: int, seed: int) -> torch.Tensor:
+    """d signs ±1 (float64) drawn from a generator seeded with ``seed``."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 2, (d,), generator=generator).double() * 2 - 1
+
+
+def randomised_hadamard(hadamard: torch.Tensor, seed: int) -> torch.Tensor:
+    """Q = diag(s)·H/√d for a Hadamard matrix H (entries ±1, HHᵀ = d·I) and seeded signs s.
+
+    QQᵀ = diag(s)·HHᵀ·diag(s)/d = I. Every entry of Q is ±1/√d, so each coordinate of the rotated
+    stream x·Q is an equal-weight mix of all of x's, which spreads a few large coordinates evenly.
+    This is the issue's H·diag(±1)/√d written for row vectors: the signs act on x before H mixes
+    it (x·diag(s)·H). Signs applied after H (x·H·diag(s)) would only flip coordinates of x·H,
+    which no symmetric quantiser or outlier statistic can see: every seed would give the same
+    model up to signs.
+    """
+    d = hadamard.shape[0]
+    return random_signs(d, seed)[:, None] * hadamard.double() / math.sqrt(d)
+
+
+def random_orthogonal(d: int, seed: int) -> torch.Tensor:
+    """A Haar-random orthogonal d×d matrix: QR of a seeded Gaussian matrix, with the sign fix.
+
+    For G = QR, Q·diag(sign(diag R)) is distributed uniformly over O(d) (without the fix the
+    distribution depends on the QR routine's sign convention).
+    """
+    generator = torch.Generator().manual_seed(seed)
+    gaussian = torch.randn(d, d, generator=generator, dtype=torch.float64)
+    q, r = torch.linalg.qr(gaussian)
+    signs = torch.sign(torch.diagonal(r))
+    signs[signs == 0] = 1.0
+    return q * signs
+
+
+def principal_rotation(second_moment: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q whose columns are the eigenvectors of M = Σ xᵀx, by decreasing eigenvalue; and those.
+
+    x·Q then has its coordinates sorted by how much of the stream's energy they carry (the
+    first column is the stream's principal direction). Each column's sign is fixed so that its
+    largest-magnitude entry is positive, making Q a function of M alone.
+    """
+    values, vectors = torch.linalg.eigh(second_moment.double())
+    order = torch.argsort(values, descending=True, stable=True)
+    values, vectors = values[order], vectors[:, order]
+    largest = vectors.abs().argmax(dim=0)
+    signs = torch.sign(vectors[largest, torch.arange(vectors.shape[1])])
+    signs[signs == 0] = 1.0
+    return vectors * signs, values
+
+
 def hadamard_rotation(d: int, seed: int) -> Rotation:
-    """Q = diag(s)·H/√d with a Hadamard H of order d and seeded signs s (``fold.randomised_hadamard``)."""
+    """Q = diag(s)·H/√d with a Hadamard H of order d and seeded signs s (``randomised_hadamard``)."""
     construction = hadamard.describe(d)
     if construction is None:
         raise NormswapError(
             f"no Hadamard matrix of order {d} is constructible here (Sylvester, prime-order Paley and their "
             "Kronecker products); use --method orthogonal"
         )
-    matrix = fold.randomised_hadamard(hadamard.hadamard_matrix(d), seed)
+    matrix = randomised_hadamard(hadamard.hadamard_matrix(d), seed)
     return Rotation("hadamard", seed, matrix, f"diag(±1)·H/√d, H = {construction}")
 
 
 def orthogonal_rotation(d: int, seed: int) -> Rotation:
-    return Rotation("orthogonal", seed, fold.random_orthogonal(d, seed), "QR of a seeded Gaussian, sign-fixed")
+    return Rotation("orthogonal", seed, random_orthogonal(d, seed), "QR of a seeded Gaussian, sign-fixed")
 
 
 def pca_rotation(second_moment: torch.Tensor, calibration: dict) -> Rotation:
-    matrix, values = fold.principal_rotation(second_moment)
+    matrix, values = principal_rotation(second_moment)
     total = float(values.clamp(min=0).sum())
     share = values.clamp(min=0).cumsum(0) / total if total > 0 else values
     kept = {f"top_{k}": float(share[k - 1]) for k in (1, 8, 32) if k <= values.numel()}
@@ -86,13 +135,14 @@ def save_rotation(path: Path, rotation: Rotation) -> None:
     path.chmod(0o644)  # as the weights: readable like the rest of the checkpoint
 
 
-def load_rotation(checkpoint: Path, dimension: int | None = None) -> torch.Tensor:
+def load_rotation(checkpoint: Path, dimension: int | None = None, config: dict | None = None) -> torch.Tensor:
     """Q of a rotated checkpoint, checked before use: a float64 ``dimension``-square matrix,
-    orthogonal (|QᵀQ - I| < 1e-9), whose hash is the one its provenance records."""
+    orthogonal (|QᵀQ - I| < 1e-9), whose hash is the one its provenance records (``config``: its
+    config.json, when the caller has read it)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    block = read_config(checkpoint).get("normswap", {}).get("rotation")
+    block = (read_config(checkpoint) if config is None else config).get("normswap", {}).get("rotation")
     if block is None:
         raise NormswapError(f"{checkpoint} is not a rotated normswap checkpoint")
     if not isinstance(block, dict) or not isinstance(block.get("matrix_sha256"), str):

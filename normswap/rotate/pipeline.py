@@ -22,22 +22,19 @@ from pathlib import Path
 
 import torch
 
+from normswap.arguments import checked
 from normswap.checkpoint import output
 from normswap.checkpoint.source import CheckpointReader, read_config, resolve_source, source_inputs
 from normswap.convert import card, install, pipeline
 from normswap.dtypes import parse_dtype
 from normswap.errors import NormswapError
-from normswap.rotate.calibration import DEFAULT_CALIBRATION_TOKENS, calibrate, read_calibration
-from normswap.rotate.matrices import (
-    METHODS,
-    ROTATION_FILE,
-    hadamard_rotation,
-    orthogonal_rotation,
-    save_rotation,
-)
+from normswap.rotate.calibration import calibrate, read_calibration
+from normswap.rotate.matrices import ROTATION_FILE, hadamard_rotation, orthogonal_rotation, save_rotation
+from normswap.rotate.options import DEFAULT_CALIBRATION_TOKENS, METHODS
 from normswap.rotate.plan import add_rotation, check_rotatable, hidden_size, plan_rotation
 
 
+@checked
 def rotate_checkpoint(
     src: str | Path,
     out: str | Path,
@@ -71,7 +68,7 @@ def rotate_checkpoint(
     source_dir = resolve_source(src, trust_remote_code=trust_remote_code)
     out = output.absolute(out)
     inputs = source_inputs(source_dir) + ([Path(calibration)] if calibration is not None else [])
-    output.check_out(out, inputs, overwrite)
+    output.check_out(out, inputs, overwrite, kind="checkpoint")
     config = read_config(source_dir)
     check_rotatable(source_dir, config)  # refusals before any weight is read
     if calibration is not None:
@@ -79,7 +76,7 @@ def rotate_checkpoint(
     with CheckpointReader(source_dir) as reader:
         rotation_plan = plan_rotation(source_dir, config, reader, dtype=out_dtype)
         if method == "pca":
-            rotation = calibrate(source_dir, rotation_plan, calibration, calibration_tokens)
+            rotation = calibrate(source_dir, rotation_plan, calibration, calibration_tokens, config)
         else:
             make = hadamard_rotation if method == "hadamard" else orthogonal_rotation
             rotation = make(hidden_size(rotation_plan.meta), seed)
@@ -95,7 +92,8 @@ def rotate_checkpoint(
                                                             architecture, block),
             verifier=install.chosen_verifier(verification, verifier), must_pass=True,
             overwrite=overwrite, quiet=quiet, extra_files=lambda folder: save_rotation(folder / ROTATION_FILE, rotation),
-            verify_options={"atol": atol, "rtol": rtol, "layerwise": install.LAYERWISE[verification], "quiet": quiet},
+            verify_options={"atol": atol, "rtol": rtol, "layerwise": install.LAYERWISE[verification], "quiet": quiet,
+                            "reference_config": config, "plan": plan},
         )
     return provenance
 

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from normswap.architectures import Architecture, architecture_for
+from normswap.checkpoint.provenance import Provenance, original_model_type
 from normswap.checkpoint.source import CheckpointReader
 from normswap.convert import planning
 from normswap.convert.plan import ConversionPlan, Structure, build_plan
@@ -116,24 +117,23 @@ class RotationPlan:
 
 def _original_config(config: dict) -> dict:
     """A normswap checkpoint's config as its original family's: model type restored, ours removed."""
-    block = config["normswap"]
     original = {key: value for key, value in config.items() if key not in ("normswap", "auto_map")}
-    original["model_type"] = block.get("original_model_type", config.get("model_type"))
+    original["model_type"] = original_model_type(config)
     return original
 
 
 def check_rotatable(source_dir: Path, config: dict) -> tuple[Architecture, dict, dict | None]:
     """The adapter, the family config and the source's normswap block; refusals before any weight is read."""
-    block = config.get("normswap")
-    if block is not None:
-        options = block.get("options", {})
-        if "slicing" in block:
-            raise NormswapError(f"{source_dir} is already sliced (to {block['slicing'].get('hidden_size')} "
+    provenance = Provenance.of(config, source_dir)
+    if provenance is not None:
+        options = provenance.options
+        if provenance.slicing is not None:
+            raise NormswapError(f"{source_dir} is already sliced (to {provenance.slicing.get('hidden_size')} "
                                 "dimensions); rotate or slice the original instead")
-        if "rotation" in block:
-            raise NormswapError(f"{source_dir} is already rotated ({block['rotation'].get('method')}); "
+        if provenance.rotation is not None:
+            raise NormswapError(f"{source_dir} is already rotated ({provenance.rotation.get('method')}); "
                                 "rotate the original or its folded conversion instead")
-        if options.get("method", "exact") != "exact":
+        if provenance.method != "exact":
             raise NormswapError(f"{source_dir} was converted with --method {options.get('method')}, which is "
                                 "inexact; rotate the original instead")
         if not options.get("fold_gains"):
@@ -144,7 +144,7 @@ def check_rotatable(source_dir: Path, config: dict) -> tuple[Architecture, dict,
     reason = refusal(architecture, config)
     if reason:
         raise NormswapError(f"cannot rotate this {config.get('model_type')} checkpoint exactly: {reason}")
-    return architecture, config, block
+    return architecture, config, None if provenance is None else provenance.block
 
 
 def plan_rotation(source_dir: Path, config: dict, reader: CheckpointReader, *,

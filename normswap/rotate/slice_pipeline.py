@@ -10,6 +10,7 @@ tolerance: the perplexity cost is the figure, printed and recorded in the proven
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,9 +20,11 @@ from normswap.architectures import Architecture
 from normswap.checkpoint import output
 from normswap.checkpoint.source import CheckpointReader, read_config, resolve_source, source_inputs
 from normswap.convert import card, install
+from normswap.convert.plan import ConversionPlan
 from normswap.errors import NormswapError
 from normswap.rotate import slicing
-from normswap.rotate.calibration import CALIBRATION_WINDOW, DEFAULT_CALIBRATION_TOKENS, read_calibration
+from normswap.rotate.calibration import CALIBRATION_WINDOW, read_calibration
+from normswap.rotate.options import DEFAULT_CALIBRATION_TOKENS
 from normswap.rotate.plan import RotationPlan, hidden_size, plan_rotation
 
 
@@ -67,7 +70,8 @@ def slice_texts(source_dir: Path, calibration: str | Path, held_out: str | Path 
 
 
 def plan_slicing(source_dir: Path, rotation_plan: RotationPlan, architecture: Architecture,
-                 layout: slicing.SliceLayout, fraction: float, texts: SliceTexts) -> SlicePlan:
+                 layout: slicing.SliceLayout, fraction: float, texts: SliceTexts,
+                 config: dict | None = None) -> SlicePlan:
     """Calibrate every signal block by block, keep k principal directions of each, assign roles."""
     from normswap.rotate.calibration import calibration_moments
 
@@ -76,7 +80,7 @@ def plan_slicing(source_dir: Path, rotation_plan: RotationPlan, architecture: Ar
     slicing.check_slice_inputs(fraction, d, k, texts.calibration.numel(), texts.held_out.numel())
     n_blocks = len(rotation_plan.meta.get_submodule(layout.blocks))
     norms = slicing.signal_norms(layout, n_blocks)
-    measured = calibration_moments(source_dir, architecture, norms, texts.calibration, CALIBRATION_WINDOW)
+    measured = calibration_moments(source_dir, architecture, norms, texts.calibration, CALIBRATION_WINDOW, config)
     bases, kept = slicing.kept_bases(measured.moments, norms, k)
     for head, embedding in architecture.tied:
         if head not in rotation_plan.plan.tensors:  # a tied head would read the last signal in the first's basis
@@ -90,7 +94,7 @@ def plan_slicing(source_dir: Path, rotation_plan: RotationPlan, architecture: Ar
 
 
 def perplexity_cost(source_dir: Path, sliced_dir: Path, architecture: Architecture, ids: torch.Tensor,
-                    window: int) -> dict:
+                    window: int, source_config: dict | None = None) -> dict:
     """Perplexity of the original and of the sliced model on ``ids`` (windows of ``window``, no overlap)."""
     from normswap.evaluation.perplexity import strided_perplexity
     from normswap.runtime.loaders import load_converted
@@ -98,7 +102,7 @@ def perplexity_cost(source_dir: Path, sliced_dir: Path, architecture: Architectu
     from normswap.threads import cpu_threads
 
     figures: dict = {}
-    loaders = (("original", lambda: reference_model(source_dir, architecture)),
+    loaders = (("original", lambda: reference_model(source_dir, architecture, config=source_config)),
                ("sliced", lambda: load_converted(sliced_dir, "rmsnorm")))
     for label, load in loaders:
         model = load()
@@ -148,9 +152,14 @@ def slice_checkpoint(
     trust_remote_code: bool = False,
     allow_zero: bool = False,
     quiet: bool = True,
+    prove: Callable[[Path, Path, ConversionPlan], dict] | None = None,
 ) -> dict:
     """Write ``src`` sliced by ``fraction`` (0 < f < 1; ``allow_zero`` admits 0, which keeps every
-    dimension and is exact) to ``out``; returns the provenance block, perplexity cost included."""
+    dimension and is exact) to ``out``; returns the provenance block, perplexity cost included.
+
+    ``prove(source_dir, folder, plan)`` (``normswap.verify.proof.prove_weights``, passed in by the
+    command) proves every written tensor against the sliced plan before the perplexity is
+    measured; its figures are recorded as ``slicing.proof``."""
     from normswap.convert import pipeline
     from normswap.dtypes import parse_dtype
 
@@ -163,23 +172,26 @@ def slice_checkpoint(
     source_dir = resolve_source(src, trust_remote_code=trust_remote_code)
     out = output.absolute(out)
     inputs = [*source_inputs(source_dir), Path(calibration), *([Path(held_out)] if held_out else [])]
-    output.check_out(out, inputs, overwrite)
+    output.check_out(out, inputs, overwrite, kind="checkpoint")
     config = read_config(source_dir)
     architecture, layout = slicing.check_sliceable(source_dir, config)
     texts = slice_texts(source_dir, calibration, held_out, calibration_tokens)
     with CheckpointReader(source_dir) as reader:
         rotation_plan = plan_rotation(source_dir, config, reader, dtype=out_dtype)
-        slice_plan = plan_slicing(source_dir, rotation_plan, architecture, layout, fraction, texts)
+        slice_plan = plan_slicing(source_dir, rotation_plan, architecture, layout, fraction, texts, config)
         plan = rotation_plan.plan
         dtype_out = pipeline.main_dtype(plan)
         provenance = card.rotation_provenance(str(src), plan, architecture.auto_class, dtype_out, {},
                                               rotation_plan.source_block)
         del provenance["rotation"]  # the source's block for a checkpoint in a new basis; the basis is sliced
         provenance["slicing"] = slice_plan.block
-        cost = _perplexity_measure(architecture, texts.held_out, slice_plan.block["calibration"]["window"])
+        sliced = slicing.sliced_plan(plan, slice_plan.roles, slice_plan.bases, slice_plan.shortcuts, dtype_out,
+                                     slice_plan.d)
+        cost = _perplexity_measure(architecture, texts.held_out, slice_plan.block["calibration"]["window"], config,
+                                   None if prove is None else lambda source, folder: slice_plan.block.update(
+                                       proof=prove(source, folder, sliced)))
         install.install(
-            out, inputs, slicing.sliced_plan(plan, slice_plan.roles, slice_plan.bases, slice_plan.shortcuts,
-                                             dtype_out, slice_plan.d),
+            out, inputs, sliced,
             reader, source_dir, provenance, config_json=lambda block: sliced_config(slice_plan, block),
             verifier=cost, must_pass=False, overwrite=overwrite, quiet=quiet, verify_options={},
             records_as=("slicing", "perplexity"), model_card=model_card,
@@ -187,10 +199,14 @@ def slice_checkpoint(
     return provenance
 
 
-def _perplexity_measure(architecture: Architecture, ids: torch.Tensor, window: int) -> install.Verifier:
-    """The install lifecycle's check for a sliced checkpoint: its perplexity cost, which must be finite."""
+def _perplexity_measure(architecture: Architecture, ids: torch.Tensor, window: int,
+                        source_config: dict, proof: Callable[[Path, Path], None] | None = None) -> install.Verifier:
+    """The install lifecycle's check for a sliced checkpoint: the weights ``proof`` when given,
+    then its perplexity cost, which must be finite."""
     def measure(source_dir: Path, folder: Path) -> dict:
-        cost = perplexity_cost(source_dir, folder, architecture, ids, window)
+        if proof is not None:
+            proof(source_dir, folder)
+        cost = perplexity_cost(source_dir, folder, architecture, ids, window, source_config)
         if not all(math.isfinite(cost[label]) for label in ("original", "sliced")):
             raise NormswapError(f"the sliced model's perplexity is not finite ({cost['sliced']}); nothing was written")
         return cost

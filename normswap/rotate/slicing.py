@@ -34,10 +34,13 @@ from pathlib import Path
 import torch
 
 from normswap.architectures import Architecture
+from normswap.checkpoint.names import shard_names
+from normswap.checkpoint.provenance import Provenance
 from normswap.convert import fold
 from normswap.convert.plan import ConversionPlan, TensorPlan
 from normswap.dtypes import dtype_name
 from normswap.errors import NormswapError
+from normswap.rotate import matrices
 
 # Held out from the calibration text when no --held-out text is given: this share of its tokens,
 # and at most this many (the perplexity cost is measured on them).
@@ -107,9 +110,9 @@ def check_sliceable(source_dir: Path, config: dict) -> tuple[Architecture, Slice
     """The adapter and layout of a source that can be sliced; one-line refusals otherwise."""
     from normswap.rotate.plan import check_rotatable
 
-    block = config.get("normswap") or {}
-    if "slicing" in block:
-        raise NormswapError(f"{source_dir} is already sliced (to {block['slicing'].get('hidden_size')} dimensions); "
+    provenance = Provenance.of(config, source_dir)
+    if provenance is not None and provenance.slicing is not None:
+        raise NormswapError(f"{source_dir} is already sliced (to {provenance.slicing.get('hidden_size')} dimensions); "
                             "slice the original instead")
     architecture, family_config, _ = check_rotatable(source_dir, config)
     model_type = family_config.get("model_type")
@@ -133,7 +136,7 @@ def kept_bases(moments: dict[str, torch.Tensor], norms: list[str], k: int) -> tu
     stream's energy each keeps."""
     bases, kept = [], []
     for name in norms:
-        matrix, values = fold.principal_rotation(moments[name])
+        matrix, values = matrices.principal_rotation(moments[name])
         values = values.clamp(min=0)
         total = float(values.sum())
         bases.append(matrix[:, :k].contiguous())
@@ -267,8 +270,7 @@ def _assign_shards(tensors: list[TensorPlan]) -> list[str]:
             size = 0
         groups[-1].append(tensor)
         size += tensor.nbytes
-    files = ["model.safetensors"] if len(groups) == 1 else [
-        f"model-{index + 1:05d}-of-{len(groups):05d}.safetensors" for index in range(len(groups))]
+    files = shard_names(len(groups))
     for file, group in zip(files, groups, strict=True):
         for tensor in group:
             tensor.shard = file

@@ -16,19 +16,21 @@ import transformers
 from torch import nn
 
 from normswap.architectures import Architecture, architecture_for
+from normswap.checkpoint.provenance import family_config
 from normswap.checkpoint.source import read_config
 from normswap.errors import NormswapError
 from normswap.memory import release_memory
 from normswap.modeling import build, remote
 
 
-def rmsnorm_class(path: Path, architecture: Architecture) -> type:
+def rmsnorm_class(path: Path, architecture: Architecture, config: dict | None = None) -> type:
     """The RMSNorm class for a converted checkpoint, from the modeling code installed with normswap.
 
     This is the class the checkpoint's ``modeling_normswap.py`` defines (the file is a copy of
     ``normswap.modeling.remote``), taken from normswap itself so that nothing in the checkpoint runs.
+    ``config`` is the checkpoint's config.json when the caller has read it.
     """
-    config = read_config(path)
+    config = read_config(path) if config is None else config
     base = build.model_class(config, architecture.auto_class)
     if base.__name__.startswith("Auto"):
         raise NormswapError(f"{path / 'config.json'}: 'architectures' names no model class this transformers has")
@@ -37,7 +39,8 @@ def rmsnorm_class(path: Path, architecture: Architecture) -> type:
     return getattr(remote, (remote.OWN_TYPE_PREFIX if own_type else remote.CLASS_PREFIX) + base.__name__)
 
 
-def load_converted(path: Path, how: str, *, dtype: torch.dtype = torch.float32) -> nn.Module:
+def load_converted(path: Path, how: str, *, dtype: torch.dtype = torch.float32,
+                   config: dict | None = None) -> nn.Module:
     """Load a converted checkpoint with stock transformers (``stock``), normswap's RMSNorm classes
     (``rmsnorm``), or the checkpoint's own ``modeling_normswap.py`` (``remote``, runs its code).
 
@@ -48,20 +51,19 @@ def load_converted(path: Path, how: str, *, dtype: torch.dtype = torch.float32) 
     from normswap.modeling.registry import register_auto_classes
 
     register_auto_classes()  # a normswap_<type> config must resolve, as after ``import normswap``
-    config = read_config(path)
-    block = config.get("normswap") or {}
-    architecture = architecture_for({**config, "model_type": block.get("original_model_type", config.get("model_type"))})
+    config = read_config(path) if config is None else config
+    architecture = architecture_for(family_config(config))
     if how == "stock":
         return build.load_pretrained(build.model_class(config, architecture.auto_class), path, dtype=dtype)
     if how == "rmsnorm":
-        return build.load_pretrained(rmsnorm_class(path, architecture), path, dtype=dtype)
+        return build.load_pretrained(rmsnorm_class(path, architecture, config), path, dtype=dtype)
     if how == "remote":
         auto = getattr(transformers, architecture.auto_class)
         return build.load_pretrained(auto, path, dtype=dtype, trust_remote_code=True)
     raise ValueError(how)
 
 
-def stock_refuses(path: Path) -> bool:
+def stock_refuses(path: Path, config: dict | None = None) -> bool:
     """True when stock transformers refuses to load ``path`` without trust_remote_code.
 
     Trying a load in this process proves nothing: ``import normswap`` registers the
@@ -70,13 +72,13 @@ def stock_refuses(path: Path) -> bool:
     """
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
-    return read_config(path).get("model_type") not in CONFIG_MAPPING_NAMES
+    return (read_config(path) if config is None else config).get("model_type") not in CONFIG_MAPPING_NAMES
 
 
-def refusals(path: Path, stock_loadable: bool) -> dict[str, dict]:
+def refusals(path: Path, stock_loadable: bool, config: dict | None = None) -> dict[str, dict]:
     """The loaders that must refuse ``path``, and whether they do: stock transformers, when the
     conversion is not meant to load with it."""
-    return {} if stock_loadable else {"stock": {"refused": stock_refuses(path)}}
+    return {} if stock_loadable else {"stock": {"refused": stock_refuses(path, config)}}
 
 
 def loader_runs(stock_loadable: bool, rms_how: str) -> list[tuple[str, str]]:

@@ -23,8 +23,8 @@ import transformers
 from torch import nn
 
 from normswap.architectures import Architecture
+from normswap.checkpoint.names import canonical_names
 from normswap.checkpoint.source import CheckpointReader, read_config
-from normswap.convert.plan import canonical_names
 from normswap.errors import NormswapError
 from normswap.memory import map_large_allocations, release_memory
 from normswap.modeling import build
@@ -81,22 +81,23 @@ def empty_model(cls: type, config: transformers.PretrainedConfig) -> nn.Module:
     return _float32_tied(model)
 
 
-def original_model(path: Path, architecture: Architecture) -> nn.Module:
-    """The original checkpoint's model class, empty."""
-    config = read_config(path)
+def original_model(path: Path, architecture: Architecture, config: dict | None = None) -> nn.Module:
+    """The original checkpoint's model class, empty (``config``: its config.json, if read already)."""
+    config = read_config(path) if config is None else config
     return empty_model(build.model_class(config, architecture.auto_class), build.config_object(config))
 
 
-def converted_model(path: Path, architecture: Architecture, how: str) -> nn.Module:
+def converted_model(path: Path, architecture: Architecture, how: str, config: dict | None = None) -> nn.Module:
     """The converted checkpoint's model, empty: the stock class (``stock``), normswap's RMSNorm
-    class (``rmsnorm``), or the checkpoint's own code (``remote``, runs it)."""
+    class (``rmsnorm``), or the checkpoint's own code (``remote``, runs it). ``config``: its
+    config.json, if read already."""
     if how == "stock":
-        return empty_model(build.model_class(read_config(path), architecture.auto_class),
+        return empty_model(build.model_class(read_config(path) if config is None else config, architecture.auto_class),
                            transformers.AutoConfig.from_pretrained(path))
     if how == "rmsnorm":
         from normswap.runtime.loaders import rmsnorm_class
 
-        cls = rmsnorm_class(path, architecture)
+        cls = rmsnorm_class(path, architecture, config)
         with _quiet():
             config = cls.config_class.from_pretrained(path)
         return empty_model(cls, config)

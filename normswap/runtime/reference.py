@@ -55,12 +55,12 @@ def transformers_errors_only() -> Iterator[None]:
 
 
 def reference_model(path: Path, architecture: Architecture, dtype: torch.dtype = torch.float32,
-                    rms_how: str = "rmsnorm") -> nn.Module:
+                    rms_how: str = "rmsnorm", config: dict | None = None) -> nn.Module:
     """The source of a rotation as a model: the stock class for an original, else its RMSNorm form
     (normswap's own classes, or with ``rms_how="remote"`` the checkpoint's own code)."""
-    config = read_config(path)
+    config = read_config(path) if config is None else config
     if "normswap" in config:
-        return load_converted(path, rms_how, dtype=dtype)
+        return load_converted(path, rms_how, dtype=dtype, config=config)
     return build.load_pretrained(build.model_class(config, architecture.auto_class), path, dtype=dtype)
 
 

@@ -1,9 +1,9 @@
 """Verification: run the original and the converted checkpoint on the same probe and compare.
 
-- ``checkpoint``: ``verify_checkpoint``, the entry point: checks the pair, runs the pre-check, then
+- ``checkpoint``: ``verify_checkpoint``, the entry point: checks the pair, proves the weights, then
   compares whole models or block by block.
 - ``rotated``: ``verify_rotated``, the same for a rotated checkpoint (its stream is C·h·Q).
-- ``precheck``: the algebraic pre-check of the converted weights, before any model runs.
+- ``proof``: the algebraic proof of every stored tensor against the plan, before any model runs.
 - ``probes``: the inputs both models run on.
 - ``compare``: tolerances and the figures of a comparison.
 - ``loaders``: the ways a converted checkpoint is loaded, and the loop over them.

@@ -1,9 +1,9 @@
 """Verification of a converted checkpoint against its original.
 
-``verify_checkpoint`` checks that the two checkpoints belong together, runs the algebraic
-pre-check (``precheck``), then runs the original and each load of the conversion
-(``loaders``) on one probe and compares the figures (``compare``): whole models
-(``whole``), or block by block above a size (``layerwise``).
+``verify_checkpoint`` checks that the two checkpoints belong together, proves every stored tensor
+against the conversion plan (``proof``), then runs the original and each load of the conversion
+(``loaders``) on one short probe and compares the figures (``compare``): whole models
+(``whole``), or block by block above a size (``layerwise``). ``prove_checkpoint`` is the proof alone.
 """
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ import torch
 from torch import nn
 
 from normswap.architectures import Architecture, architecture_for
+from normswap.arguments import checked
 from normswap.checkpoint import validation
-from normswap.checkpoint.source import first_non_finite, read_config, resolve_source
+from normswap.checkpoint.provenance import Provenance
+from normswap.checkpoint.source import CheckpointReader, first_non_finite, read_config, resolve_source
 from normswap.convert.plan import ConversionPlan
 from normswap.dtypes import default_tolerance, parse_dtype
 from normswap.errors import NormswapError, VerificationError
@@ -28,15 +30,16 @@ from normswap.runtime.loaders import refusals
 from normswap.runtime.offload import Unsupported, wants_layerwise
 from normswap.runtime.reference import reference_model
 from normswap.verify import layerwise as by_layer
+from normswap.verify import proof as weights
 from normswap.verify.compare import within_tolerance
-from normswap.verify.precheck import precheck as algebraic_precheck
 from normswap.verify.probes import Probe
 from normswap.verify.whole import compare_whole
 
 
+@checked
 def verify_checkpoint(original: str | Path, converted: str | Path, *, atol: float | None = None,
                       rtol: float | None = None, layerwise: bool | None = None, quiet: bool = True,
-                      trust_remote_code: bool = False, precheck: bool = True,
+                      trust_remote_code: bool = False, proof: bool = True,
                       plan: ConversionPlan | None = None) -> dict:
     """Compare a converted checkpoint with its original on one probe, in float32.
 
@@ -49,10 +52,11 @@ def verify_checkpoint(original: str | Path, converted: str | Path, *, atol: floa
     normswap wrote, by its recorded sha256, or verification fails); with ``trust_remote_code``
     the checkpoint's file itself is imported and run instead.
 
-    First, unless ``precheck`` is False, the weights alone are checked (``precheck``): a failure
-    there raises ``VerificationError`` naming the tensor, before any model runs. ``plan`` is the
-    conversion's plan when the caller has it (``convert`` does); else it is rebuilt from the
-    original with the options the conversion recorded.
+    First, unless ``proof`` is False, every stored tensor is proven to be what the conversion plan
+    makes it (``proof.prove_weights``): a failure raises ``VerificationError`` naming the tensor
+    and element, before any model runs. ``plan`` is the conversion's plan when the caller has it
+    (``convert`` does); else it is rebuilt from the original with the options the conversion
+    recorded.
     """
     from normswap.modeling.registry import register_auto_classes
     from normswap.verify import check_tolerance
@@ -61,27 +65,85 @@ def verify_checkpoint(original: str | Path, converted: str | Path, *, atol: floa
     check_tolerance("rtol", rtol)
     register_auto_classes()  # the converted model's normswap_<type> config must resolve
     original_dir, converted_dir = resolve_source(original), Path(converted).expanduser()
-    block, architecture = _check_pair(original_dir, converted_dir, converted)
-    if "rotation" in block:  # its stream is C·h·Q, not C·h
+    provenance, architecture, configs = _check_pair(original_dir, converted_dir, converted)
+    if provenance.rotation is not None:  # its stream is C·h·Q, not C·h
         return verify_rotated(original_dir, converted_dir, atol=atol, rtol=rtol, layerwise=layerwise, quiet=quiet,
-                              trust_remote_code=trust_remote_code)
-    atol, rtol = tolerance(block, atol, rtol)
-    checked = algebraic_precheck(original_dir, converted_dir, plan) if precheck else None
-    original_config = read_config(original_dir)
+                              trust_remote_code=trust_remote_code, reference_config=configs[0],
+                              rotated_config=configs[1], proof=proof)
+    atol, rtol = tolerance(provenance, atol, rtol)
+    proven = _prove_converted(original_dir, converted_dir, provenance, configs[0], plan) if proof else None
+    del plan
+    original_config = configs[0]
     probe, loaders, mode, note = run_comparison(
         original_dir, converted_dir, architecture,
         reference=lambda: build.load_pretrained(build.model_class(original_config, architecture.auto_class),
                                                 original_dir, dtype=torch.float32),
-        stock_loadable=block.get("stock_loadable", True), trust_remote_code=trust_remote_code,
+        stock_loadable=provenance.stock_loadable, trust_remote_code=trust_remote_code,
         layerwise=verification_mode(original_dir, architecture, layerwise), quiet=quiet, tolerance=(atol, rtol),
+        configs=configs,
     )
     return summarise(probe, loaders, atol=atol, rtol=rtol, mode=mode, note=note,
-                     method=block.get("options", {}).get("method", "exact"), paths=(original_dir, converted_dir),
-                     **({"precheck": checked} if checked is not None else {}))
+                     method=provenance.method, paths=(original_dir, converted_dir),
+                     **({"proof": proven} if proven is not None else {}))
 
 
-def _check_pair(original_dir: Path, converted_dir: Path, converted: str | Path) -> tuple[dict, Architecture]:
-    """The conversion's provenance block and the family, once the pair is known to belong together."""
+@checked
+def prove_checkpoint(original: str | Path, converted: str | Path, *, plan: ConversionPlan | None = None) -> dict:
+    """The weights proof alone (``proof.prove_weights``), no model run: the pair is checked as
+    ``verify_checkpoint`` checks it, and every stored tensor of ``converted`` is proven against
+    ``plan``, or the plan rebuilt from the original with what the provenance records (options;
+    for a rotation its method, seed and stored Q). Returns the proof's figures; raises
+    ``VerificationError`` naming the first wrong tensor."""
+    original_dir, converted_dir = resolve_source(original), Path(converted).expanduser()
+    provenance, _, configs = _check_pair(original_dir, converted_dir, converted)
+    if provenance.rotation is not None:
+        return prove_rotated(original_dir, converted_dir, plan=plan, configs=configs)
+    return _prove_converted(original_dir, converted_dir, provenance, configs[0], plan)
+
+
+def _prove_converted(original_dir: Path, converted_dir: Path, provenance: Provenance, original_config: dict,
+                     plan: ConversionPlan | None) -> dict:
+    if plan is None:
+        plan = weights.rebuilt_conversion_plan(original_dir, original_config, provenance.options,
+                                               stored_tensors(converted_dir))
+    return weights.prove_weights(original_dir, converted_dir, plan)
+
+
+def prove_rotated(reference: str | Path, rotated: str | Path, *, plan: ConversionPlan | None = None,
+                  configs: tuple[dict | None, dict | None] = (None, None)) -> dict:
+    """``prove_checkpoint`` for a rotated checkpoint and the checkpoint it was rotated from
+    (``configs``: their config.json files, when the caller has read them)."""
+    reference_dir, rotated_dir = resolve_source(reference), Path(rotated)
+    if plan is None:
+        reference_config = read_config(reference_dir) if configs[0] is None else configs[0]
+        rotated_config = read_config(rotated_dir) if configs[1] is None else configs[1]
+        provenance = Provenance.of(rotated_config, rotated_dir)
+        if provenance is None or provenance.rotation is None:
+            raise NormswapError(f"{rotated_dir} is not a rotated normswap checkpoint")
+        plan = weights.rebuilt_rotation_plan(reference_dir, reference_config, provenance.rotation,
+                                             rotation_matrix(rotated_dir, rotated_config), provenance.options,
+                                             stored_tensors(rotated_dir))
+    return weights.prove_weights(reference_dir, rotated_dir, plan)
+
+
+def rotation_matrix(rotated_dir: Path, rotated_config: dict) -> torch.Tensor:
+    """Q stored beside a rotated checkpoint, checked against its recorded hash and for orthogonality."""
+    from normswap.rotate.matrices import load_rotation
+
+    width = next((rotated_config[key] for key in ("n_embd", "hidden_size", "d_model") if key in rotated_config), None)
+    return load_rotation(rotated_dir, width if isinstance(width, int) else None, rotated_config).clone()
+
+
+def stored_tensors(path: Path) -> dict:
+    """Name -> ``TensorInfo`` of the tensors stored at ``path`` (headers only)."""
+    with CheckpointReader(path) as reader:
+        return dict(reader.tensors)
+
+
+def _check_pair(original_dir: Path, converted_dir: Path,
+                converted: str | Path) -> tuple[Provenance, Architecture, tuple[dict, dict]]:
+    """The conversion's provenance, the family and the two configs (each config.json read once
+    here and passed down), once the pair is known to belong together."""
     if not (converted_dir / "config.json").is_file():
         raise NormswapError(f"{converted} is not a checkpoint folder (it has no config.json)")
     original_config, converted_config = read_config(original_dir), read_config(converted_dir)
@@ -97,31 +159,31 @@ def _check_pair(original_dir: Path, converted_dir: Path, converted: str | Path) 
         raise NormswapError(f"{converted_dir} is sliced ({sliced.get('original_hidden_size')} → "
                             f"{sliced.get('hidden_size')} dimensions), which is not exact, so there is nothing to "
                             "verify; its perplexity cost is in config.json under normswap.slicing.perplexity")
-    validation.check_provenance(block, converted_dir)
-    check_modeling_file(block, converted_dir)
+    provenance = Provenance.of(converted_config, converted_dir)
+    check_modeling_file(provenance, converted_dir)
     for path, config in ((original_dir, original_config), (converted_dir, converted_config)):
         validation.check_structure(path, config)
     architecture = architecture_for(original_config)
-    if block.get("original_model_type", original_config.get("model_type")) != original_config.get("model_type"):
-        raise NormswapError(f"{converted_dir} was converted from a {block['original_model_type']} model, "
+    if provenance.original_model_type != original_config.get("model_type"):
+        raise NormswapError(f"{converted_dir} was converted from a {provenance.original_model_type} model, "
                             f"but {original_dir} is a {original_config.get('model_type')} model")
     validation.check_same_shape(original_dir, original_config, converted_dir, converted_config)
-    return block, architecture
+    return provenance, architecture, (original_config, converted_config)
 
 
-def tolerance(block: dict, atol: float | None, rtol: float | None) -> tuple[float, float]:
+def tolerance(provenance: Provenance, atol: float | None, rtol: float | None) -> tuple[float, float]:
     """(atol, rtol): those given, else the defaults for the dtype the conversion was stored in."""
-    checkpoint_dtype = parse_dtype(block.get("options", {}).get("dtype")) or torch.float32
+    checkpoint_dtype = parse_dtype(provenance.options.get("dtype")) or torch.float32
     default_atol, default_rtol = default_tolerance(checkpoint_dtype)
     return default_atol if atol is None else atol, default_rtol if rtol is None else rtol
 
 
-def check_modeling_file(block: dict, path: Path) -> None:
+def check_modeling_file(provenance: Provenance, path: Path) -> None:
     """Fail verification unless ``modeling_normswap.py`` is byte for byte the file normswap wrote."""
     file = path / MODELING_FILE
     if not file.is_file():
         raise VerificationError(f"{path} has no {MODELING_FILE}; it is not a complete normswap checkpoint")
-    expected = block.get("modeling_sha256") or modeling_sha256()
+    expected = provenance.modeling_sha256 or modeling_sha256()
     actual = hashlib.sha256(file.read_bytes()).hexdigest()
     if actual != expected:
         raise VerificationError(
@@ -150,15 +212,16 @@ def run_comparison(reference_dir: Path, converted_dir: Path, architecture: Archi
                    layerwise: tuple[str, str | None], quiet: bool,
                    stream_map: by_layer.StreamMap = by_layer.centred64,
                    tolerance: tuple[float, float] | None = None,
+                   configs: tuple[dict | None, dict | None] = (None, None),
                    ) -> tuple[Probe, dict[str, dict], str, str | None]:
     """(probe, figures per loader, mode, note): block by block when ``layerwise`` (a
     ``verification_mode`` answer) says so and the model allows it, else whole models.
 
     With ``tolerance`` (atol, rtol), a block-by-block run teacher-forces only the loads that fail
-    it (``layerwise.compare_layerwise``)."""
+    it (``layerwise.compare_layerwise``). ``configs``: the two config.json files, already read."""
     rms_how = "remote" if trust_remote_code else "rmsnorm"
     mode, note = layerwise
-    refused = refusals(converted_dir, stock_loadable)
+    refused = refusals(converted_dir, stock_loadable, configs[1])
     if mode == "layerwise":
         try:
             probe, compared = by_layer.compare_layerwise(reference_dir, converted_dir, architecture,
@@ -166,12 +229,12 @@ def run_comparison(reference_dir: Path, converted_dir: Path, architecture: Archi
                                                          rms_how=rms_how, stream_map=stream_map,
                                                          passes=None if tolerance is None else
                                                          partial(within_tolerance, atol=tolerance[0],
-                                                                 rtol=tolerance[1]))
+                                                                 rtol=tolerance[1]), configs=configs)
             return probe, {**refused, **compared}, mode, note
         except Unsupported as error:
             mode, note = "full", f"layer by layer unavailable ({error}); compared whole models"
     probe, compared = compare_whole(reference, reference_dir, converted_dir, architecture,
-                                    stock_loadable=stock_loadable, rms_how=rms_how)
+                                    stock_loadable=stock_loadable, rms_how=rms_how, converted_config=configs[1])
     return probe, {**refused, **compared}, mode, note
 
 
@@ -222,25 +285,35 @@ def _worst_layer(loaders: dict[str, dict]) -> dict:
     return {"loader": name, **loaders[name]["worst_layer"]}
 
 
+@checked
 def verify_rotated(reference: str | Path, rotated: str | Path, *, atol: float | None = None,
                    rtol: float | None = None, layerwise: bool | None = None, quiet: bool = True,
-                   trust_remote_code: bool = False) -> dict:
+                   trust_remote_code: bool = False, reference_config: dict | None = None,
+                   rotated_config: dict | None = None, proof: bool = True,
+                   plan: ConversionPlan | None = None) -> dict:
     """Compare a rotated checkpoint with the checkpoint it was rotated from (an original or a
-    folded conversion): logits, and per block the stream, which must be C·h·Q.
+    folded conversion): first every stored tensor against the rotation plan (``proof``; ``plan``
+    is the plan the rotation ran, else it is rebuilt from the recorded method, seed and the
+    stored Q), then logits, and per block the stream, which must be C·h·Q.
 
     The rotated model is built from normswap's own RMSNorm classes; with ``trust_remote_code``
-    the checkpoint's ``modeling_normswap.py`` runs instead."""
-    from normswap.rotate.matrices import load_rotation
+    the checkpoint's ``modeling_normswap.py`` runs instead. ``reference_config`` and
+    ``rotated_config`` are the two config.json files when the caller has read them."""
     from normswap.rotate.plan import family_of
 
     reference_dir, rotated_dir = resolve_source(reference), Path(rotated)
-    reference_config, rotated_config = read_config(reference_dir), read_config(rotated_dir)
-    block = rotated_config.get("normswap") or {}
-    width = next((rotated_config[key] for key in ("n_embd", "hidden_size", "d_model") if key in rotated_config), None)
-    rotation = load_rotation(rotated_dir, width if isinstance(width, int) else None).clone()
-    architecture, _, _ = family_of(reference_dir, reference_config)
-    atol, rtol = tolerance(block, atol, rtol)
-    if (reference_config.get("normswap") or {}).get("stock_loadable", True):
+    reference_config = read_config(reference_dir) if reference_config is None else reference_config
+    rotated_config = read_config(rotated_dir) if rotated_config is None else rotated_config
+    provenance = Provenance.of(rotated_config, rotated_dir)
+    if provenance is None:
+        raise NormswapError(f"{rotated_dir} is not a rotated normswap checkpoint")
+    rotation = rotation_matrix(rotated_dir, rotated_config)
+    architecture, _, reference_block = family_of(reference_dir, reference_config)
+    atol, rtol = tolerance(provenance, atol, rtol)
+    proven = (prove_rotated(reference_dir, rotated_dir, plan=plan, configs=(reference_config, rotated_config))
+              if proof else None)
+    del plan
+    if (reference_block or {}).get("stock_loadable", True):
         mode = verification_mode(reference_dir, architecture, layerwise)
     else:
         mode = ("full", "layer by layer needs a reference the stock class loads; compared whole models")
@@ -251,9 +324,10 @@ def verify_rotated(reference: str | Path, rotated: str | Path, *, atol: float | 
     rms_how = "remote" if trust_remote_code else "rmsnorm"
     probe, loaders, mode, note = run_comparison(
         reference_dir, rotated_dir, architecture,
-        reference=lambda: reference_model(reference_dir, architecture, rms_how=rms_how),
+        reference=lambda: reference_model(reference_dir, architecture, rms_how=rms_how, config=reference_config),
         stock_loadable=False, trust_remote_code=trust_remote_code, layerwise=mode, quiet=quiet,
-        stream_map=stream_map, tolerance=(atol, rtol),
+        stream_map=stream_map, tolerance=(atol, rtol), configs=(reference_config, rotated_config),
     )
     return summarise(probe, loaders, atol=atol, rtol=rtol, mode=mode, note=note, method="exact",
-                     paths=(reference_dir, rotated_dir), reference="source")
+                     paths=(reference_dir, rotated_dir), reference="source",
+                     **({"proof": proven} if proven is not None else {}))

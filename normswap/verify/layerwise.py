@@ -207,13 +207,14 @@ class _Converted:
     original: Trace
     step: Callable[[], None]
     stream_map: StreamMap
+    config: dict | None = None  # the converted checkpoint's config.json, read once by the caller
 
     def run(self, model: nn.Module, teacher_forced: bool) -> tuple[list[dict], torch.Tensor]:
         return trace_converted(model, model.get_submodule(self.blocks_path), self.inputs, self.original, self.step,
                                self.stream_map, teacher_forced)
 
     def load(self, how: str) -> nn.Module:
-        return checked_form(how, converted_model(self.path, self.architecture, how))
+        return checked_form(how, converted_model(self.path, self.architecture, how, self.config))
 
 
 def _one_by_one(converted: _Converted, runs: list[tuple[str, str]], teacher_forced: bool) -> Iterator[tuple]:
@@ -254,7 +255,8 @@ def _together(converted: _Converted, runs: list[tuple[str, str]], teacher_forced
 def compare_layerwise(original_dir: Path, converted_dir: Path, architecture: Architecture, *,
                       stock_loadable: bool, quiet: bool = True, rms_how: str = "rmsnorm",
                       stream_map: StreamMap = centred64, passes: Judge | None = None,
-                      shared_reads: bool = True) -> tuple[Probe, dict[str, dict]]:
+                      shared_reads: bool = True,
+                      configs: tuple[dict | None, dict | None] = (None, None)) -> tuple[Probe, dict[str, dict]]:
     """The probe and, per load of the converted checkpoint (``loaders.loader_runs``), the logit
     figures plus per-block figures and the worst layer.
 
@@ -269,9 +271,10 @@ def compare_layerwise(original_dir: Path, converted_dir: Path, architecture: Arc
     per-block figures (its stream against the original's at every block); its worst layer is
     the block whose stream error is largest relative to the stream. Without ``passes`` every
     load runs teacher-forced too. Raises ``Unsupported`` when the model cannot be run this way.
+    ``configs``: the two checkpoints' config.json files, when the caller has read them.
     """
     device = execution_device()
-    original = original_model(original_dir, architecture)
+    original = original_model(original_dir, architecture, configs[0])
     found = find_blocks(original, architecture.blocks)
     if found is None:
         raise Unsupported("no list of residual blocks found in the model")
@@ -290,7 +293,8 @@ def compare_layerwise(original_dir: Path, converted_dir: Path, architecture: Arc
             trace = trace_original(original, blocks, inputs, step)
         del original, blocks
         release_memory()
-        converted = _Converted(converted_dir, architecture, blocks_path, device, inputs, trace, step, stream_map)
+        converted = _Converted(converted_dir, architecture, blocks_path, device, inputs, trace, step, stream_map,
+                               configs[1])
         run_all = _together if shared_reads and len(runs) > 1 else _one_by_one
         loaders: dict[str, dict] = {}
         for label, layers, logits in run_all(converted, runs, teacher_forced=passes is None):

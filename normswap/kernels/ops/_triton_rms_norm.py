@@ -17,15 +17,20 @@ Forward, per row (fp32 throughout, roundings marked R):
     rstd = rsqrt(sum(s * s) / N + eps)
     y = R(s * rstd * w + b)
 
-The grid is a few programs per SM; each loops over row tiles (``BLOCK_M`` rows: more than one
-for short rows, e.g. per-head q/k norms) with ``tl.range(..., num_stages=NUM_STAGES)``, so the next
-tile's loads are in flight while this one is reduced, and loads W and B once. A row that fits in
-registers is two power-of-two sub-tiles, ``TILE_A`` + ``TILE_B`` (768 = 512 + 256, 5120 = 4096 +
-1024), so few lanes idle; longer rows (``LOOP``) take two passes over ``TILE_A``-sized chunks:
-sum of squares, then scale.
+One forward kernel serves the four designs ``launch.FWD_DESIGNS`` chooses between by row length
+(the host picks the grid and the constexprs): each program loops over row tiles (``BLOCK_M``
+rows) ``pid, pid + programs, ...`` with ``tl.range(..., num_stages=NUM_STAGES)``, so with fewer
+programs than tiles the next tile's loads are in flight while this one is reduced; W and B are
+loaded once per program. A row that fits in registers is two power-of-two sub-tiles, ``TILE_A`` +
+``TILE_B`` (768 = 512 + 256, 5120 = 4096 + 1024), so few lanes idle; longer rows (``LOOP``) take
+two passes over ``TILE_A``-sized chunks, sum of squares then scale, the second pass re-reading
+the row while it is still in L2 (one program per row, so a row is re-read soon after it was
+first read). Contiguous rows with 16-byte aligned pointers and N a multiple of 8 compile to
+128-bit loads and stores (``aot_check`` reports the widths).
 
-Backward: dx per row, rows pipelined; dw and db as per-program partial sums (skipping db without
-a bias), or for long rows from a separate column-parallel kernel.
+Backward: dx per row tile (several short rows a tile), pipelined; dw and db as per-program
+partial sums (skipping db without a bias), or for long rows from a separate column-parallel
+kernel.
 """
 
 from __future__ import annotations
@@ -72,6 +77,28 @@ def _row_offsets(rows, inner, s_outer, s_inner):
 
 
 @triton.jit
+def _load_sum(X, R, S, x_off, r_off, s_off, mask, HAS_R: tl.constexpr):
+    """s = R(x + residual), stored at ``s_off`` (x alone without a residual), as float32."""
+    x = tl.load(X + x_off, mask=mask, other=0.0)
+    if HAS_R:
+        res = tl.load(R + r_off, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + res.to(tl.float32)).to(S.dtype.element_ty)
+        tl.store(S + s_off, x, mask=mask)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _store_normed(Y, y_off, x, rstd, w, b, mask, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
+    """y = R(x * rstd * w + b) for a row tile, stored at ``y_off``; w, b loaded once per program."""
+    y = x * rstd[:, None]
+    if HAS_W:
+        y = y * w[None, :]
+    if HAS_B:
+        y = y + b[None, :]
+    tl.store(Y + y_off, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def rms_norm_fwd_kernel(
     X, R, W, B, Y, S, RSTD,
     M, N,
@@ -92,6 +119,10 @@ def rms_norm_fwd_kernel(
     ca = tl.arange(0, TILE_A)
 
     if not LOOP:
+        wa = 0.0  # stand-ins for absent weight / bias, never read where HAS_W / HAS_B is off
+        ba = 0.0
+        wb = 0.0
+        bb = 0.0
         if HAS_W:
             wa = tl.load(W + ca).to(tl.float32)
         if HAS_B:
@@ -110,36 +141,16 @@ def rms_norm_fwd_kernel(
             r_row = _row_offsets(rows, r_inner, sr_outer, sr_inner)[:, None]
             out_row = (rows * N)[:, None]
             ma = row_ok[:, None] & (ca < N)[None, :]
-            xa = tl.load(X + x_row + ca[None, :], mask=ma, other=0.0)
-            if HAS_R:
-                ra = tl.load(R + r_row + ca[None, :], mask=ma, other=0.0)
-                xa = (xa.to(tl.float32) + ra.to(tl.float32)).to(S.dtype.element_ty)
-                tl.store(S + out_row + ca[None, :], xa, mask=ma)
-            xa = xa.to(tl.float32)
+            xa = _load_sum(X, R, S, x_row + ca[None, :], r_row + ca[None, :], out_row + ca[None, :], ma, HAS_R)
             ss = _sum(xa * xa, axis=1)
             if TILE_B > 0:
                 mb = row_ok[:, None] & cb_ok[None, :]
-                xb = tl.load(X + x_row + cb[None, :], mask=mb, other=0.0)
-                if HAS_R:
-                    rb = tl.load(R + r_row + cb[None, :], mask=mb, other=0.0)
-                    xb = (xb.to(tl.float32) + rb.to(tl.float32)).to(S.dtype.element_ty)
-                    tl.store(S + out_row + cb[None, :], xb, mask=mb)
-                xb = xb.to(tl.float32)
+                xb = _load_sum(X, R, S, x_row + cb[None, :], r_row + cb[None, :], out_row + cb[None, :], mb, HAS_R)
                 ss += _sum(xb * xb, axis=1)
             rstd = tl.rsqrt(ss / N + eps)
-            ya = xa * rstd[:, None]
-            if HAS_W:
-                ya = ya * wa[None, :]
-            if HAS_B:
-                ya = ya + ba[None, :]
-            tl.store(Y + out_row + ca[None, :], ya.to(Y.dtype.element_ty), mask=ma)
+            _store_normed(Y, out_row + ca[None, :], xa, rstd, wa, ba, ma, HAS_W, HAS_B)
             if TILE_B > 0:
-                yb = xb * rstd[:, None]
-                if HAS_W:
-                    yb = yb * wb[None, :]
-                if HAS_B:
-                    yb = yb + bb[None, :]
-                tl.store(Y + out_row + cb[None, :], yb.to(Y.dtype.element_ty), mask=mb)
+                _store_normed(Y, out_row + cb[None, :], xb, rstd, wb, bb, mb, HAS_W, HAS_B)
             if STORE_RSTD:
                 tl.store(RSTD + rows, rstd, mask=row_ok)
     else:
@@ -150,13 +161,7 @@ def rms_norm_fwd_kernel(
             acc = tl.full([TILE_A], 0.0, tl.float32)
             for start in tl.range(0, N, TILE_A, num_stages=NUM_STAGES):
                 c = start + ca
-                mask = c < N
-                x = tl.load(X + x_row + c, mask=mask, other=0.0)
-                if HAS_R:
-                    res = tl.load(R + r_row + c, mask=mask, other=0.0)
-                    x = (x.to(tl.float32) + res.to(tl.float32)).to(S.dtype.element_ty)
-                    tl.store(S + row * N + c, x, mask=mask)
-                xf = x.to(tl.float32)
+                xf = _load_sum(X, R, S, x_row + c, r_row + c, row * N + c, c < N, HAS_R)
                 acc += xf * xf
             rstd = tl.rsqrt(_sum(acc, axis=0) / N + eps)
             if HAS_R:
@@ -182,16 +187,17 @@ def rms_norm_fwd_kernel(
 def rms_norm_bwd_kernel(
     DY, X, W, RSTD, DS, DX, DW_PART, DB_PART,
     M, N, x_inner, sx_outer, sx_inner,
-    BLOCK_N: tl.constexpr, LOOP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOOP: tl.constexpr,
     HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_DS: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):  # fmt: skip
-    """Backward of y = x * rstd * w + b for rows ``pid, pid + programs, ...``, rows pipelined.
+    """Backward of y = x * rstd * w + b for row tiles ``pid, pid + programs, ...``, pipelined.
 
     With x̂ = x * rstd and g = dy * w:  dx = rstd * (g - x̂ * sum(g * x̂) / N) + ds.
 
-    Without LOOP each program also writes its partial sums of dy * x̂ (and of dy when HAS_B) to
-    its row of DW_PART / DB_PART, summed by the host. With LOOP, dw and db are left to
-    ``rms_norm_bwd_dw_kernel``, and each row takes two passes over BLOCK_N-sized chunks.
+    Without LOOP a tile is BLOCK_M whole rows (several for short rows, so each step has enough
+    bytes in flight), and each program also writes its partial sums of dy * x̂ (and of dy when
+    HAS_B) to its row of DW_PART / DB_PART, summed by the host. With LOOP (BLOCK_M == 1), dw and
+    db are left to ``rms_norm_bwd_dw_kernel``, and each row takes two passes over BLOCK_N chunks.
     """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -204,22 +210,26 @@ def rms_norm_bwd_kernel(
         dw = tl.full([BLOCK_N], 0.0, tl.float32)
         if HAS_B:
             db = tl.full([BLOCK_N], 0.0, tl.float32)
-        for r in tl.range(pid, M, programs, num_stages=NUM_STAGES):
-            row = tl.cast(r, tl.int64)
-            x = tl.load(X + _row_offsets(row, x_inner, sx_outer, sx_inner) + cols, mask=col_ok, other=0.0)
-            dy = tl.load(DY + row * N + cols, mask=col_ok, other=0.0).to(tl.float32)
-            rstd = tl.load(RSTD + row)
-            xhat = x.to(tl.float32) * rstd
+        for tile in tl.range(pid, tl.cdiv(M, BLOCK_M), programs, num_stages=NUM_STAGES):
+            rows = tl.cast(tile, tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+            row_ok = rows < M
+            mask = row_ok[:, None] & col_ok[None, :]
+            out = (rows * N)[:, None] + cols[None, :]
+            x = tl.load(X + _row_offsets(rows, x_inner, sx_outer, sx_inner)[:, None] + cols[None, :], mask=mask,
+                        other=0.0)  # fmt: skip
+            dy = tl.load(DY + out, mask=mask, other=0.0).to(tl.float32)
+            rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+            xhat = x.to(tl.float32) * rstd[:, None]
             g = dy
             if HAS_W:
-                g = dy * w
-            dx = (g - xhat * (_sum(g * xhat, axis=0) / N)) * rstd
+                g = dy * w[None, :]
+            dx = (g - xhat * (_sum(g * xhat, axis=1) / N)[:, None]) * rstd[:, None]
             if HAS_DS:
-                dx += tl.load(DS + row * N + cols, mask=col_ok, other=0.0).to(tl.float32)
-            tl.store(DX + row * N + cols, dx.to(DX.dtype.element_ty), mask=col_ok)
-            dw += dy * xhat
+                dx += tl.load(DS + out, mask=mask, other=0.0).to(tl.float32)
+            tl.store(DX + out, dx.to(DX.dtype.element_ty), mask=mask)
+            dw += _sum(dy * xhat, axis=0)
             if HAS_B:
-                db += dy
+                db += _sum(dy, axis=0)
         part_row = tl.cast(pid, tl.int64) * N
         tl.store(DW_PART + part_row + cols, dw, mask=col_ok)
         if HAS_B:

@@ -110,12 +110,17 @@ def add_rms_norm_torch(
     return rms_norm_torch(s, weight, bias, eps), s
 
 
+def forward_torch(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, residual: torch.Tensor | None, eps: float
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``rms_norm``'s result on the fallback: y, or (y, s) with a residual (``launch.forward_eager``'s twin)."""
+    if residual is None:
+        return rms_norm_torch(x, weight, bias, eps)
+    return add_rms_norm_torch(x, residual, weight, bias, eps)
+
+
 def rms_norm_backward_torch(
-    dy: torch.Tensor,
-    xs: torch.Tensor,
-    rstd: torch.Tensor,
-    weight: torch.Tensor | None,
-    ds: torch.Tensor | None,
+    dy: torch.Tensor, xs: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor | None, ds: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of y = x * rstd * w + b in float32 (the Triton backward's CPU twin).
 

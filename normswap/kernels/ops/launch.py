@@ -16,6 +16,7 @@ being captured); smaller calls are launch-bound and use the heuristic.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 from collections.abc import Iterator
@@ -101,11 +102,34 @@ def _strided_rows(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
 
 # --------------------------------------------------------------------------- configurations
 
+# The forward design by row length, per element size: the first entry whose bound is at least N.
+# ``multirow``: several short rows a tile, a few programs per SM looping over tiles;
+# ``persistent``: one row a tile (in registers), same grid; ``row``: one program per row, the row
+# in registers, no loop (occupancy hides latency, as Inductor's persistent reductions do);
+# ``reload``: one program per row, two passes over chunks, the second re-reading the row from L2
+# instead of holding it in registers (quack re-reads from shared memory above 8K).
+FWD_DESIGNS = {
+    2: ((2048, "multirow"), (8192, "persistent"), (16384, "row"), (None, "reload")),
+    4: ((1024, "multirow"), (4096, "persistent"), (8192, "row"), (None, "reload")),
+}
+# A design forced for every forward (the benchmark times each design side by side), or None.
+FORCE_DESIGN: str | None = None
+
+
+def fwd_design(n: int, element_size: int) -> str:
+    """The forward design ``FWD_DESIGNS`` picks for rows of ``n`` elements."""
+    if FORCE_DESIGN is not None:
+        return "reload" if n > max_fused_n(element_size) else FORCE_DESIGN
+    for bound, design in FWD_DESIGNS[4 if element_size > 2 else 2]:
+        if bound is None or n <= bound:
+            return design
+    raise AssertionError("the last design has no bound")
+
 
 @dataclass(frozen=True)
 class FwdConfig:
     """One forward launch: rows per tile, columns (``tile_a`` + ``tile_b``, or ``tile_a``-sized
-    chunks when ``loop``), warps and programs."""
+    chunks when ``loop``), warps, programs, pipeline stages and the design they implement."""
 
     block_m: int
     tile_a: int
@@ -113,6 +137,8 @@ class FwdConfig:
     loop: bool
     num_warps: int
     programs: int
+    num_stages: int = NUM_STAGES
+    design: str = "persistent"
 
 
 @functools.cache
@@ -139,23 +165,33 @@ def max_fused_n(element_size: int, backward: bool = False) -> int:
 def fwd_config(
     m: int, n: int, device: torch.device, num_warps: int | None = None, element_size: int = 2
 ) -> FwdConfig:
-    """The heuristic forward configuration for (m, n) rows (``num_warps`` overrides the warps)."""
-    if n > max_fused_n(element_size):
-        # chunks: the widest spill-free choice per element size (aot_check)
-        warps = num_warps or (16 if element_size <= 2 else 8)
-        return FwdConfig(1, LOOP_BLOCK_N, 0, True, warps, min(m, multiprocessors(device) * max(1, 32 // warps)))
+    """The forward configuration for (m, n) rows (``num_warps`` overrides the warps)."""
+    design = fwd_design(n, element_size)
+    sms = multiprocessors(device)
+    if design == "reload":
+        # 16-byte vectors: 8 16-bit (4 fp32) elements a thread per chunk
+        warps = num_warps or max(4, min(16, LOOP_BLOCK_N * element_size // (16 * 32)))
+        return FwdConfig(1, LOOP_BLOCK_N, 0, True, warps, m, NUM_STAGES, design)
     padded = _next_pow2(n)
-    block_m = max(1, min(MULTI_ROW_TILE // padded, _pow2_floor(m // MIN_PROGRAMS)))
     tile_a = _pow2_floor(n)
     tile_b = _next_pow2(n - tile_a) if n > tile_a else 0
+    if design == "row":
+        warps = num_warps or max(4, min(16, padded * element_size // (64 * 32)))
+        return FwdConfig(1, tile_a, tile_b, False, warps, m, 1, design)
+    block_m = 1
+    if design == "multirow":
+        block_m = max(1, min(MULTI_ROW_TILE // padded, _pow2_floor(m // MIN_PROGRAMS)))
     warps = num_warps or _default_warps(block_m * padded)
-    programs = min(_cdiv(m, block_m), multiprocessors(device) * max(1, 32 // warps))
-    return FwdConfig(block_m, tile_a, tile_b, False, warps, programs)
+    programs = min(_cdiv(m, block_m), sms * max(1, 32 // warps))
+    return FwdConfig(block_m, tile_a, tile_b, False, warps, programs, NUM_STAGES, design)
 
 
 def warp_candidates(config: FwdConfig, element_size: int) -> list[int]:
     """Warps worth timing for ``config``: at least 2 elements and at most 64 bytes of a tile per
-    thread (more spills once two tiles are in flight, see ``aot_check``)."""
+    thread (more spills once two tiles are in flight, see ``aot_check``); the row and reload
+    designs keep their heuristic."""
+    if config.design in ("row", "reload"):
+        return [config.num_warps]
     tile = config.block_m * _next_pow2(config.tile_a + config.tile_b)
     return [w for w in WARP_CHOICES if tile // (32 * w) >= 2 and tile * element_size // (32 * w) <= 64] or [
         config.num_warps
@@ -163,6 +199,12 @@ def warp_candidates(config: FwdConfig, element_size: int) -> list[int]:
 
 
 # --------------------------------------------------------------------------- forward
+
+# Eager kernel-path calls of at most this many rows run the exact torch composite (``fallback``,
+# several native launches) instead of one Triton launch: the rule for where a Triton launch's host
+# time would exceed the native ops'. 0: every call launches the kernel (``bench_kernels.py --host``
+# measures normswap's host time per call; on CUDA the decode section times both paths side by side).
+NATIVE_MAX_ROWS = 0
 
 
 @dataclass
@@ -177,7 +219,16 @@ class _Plan:
     contiguous_b: bool
     x_layout: tuple[int, int, int]
     r_layout: tuple[int, int, int]
+    m: int = 0
+    n: int = 0
+    like_x: bool = False  # x is contiguous: outputs come from empty_like(x), the cheaper allocation
+    native: bool = False  # NATIVE_MAX_ROWS: the torch composite computes this call
     launcher: object = None  # the compiled kernel's launcher (CUDA), once known
+    direct: object = None  # that launcher when it is a direct_launcher
+
+    @property
+    def fixups(self) -> bool:
+        return self.copy_x or self.copy_r or not (self.contiguous_w and self.contiguous_b)
 
 
 _PLANS: dict[tuple, _Plan] = {}
@@ -198,13 +249,14 @@ def _plan_key(x, weight, bias, residual, store_rstd: bool) -> tuple:
         None if residual is None else (residual.stride(), _aligned(residual)),
         None if weight is None else (weight.dtype, weight.is_contiguous(), _aligned(weight)),
         None if bias is None else (bias.dtype, bias.is_contiguous(), _aligned(bias)),
-        store_rstd,
+        store_rstd, FORCE_DESIGN,
     )  # fmt: skip
 
 
 def _fwd_consts(config: FwdConfig, has_w: bool, has_b: bool, has_r: bool, store_rstd: bool) -> tuple:
     """The kernel's constexpr arguments, in its parameter order."""
-    return (config.block_m, config.tile_a, config.tile_b, config.loop, has_w, has_b, has_r, store_rstd, NUM_STAGES)
+    return (config.block_m, config.tile_a, config.tile_b, config.loop, has_w, has_b, has_r, store_rstd,
+            config.num_stages)  # fmt: skip
 
 
 def _make_plan(x, weight, bias, residual, store_rstd: bool, m: int, n: int, config: FwdConfig) -> _Plan:
@@ -221,28 +273,65 @@ def _make_plan(x, weight, bias, residual, store_rstd: bool, m: int, n: int, conf
     consts = _fwd_consts(config, weight is not None, bias is not None, residual is not None, store_rstd)
     contiguous_w = weight is None or weight.is_contiguous()
     contiguous_b = bias is None or bias.is_contiguous()
+    native = 0 < m <= NATIVE_MAX_ROWS
     return _Plan(kernels().rms_norm_fwd_kernel, (config.programs,), consts, config.num_warps, copy_x, copy_r,
-                 contiguous_w, contiguous_b, x_layout, r_layout)  # fmt: skip
+                 contiguous_w, contiguous_b, x_layout, r_layout, m, n, x.is_contiguous(), native)  # fmt: skip
+
+
+def _hooked(hook) -> bool:
+    """Whether a launch hook is set: None, or an empty HookChain (newer triton), is none."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def direct_launcher(compiled, grid: tuple[int], device: torch.device):
+    """A launcher calling ``compiled``'s entry point directly: what ``compiled[grid]`` does per
+    call minus its device query and hook look-ups (no launch hooks are installed). None where
+    this triton's CompiledKernel differs, or launch hooks (a profiler) are set."""
+    try:
+        from triton import knobs  # noqa: PLC0415
+
+        if _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
+            return None
+        compiled._init_handles()
+        run, function, packed = compiled.run, compiled.function, compiled.packed_metadata
+        current_stream = torch._C._cuda_getCurrentRawStream
+    except Exception:
+        return None
+    index, g0 = device.index if device.index is not None else torch.cuda.current_device(), grid[0]
+
+    def launch(*args):
+        run(g0, 1, 1, current_stream(index), function, packed, None, None, None, *args)
+
+    return launch
+
+
+# False once a direct launcher was refused: Triton's own launcher (``compiled[grid]``) from then on
+DIRECT_LAUNCH = True
 
 
 def _launch(plan: _Plan, args: tuple) -> None:
-    global FAST_LAUNCH
+    global FAST_LAUNCH, DIRECT_LAUNCH
     if plan.launcher is not None and FAST_LAUNCH:
         try:
             plan.launcher(*args)
             return
-        except TypeError:  # the launcher's calling convention differs in this triton version
-            FAST_LAUNCH = False
+        except Exception:  # the calling convention differs in this triton version: a slower launcher
+            if plan.launcher is plan.direct:
+                DIRECT_LAUNCH = False
+                plan.launcher = plan.direct = None
+            else:
+                FAST_LAUNCH = False
     compiled = plan.kernel[plan.grid](*args, num_warps=plan.num_warps)
     if FAST_LAUNCH and compiled is not None and hasattr(type(compiled), "__getitem__"):
-        # a CompiledKernel (CUDA; the interpreter returns None); its launcher wants all three grid dims
-        plan.launcher = compiled[(plan.grid[0], 1, 1)]
+        # a CompiledKernel (CUDA; the interpreter returns None)
+        plan.direct = direct_launcher(compiled, plan.grid, args[0].device) if DIRECT_LAUNCH else None
+        plan.launcher = plan.direct or compiled[(plan.grid[0], 1, 1)]
 
 
 def _tune(x, weight, bias, residual, store_rstd, m, n, outputs) -> int:
     """The fastest warps of the candidates for this call's (N, dtypes, flags), timed on it."""
     key = (x.device, x.dtype, n, None if weight is None else weight.dtype, None if bias is None else bias.dtype,
-           residual is not None, store_rstd)  # fmt: skip
+           residual is not None, store_rstd, FORCE_DESIGN)  # fmt: skip
     if key in _TUNED:
         return _TUNED[key]
     base = fwd_config(m, n, x.device, element_size=x.element_size())
@@ -250,7 +339,7 @@ def _tune(x, weight, bias, residual, store_rstd, m, n, outputs) -> int:
     for warps in warp_candidates(base, x.element_size()):
         plan = _make_plan(x, weight, bias, residual, store_rstd, m, n,
                           fwd_config(m, n, x.device, num_warps=warps, element_size=x.element_size()))
-        args = _fwd_args(plan, x, weight, bias, residual, *outputs, m, n)
+        args = _fwd_args(plan, x, weight, bias, residual, *outputs)
         _launch(plan, args)  # compile and warm up
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -264,26 +353,16 @@ def _tune(x, weight, bias, residual, store_rstd, m, n, outputs) -> int:
     return best
 
 
-def _fwd_args(plan: _Plan, x, weight, bias, residual, y, s, rstd, m: int, n: int, eps: float = 0.0) -> tuple:
+def _fwd_args(plan: _Plan, x, weight, bias, residual, y, s, rstd, eps: float = 0.0) -> tuple:
     """The kernel's arguments in parameter order (placeholders for absent tensors are never read)."""
-    if plan.copy_x:
-        x = x.contiguous()
-    if residual is None:
-        residual = x
-    elif plan.copy_r:
-        residual = residual.contiguous()
-    # weight and bias are contiguous in the common case (the plan key says so): .contiguous() is
-    # then a no-op, but still a dispatch, so it is skipped
-    if weight is None:
-        weight = y
-    elif not plan.contiguous_w:
-        weight = weight.contiguous()
-    if bias is None:
-        bias = y
-    elif not plan.contiguous_b:
-        bias = bias.contiguous()
-    return (x, residual, weight, bias, y, y if s is None else s, y if rstd is None else rstd,
-            m, n, *plan.x_layout, *plan.r_layout, eps, *plan.consts)  # fmt: skip
+    if plan.fixups:
+        x = x.contiguous() if plan.copy_x else x
+        residual = residual.contiguous() if plan.copy_r and residual is not None else residual
+        weight = weight.contiguous() if weight is not None else None
+        bias = bias.contiguous() if bias is not None else None
+    return (x, x if residual is None else residual, y if weight is None else weight, y if bias is None else bias,
+            y, y if s is None else s, y if rstd is None else rstd,
+            plan.m, plan.n, *plan.x_layout, *plan.r_layout, eps, *plan.consts)  # fmt: skip
 
 
 def _tunable(x: torch.Tensor, m: int, n: int) -> bool:
@@ -293,32 +372,53 @@ def _tunable(x: torch.Tensor, m: int, n: int) -> bool:
     )  # fmt: skip
 
 
-def forward(
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    residual: torch.Tensor | None,
-    eps: float,
-    store_rstd: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(y, s or None, rstd or None) through the kernels; residual, if given, matches x's shape."""
+def _plan(x, weight, bias, residual, store_rstd: bool, key: tuple) -> _Plan:
+    """A new launch plan for this call (warps tuned on it when large enough), cached under ``key``."""
     n = x.shape[-1]
+    m = x.numel() // n if n else 0
+    warps = None
+    if m and _tunable(x, m, n):
+        outputs = (torch.empty_like(x), torch.empty_like(x) if residual is not None else None,
+                   torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device) if store_rstd else None)  # fmt: skip
+        warps = _tune(x, weight, bias, residual, store_rstd, m, n, outputs)
+    config = fwd_config(max(m, 1), max(n, 1), x.device, num_warps=warps, element_size=x.element_size())
+    plan = _make_plan(x, weight, bias, residual, store_rstd, m, n, config)
+    if len(_PLANS) >= MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[key] = plan
+    return plan
+
+
+def forward_eager(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, residual: torch.Tensor | None, eps: float
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``rms_norm``'s eager path without autograd: y, or (y, s) with a residual of x's shape and
+    dtype. The host work of a repeated call is one dict look-up, its allocations and the launch."""
+    key = _plan_key(x, weight, bias, residual, False)
+    plan = _PLANS.get(key) or _plan(x, weight, bias, residual, False, key)
+    if plan.native:
+        from .fallback import forward_torch  # noqa: PLC0415
+
+        return forward_torch(x, weight, bias, residual, eps)
+    y = torch.empty_like(x) if plan.like_x else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    s = None if residual is None else torch.empty_like(y)
+    if plan.m:
+        _launch(plan, _fwd_args(plan, x, weight, bias, residual, y, s, None, eps))
+    return y if s is None else (y, s)
+
+
+def forward(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, residual: torch.Tensor | None,
+    eps: float, store_rstd: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
+    """(y, s or None, rstd or None) through the kernels; residual, if given, matches x's shape."""
+    key = _plan_key(x, weight, bias, residual, store_rstd)
+    plan = _PLANS.get(key) or _plan(x, weight, bias, residual, store_rstd, key)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     s = torch.empty_like(y) if residual is not None else None
     rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device) if store_rstd else None
-    m = y.numel() // n if n else 0
-    if m == 0:
-        return y, s, rstd
-    key = _plan_key(x, weight, bias, residual, store_rstd)
-    plan = _PLANS.get(key)
-    if plan is None:
-        warps = _tune(x, weight, bias, residual, store_rstd, m, n, (y, s, rstd)) if _tunable(x, m, n) else None
-        plan = _make_plan(x, weight, bias, residual, store_rstd, m, n,
-                          fwd_config(m, n, x.device, num_warps=warps, element_size=x.element_size()))
-        if len(_PLANS) >= MAX_PLANS:
-            _PLANS.clear()
-        _PLANS[key] = plan
-    _launch(plan, _fwd_args(plan, x, weight, bias, residual, y, s, rstd, m, n, eps))
+    if plan.m:
+        _launch(plan, _fwd_args(plan, x, weight, bias, residual, y, s, rstd, eps))
     return y, s, rstd
 
 
@@ -328,6 +428,17 @@ def clear_cache() -> None:
     _TUNED.clear()
 
 
+@contextlib.contextmanager
+def forced_design(design: str | None) -> Iterator[None]:
+    """Run every forward with ``design`` (where the row fits it) for the duration of the block."""
+    global FORCE_DESIGN
+    old, FORCE_DESIGN = FORCE_DESIGN, design
+    try:
+        yield
+    finally:
+        FORCE_DESIGN = old
+
+
 # --------------------------------------------------------------------------- backward
 
 
@@ -335,10 +446,20 @@ def _bwd_warps(block_n: int, element_size: int) -> int:
     return max(4, min(16 if element_size <= 2 else 8, block_n // 256))
 
 
-def bwd_programs(m: int, n: int, device: torch.device) -> int:
+def bwd_programs(tiles: int, n: int, device: torch.device) -> int:
     """Backward grid: many programs at small N (8 per SM), about 1 per SM at 16K."""
     per_sm = max(1, min(8, 16384 // _next_pow2(n)))
-    return min(m, multiprocessors(device) * per_sm)
+    return min(tiles, multiprocessors(device) * per_sm)
+
+
+# short rows are packed to backward tiles of this many elements, so each step of a program's
+# loop has several rows' loads in flight (one 768-element row is 1.5 KB)
+BWD_MULTI_ROW_TILE = 4096
+
+
+def bwd_block_m(n: int) -> int:
+    """Rows per backward tile."""
+    return max(1, BWD_MULTI_ROW_TILE // _next_pow2(n))
 
 
 # column-parallel dw/db for long rows: a [DW_BLOCK_R, DW_BLOCK_C] tile per step
@@ -365,7 +486,8 @@ def backward(
     k = kernels()
     loop = n > max_fused_n(xs.element_size(), backward=True)
     block_n = LOOP_BLOCK_N if loop else _next_pow2(n)
-    programs = bwd_programs(m, n, dev) if not loop else min(m, 2 * multiprocessors(dev))
+    block_m = 1 if loop else bwd_block_m(n)
+    programs = bwd_programs(_cdiv(m, block_m), n, dev) if not loop else min(m, 2 * multiprocessors(dev))
     dw_part = db_part = None
     if not loop:
         dw_part = torch.empty((programs, n), dtype=torch.float32, device=dev)
@@ -374,8 +496,8 @@ def backward(
         dy, xs, weight.contiguous() if weight is not None else dy, rstd, ds if ds is not None else dy, dx,
         dw_part if dw_part is not None else dx, db_part if db_part is not None else dx,
         m, n, *x_layout,
-        BLOCK_N=block_n, LOOP=loop, HAS_W=weight is not None, HAS_B=has_bias, HAS_DS=ds is not None,
-        NUM_STAGES=NUM_STAGES, num_warps=_bwd_warps(block_n, xs.element_size()),
+        BLOCK_M=block_m, BLOCK_N=block_n, LOOP=loop, HAS_W=weight is not None, HAS_B=has_bias,
+        HAS_DS=ds is not None, NUM_STAGES=NUM_STAGES, num_warps=_bwd_warps(block_m * block_n, xs.element_size()),
     )  # fmt: skip
     if loop:
         block_c = min(DW_BLOCK_C, _next_pow2(n))
@@ -404,9 +526,24 @@ class Variant:
     signature: dict[str, str]
     constexprs: dict[str, object]
     num_warps: int
+    aligned: tuple[str, ...] = ()  # arguments specialised as multiples of 16 (pointers: 16-byte aligned)
 
 
 _FWD_CONST_NAMES = ("BLOCK_M", "TILE_A", "TILE_B", "LOOP", "HAS_W", "HAS_B", "HAS_R", "STORE_RSTD", "NUM_STAGES")
+# what triton specialises as divisible by 16 on a model's contiguous, aligned tensors (N % 16 == 0;
+# the inner row stride of a one-stride layout is 0)
+_FWD_ALIGNED = ("X", "R", "W", "B", "Y", "S", "RSTD", "N", "sx_outer", "sx_inner", "sr_outer", "sr_inner")
+_BWD_ALIGNED = ("DY", "X", "W", "RSTD", "DS", "DX", "DW_PART", "DB_PART", "N", "sx_outer", "sx_inner")
+AOT_SHAPES = [(32768, 128), (32768, 768), (4096, 2048), (4096, 3072), (4096, 4096), (4096, 5120),
+              (4096, 8192), (4096, 12288), (4096, 16384), (1, 65536)]  # fmt: skip
+
+
+def bench_designs(n: int, element_size: int) -> list[str]:
+    """The designs the benchmark times at row length ``n``: the table's choice first, then the
+    alternatives that can hold such a row (reload from 4096 on, where it is a candidate)."""
+    natural = fwd_design(n, element_size)
+    others = [] if n > max_fused_n(element_size) else ["persistent", "row"] + (["reload"] if n >= 4096 else [])
+    return [natural] + [d for d in others if d != natural]
 
 
 def _fwd_signature(dtype: str, consts: dict) -> dict[str, str]:
@@ -418,45 +555,52 @@ def _fwd_signature(dtype: str, consts: dict) -> dict[str, str]:
     return sig
 
 
+def _fwd_variants(dtype: str, m: int, n: int, design: str | None) -> Iterator[Variant]:
+    size = 4 if dtype == "fp32" else 2
+    with forced_design(design):
+        config = fwd_config(m, n, torch.device("cpu"), element_size=size)
+    for warps, has_r in itertools.product(warp_candidates(config, size), (False, True)):
+        config = FwdConfig(**{**config.__dict__, "num_warps": warps})
+        consts = dict(zip(_FWD_CONST_NAMES, _fwd_consts(config, True, True, has_r, True), strict=True))
+        consts.update(x_inner=1, r_inner=1)
+        label = f"fwd {config.design:<10} {dtype} M={m} N={n} residual={has_r} warps={warps}"
+        yield Variant(label, kernels().rms_norm_fwd_kernel, _fwd_signature(dtype, consts), consts, warps,
+                      _FWD_ALIGNED)  # fmt: skip
+
+
 def aot_variants() -> Iterator[Variant]:
     """Every forward and backward specialisation the launchers use on a few model-like shapes, in
-    all three pointer dtypes, the forward with each warp count it may tune to
-    (``python -m normswap.kernels.aot_check``)."""
+    all three pointer dtypes, the forward with each warp count it may tune to, and in bf16 each
+    design the benchmark times (``python -m normswap.kernels.aot_check``)."""
     k = kernels()
-    shapes = [(32768, 128), (32768, 768), (4096, 2048), (4096, 3072), (4096, 4096), (4096, 5120),
-              (4096, 8192), (4096, 12288), (4096, 16384), (1, 65536)]  # fmt: skip
-    cpu = torch.device("cpu")
     for dtype in ("bf16", "fp16", "fp32"):
         size = 4 if dtype == "fp32" else 2
-        for m, n in shapes:
-            config = fwd_config(m, n, cpu, element_size=size)
-            for warps, has_r in itertools.product(warp_candidates(config, size) if not config.loop else [config.num_warps],
-                                                  (False, True)):  # fmt: skip
-                consts = dict(zip(_FWD_CONST_NAMES, _fwd_consts(config, True, True, has_r, True), strict=True))
-                consts.update(x_inner=1, r_inner=1)
-                label = f"fwd {dtype} M={m} N={n} residual={has_r} warps={warps}"
-                yield Variant(label, k.rms_norm_fwd_kernel, _fwd_signature(dtype, consts), consts, warps)
+        for m, n in AOT_SHAPES:
+            designs = bench_designs(n, size) if dtype == "bf16" else [fwd_design(n, size)]
+            for design in designs:
+                yield from _fwd_variants(dtype, m, n, design)
         for n in (768, 4096, 8192, 16384, 65536):
             loop = n > max_fused_n(size, backward=True)
             block_n = LOOP_BLOCK_N if loop else _next_pow2(n)
             for has_w, has_ds in ((True, True), (False, False)):
-                yield _bwd_variant(dtype, n, block_n, loop, has_w, has_ds)
+                yield _bwd_variant(dtype, n, block_n, 1 if loop else bwd_block_m(n), loop, has_w, has_ds)
         for has_b in (False, True):
             consts = {"BLOCK_R": DW_BLOCK_R, "BLOCK_C": DW_BLOCK_C, "HAS_B": has_b, "NUM_STAGES": NUM_STAGES}
             ptr = "*" + dtype
             sig = {"DY": ptr, "X": ptr, "RSTD": "*fp32", "DW_PART": "*fp32", "DB_PART": "*fp32",
                    "M": "i32", "N": "i32", "x_inner": "i32", "sx_outer": "i32", "sx_inner": "i32",
                    "rows_per_split": "i32", **{c: "constexpr" for c in consts}}  # fmt: skip
-            yield Variant(f"bwd_dw {dtype} HAS_B={has_b}", k.rms_norm_bwd_dw_kernel, sig, consts, DW_WARPS)
+            yield Variant(f"bwd_dw {dtype} HAS_B={has_b}", k.rms_norm_bwd_dw_kernel, sig, consts, DW_WARPS,
+                          ("DY", "X", "RSTD", "DW_PART", "DB_PART", "N", "sx_outer", "sx_inner"))  # fmt: skip
 
 
-def _bwd_variant(dtype, n, block_n, loop, has_w, has_ds) -> Variant:
+def _bwd_variant(dtype, n, block_n, block_m, loop, has_w, has_ds) -> Variant:
     ptr = "*" + dtype
     sig = {"DY": ptr, "X": ptr, "W": ptr, "RSTD": "*fp32", "DS": ptr, "DX": ptr, "DW_PART": "*fp32",
            "DB_PART": "*fp32", "M": "i32", "N": "i32", "x_inner": "i32", "sx_outer": "i32", "sx_inner": "i32"}  # fmt: skip
-    consts = {"BLOCK_N": block_n, "LOOP": loop, "HAS_W": has_w, "HAS_B": has_w, "HAS_DS": has_ds,
-              "NUM_STAGES": NUM_STAGES}  # fmt: skip
+    consts = {"BLOCK_M": block_m, "BLOCK_N": block_n, "LOOP": loop, "HAS_W": has_w, "HAS_B": has_w,
+              "HAS_DS": has_ds, "NUM_STAGES": NUM_STAGES}  # fmt: skip
     sig.update({c: "constexpr" for c in consts})
-    warps = _bwd_warps(block_n, 4 if dtype == "fp32" else 2)
-    label = f"bwd {dtype} N={n} loop={loop} affine={has_w} ds={has_ds} warps={warps}"
-    return Variant(label, kernels().rms_norm_bwd_kernel, sig, consts, warps)
+    warps = _bwd_warps(block_m * block_n, 4 if dtype == "fp32" else 2)
+    label = f"bwd {dtype} N={n} rows={block_m} loop={loop} affine={has_w} ds={has_ds} warps={warps}"
+    return Variant(label, kernels().rms_norm_bwd_kernel, sig, consts, warps, _BWD_ALIGNED)

@@ -4,10 +4,13 @@
 launched by ``launch.py``) on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (how
 the tests exercise them); everywhere else it runs the exact torch fallback (``fallback.py``).
 
-The kernel path goes through two custom ops, ``normswap::rms_norm_fwd`` and
+Under autograd the kernel path goes through two custom ops, ``normswap::rms_norm_fwd`` and
 ``normswap::rms_norm_bwd``, each with a fake (meta) implementation, and the forward op has a
-registered autograd formula; ``torch.compile(fullgraph=True)`` therefore traces through them
-without a graph break, and ``eps`` is a runtime float, so new eps values do not recompile.
+registered autograd formula; ``eps`` is a runtime float, so new eps values do not recompile.
+Eager inference calls skip the custom-op dispatch (``launch.forward_eager``). Inside
+``torch.compile`` the op is, by ``set_compile_path``, either the fallback's torch ops (the
+default: Inductor fuses them with the residual add and the casts around them) or the custom op
+(normswap's kernel, opaque to Inductor); both trace with ``fullgraph=True``.
 
 Rounding points (identical to ``normswap.modeling.remote.RMSNorm`` preceded by an unfused add)::
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import math
 import os
 import warnings
 
@@ -28,6 +32,7 @@ import torch
 from . import launch
 from .fallback import (
     add_rms_norm_torch,
+    forward_torch,
     needs_graph,
     rms_norm_backward_torch,
     rms_norm_rstd_torch,
@@ -144,6 +149,21 @@ rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
 # --------------------------------------------------------------------------- public function
 
 
+# How ``rms_norm`` appears in a graph torch.compile traces on the kernel path: "decompose", the
+# torch ops of the fallback, which Inductor fuses with their neighbours (the residual add, the
+# casts) into its own kernels; or "kernel", the opaque custom op running normswap's kernel.
+COMPILE_PATHS = ("decompose", "kernel")
+compile_path = "decompose"
+
+
+def set_compile_path(path: str) -> None:
+    """Choose how compiled graphs compute the norm (``COMPILE_PATHS``); recompile afterwards."""
+    global compile_path
+    if path not in COMPILE_PATHS:
+        raise ValueError(f"compile path must be one of {COMPILE_PATHS}, not {path!r}")
+    compile_path = path
+
+
 def rms_norm(
     x: torch.Tensor,
     weight: torch.Tensor | None = None,
@@ -158,16 +178,40 @@ def rms_norm(
     one pass over memory on the kernel path. Statistics, weight multiply and bias add are in
     float32; s and y are each rounded once to x's dtype (see the module docstring).
     """
+    _check_arguments(x, weight, bias, eps, residual)
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         s = x + residual  # broadcasting or type promotion: leave it to torch, then normalise
         return rms_norm(s, weight, bias, eps), s
     if use_kernels(x):
-        if torch.compiler.is_compiling() or needs_graph(x, weight, bias, residual):
+        if torch.compiler.is_compiling():
+            if compile_path == "kernel":
+                y, s, _ = torch.ops.normswap.rms_norm_fwd(x, weight, bias, residual, float(eps))
+                return (y, s) if residual is not None else y
+        elif needs_graph(x, weight, bias, residual):
             y, s, _ = torch.ops.normswap.rms_norm_fwd(x, weight, bias, residual, float(eps))
+            return (y, s) if residual is not None else y
         else:
-            # eager inference: skip the custom-op dispatch (Python-level, ~µs that matter at decode)
-            y, s, _ = launch.forward(x, weight, bias, residual, float(eps), store_rstd=False)
-        return (y, s) if residual is not None else y
-    if residual is None:
-        return rms_norm_torch(x, weight, bias, eps)
-    return add_rms_norm_torch(x, residual, weight, bias, eps)
+            # eager inference: no custom-op dispatch, a cached launch plan (host time is what
+            # decode steps pay)
+            return launch.forward_eager(x, weight, bias, residual, float(eps))
+    return forward_torch(x, weight, bias, residual, eps)
+
+
+def _check_arguments(x, weight, bias, eps, residual) -> None:
+    """``rms_norm``'s arguments at the door: tensors where tensors belong, gains and biases of the
+    normalised size, a finite ``eps`` >= 0 (a few isinstance checks: nothing a kernel launch notices)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"rms_norm: x must be a torch.Tensor, not {type(x).__name__}")
+    if x.dim() == 0:
+        raise ValueError("rms_norm: x must have at least one dimension (the one normalised)")
+    for name, value in (("weight", weight), ("bias", bias), ("residual", residual)):
+        if value is not None and not isinstance(value, torch.Tensor):
+            raise TypeError(f"rms_norm: {name} must be a torch.Tensor or None, not {type(value).__name__}")
+    for name, value in (("weight", weight), ("bias", bias)):
+        if value is not None and tuple(value.shape) != (x.shape[-1],):
+            raise ValueError(f"rms_norm: {name} must have shape ({x.shape[-1]},) to match x's last dimension, "
+                             f"not {tuple(value.shape)}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"rms_norm: eps must be a float, not {type(eps).__name__}")
+    if not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"rms_norm: eps must be a finite number >= 0, not {eps}")

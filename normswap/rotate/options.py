@@ -1,0 +1,8 @@
+"""The rotate command's choices, kept free of torch so that the CLI can offer them at start-up."""
+
+from __future__ import annotations
+
+# how Q is made: randomised Hadamard, seeded random orthogonal, or the stream's principal directions
+METHODS = ("hadamard", "orthogonal", "pca")
+# at most this many calibration tokens are read (pca and --slice)
+DEFAULT_CALIBRATION_TOKENS = 32768

@@ -1,0 +1,240 @@
+"""The algebraic proof: every stored tensor is what the plan makes it, to the rounding of its dtype.
+
+The conversion plan (rebuilt from the original with the options the checkpoint records, or the
+plan the writer just ran) says how each output tensor is made from the original's tensors. For
+every output tensor the proof recomputes that value with the writer's own code path
+(``normswap.convert.write.expected_blocks``: the same ``fold`` step functions, in float64, one
+tensor group and one block of rows at a time, reads shared through the writer's ``ShardSource``)
+and compares it elementwise with the stored tensor:
+
+* a tensor the plan leaves as it is, in the same dtype, must be byte-identical to its source;
+* every other tensor must equal its float64 value rounded to the stored dtype, to within
+  ``ULP_LIMIT`` unit in the last place (ulp) of that dtype. The writer rounds the same float64
+  value once, so a faithful tensor is bit-exact; one ulp admits a rounding tie decided the other
+  way by a float64 value that differs in its last bits (another summation order, another BLAS).
+  Values that are zero up to float64 cancellation (a centred constant row) get an absolute
+  allowance of ``ZERO_FLOOR`` times the largest value in their block, far below the rounding of
+  any other value there.
+
+The names, shapes, dtypes and shards of the stored tensors must be the plan's, and a NaN or
+infinity where the plan makes a finite value fails. The proof reads each file once, so it runs at
+disk speed, and it proves every row, including rows no forward probe reads (embedding rows of
+tokens outside the probe, positions beyond its length). Its figures name the worst tensor and its
+distance, in ulps, from the correctly rounded value.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from normswap.checkpoint.source import CheckpointReader, TensorInfo
+from normswap.convert.plan import ConversionPlan, TensorPlan
+from normswap.convert.write import ShardSource, expected_blocks, one_thread, tensors_by_shard
+from normswap.dtypes import parse_dtype
+from normswap.errors import VerificationError
+
+# a stored value may differ from the correctly rounded plan value by at most this many ulps
+ULP_LIMIT = 1.0
+# absolute allowance for values that are zero up to float64 cancellation, relative to the block's
+# largest value: above the float64 error of a d-term sum (d·2⁻⁵³ for d up to 10⁵) and 2¹³ times
+# below float32's rounding of that largest value
+ZERO_FLOOR = 2.0 ** -36
+CHUNK_BYTES = 16 << 20
+
+
+def prove_weights(source_dir: Path, converted_dir: Path, plan: ConversionPlan) -> dict:
+    """Prove every tensor of ``converted_dir`` is what ``plan`` makes it from ``source_dir``.
+
+    Returns the counts (``byte_identical``, ``recomputed``), the limit and the worst tensor with
+    its distance in ulps from the correctly rounded value; raises ``VerificationError`` naming the
+    first tensor, element and values that are wrong."""
+    counts = {"tensors": len(plan.tensors), "byte_identical": 0, "recomputed": 0}
+    worst = {"tensor": None, "ulp": 0.0, "dtype": None, "elements_off_by_rounding": 0}
+    with CheckpointReader(source_dir) as source, CheckpointReader(converted_dir) as output, one_thread():
+        check_inventory(plan, output)
+        shared = ShardSource(source)
+        for tensors in tensors_by_shard(plan).values():
+            for tensor in tensors:
+                if _same_bytes_expected(tensor, source):
+                    _prove_identical(tensor, source, output)
+                    counts["byte_identical"] += 1
+                    continue
+                units, off = _prove_recomputed(tensor, shared, output)
+                counts["recomputed"] += 1
+                worst["elements_off_by_rounding"] += off
+                if units > worst["ulp"]:
+                    worst.update(tensor=tensor.name, ulp=units, dtype=tensor.dtype_name)
+    return {**counts, "limit_ulp": ULP_LIMIT, "worst": worst}
+
+
+def rebuilt_conversion_plan(original_dir: Path, original_config: dict, options: dict,
+                            stored: dict[str, TensorInfo]) -> ConversionPlan:
+    """The plan a conversion ran, rebuilt from the original and the options its provenance
+    records (``method``, ``fold_gains``, ``dtype``), planned from the adapter's declarations.
+    The output dtype is the source's unless the stored tensors show a cast to the recorded dtype
+    (``--dtype``), which then applies to every floating tensor."""
+    from normswap.convert.planning import plan_conversion
+
+    def plan(dtype: torch.dtype | None) -> ConversionPlan:
+        with CheckpointReader(original_dir) as reader:
+            return plan_conversion(original_dir, original_config, reader, method=options.get("method", "exact"),
+                                   fold_gains=bool(options.get("fold_gains", False)), dtype=dtype,
+                                   build_class=False)[1]
+
+    return _with_recorded_dtype(plan, options, stored)
+
+
+def _with_recorded_dtype(plan, options: dict, stored: dict[str, TensorInfo]) -> ConversionPlan:
+    """``plan(None)``, or ``plan(recorded dtype)`` when the stored floating tensors were cast."""
+    planned = plan(None)
+    cast = any(name in stored and tensor.dtype.is_floating_point and stored[name].dtype_name != tensor.dtype_name
+               for name, tensor in planned.tensors.items())
+    recorded = parse_dtype(options.get("dtype")) if isinstance(options.get("dtype"), str) else None
+    return plan(recorded) if cast and recorded is not None else planned
+
+
+def rebuilt_rotation_plan(reference_dir: Path, reference_config: dict, rotation: dict, matrix: torch.Tensor,
+                          options: dict, stored: dict[str, TensorInfo]) -> ConversionPlan:
+    """The plan a rotation ran: the rotation plan of its source (an original or a folded
+    conversion) with ``rotate.plan.add_rotation``'s steps for Q = ``matrix``, the matrix stored
+    beside the weights. A seeded Q (``hadamard``, ``orthogonal``) must be the one its recorded
+    method and seed make; a ``pca`` Q is measured on calibration text and is taken as stored
+    (the file's hash and orthogonality are checked when it is loaded)."""
+    from normswap.rotate.matrices import Rotation, hadamard_rotation, orthogonal_rotation
+    from normswap.rotate.plan import add_rotation, plan_rotation
+
+    method, seed = rotation.get("method"), rotation.get("seed")
+    if method in ("hadamard", "orthogonal"):
+        made = (hadamard_rotation if method == "hadamard" else orthogonal_rotation)(matrix.shape[0], seed).matrix
+        error = float((made - matrix).abs().max())
+        if not error <= 1e-12:
+            raise VerificationError(f"weights proof: the stored rotation is not the {method} matrix of seed {seed} "
+                                    f"(max |Δ| = {error:.3g})")
+    q = Rotation(str(method), seed, matrix, str(rotation.get("construction", "")))
+
+    def plan(dtype: torch.dtype | None) -> ConversionPlan:
+        with CheckpointReader(reference_dir) as reader:
+            rotation_plan = plan_rotation(reference_dir, reference_config, reader, dtype=dtype)
+        add_rotation(rotation_plan.plan, rotation_plan.architecture, q)
+        return rotation_plan.plan
+
+    return _with_recorded_dtype(plan, options, stored)
+
+
+def check_inventory(plan: ConversionPlan, output: CheckpointReader) -> None:
+    """The stored tensors are the plan's: the same names, shapes, dtypes and shards."""
+    where = output.path
+    extra = sorted(set(output.tensors) - set(plan.tensors))
+    if extra:
+        raise VerificationError(f"weights proof: {where} has a tensor the conversion does not make: {extra[0]}")
+    sharded = len(plan.shards) > 1
+    for name, tensor in plan.tensors.items():
+        stored = output.tensors.get(name)
+        if stored is None:
+            raise VerificationError(f"weights proof: {where} lacks the tensor {name}")
+        if tuple(stored.shape) != tuple(tensor.shape):
+            raise VerificationError(f"weights proof: {name} has shape {list(stored.shape)}; the conversion makes it "
+                                    f"{list(tensor.shape)}")
+        if stored.dtype_name != tensor.dtype_name:
+            raise VerificationError(f"weights proof: {name} is stored as {stored.dtype_name}; the conversion makes "
+                                    f"it {tensor.dtype_name}")
+        if sharded and stored.shard != tensor.shard:
+            raise VerificationError(f"weights proof: {name} is in {stored.shard}; the conversion writes it into "
+                                    f"{tensor.shard}")
+
+
+def _same_bytes_expected(tensor: TensorPlan, source: CheckpointReader) -> bool:
+    return (not tensor.steps and tensor.source is not None
+            and source.tensors[tensor.source].dtype_name == tensor.dtype_name)
+
+
+def _row_chunks(reader: CheckpointReader, name: str, buffer: torch.Tensor) -> Iterator[torch.Tensor]:
+    """``name`` in slices of rows of at most CHUNK_BYTES, read into ``buffer`` (overwritten by the next)."""
+    info = reader.tensors[name]
+    if len(info.shape) == 0 or info.shape[0] == 0 or not reader.is_safetensors:
+        yield reader.get(name)
+        return
+    rows = max(1, CHUNK_BYTES // max(1, info.nbytes // info.shape[0]))
+    for start in range(0, info.shape[0], rows):
+        yield reader.read_rows(name, start, min(rows, info.shape[0] - start), buffer)
+
+
+def _words(values: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``values`` as 8-byte words where they divide evenly (compared 4x faster than bytes)."""
+    raw = values.contiguous().reshape(-1).view(torch.uint8)
+    return raw.view(torch.int64) if raw.numel() % 8 == 0 and raw.data_ptr() % 8 == 0 else raw
+
+
+def _prove_identical(tensor: TensorPlan, source: CheckpointReader, output: CheckpointReader) -> None:
+    buffers = torch.empty(CHUNK_BYTES, dtype=torch.uint8), torch.empty(CHUNK_BYTES, dtype=torch.uint8)
+    pairs = zip(_row_chunks(source, tensor.source, buffers[0]), _row_chunks(output, tensor.name, buffers[1]),
+                strict=True)
+    for before, after in pairs:
+        if not torch.equal(_words(before), _words(after)):
+            raise VerificationError(f"weights proof: {tensor.name} should be {tensor.source} unchanged, but its "
+                                    "bytes differ")
+
+
+def _prove_recomputed(tensor: TensorPlan, shared: ShardSource, output: CheckpointReader) -> tuple[float, int]:
+    """(worst distance in ulps from the correctly rounded plan value, elements not bit-exact)."""
+    row = max(1, math.prod(tensor.shape[1:]))
+    buffer = torch.empty(0, dtype=torch.uint8)
+    worst, off = 0.0, 0
+    for start, expected in expected_blocks(tensor, shared):
+        count = expected.shape[0] if expected.dim() else 1
+        if buffer.numel() < count * row * tensor.dtype.itemsize:
+            buffer = torch.empty(count * row * tensor.dtype.itemsize, dtype=torch.uint8)
+        stored = _stored_rows(output, tensor.name, start, count, buffer) if expected.dim() else output.get(tensor.name)
+        rounded = expected.to(tensor.dtype)
+        if torch.equal(rounded, stored):  # bit-exact (NaN never is)
+            continue
+        differs = ~(rounded == stored)
+        units = _units(stored[differs], rounded[differs], expected, tensor.dtype)
+        if not bool((units <= ULP_LIMIT).all()):
+            _refuse(tensor, start, differs, units, stored, expected)
+        worst, off = max(worst, float(units.max())), off + int(differs.sum())
+    return worst, off
+
+
+def _stored_rows(output: CheckpointReader, name: str, start: int, count: int, buffer: torch.Tensor) -> torch.Tensor:
+    if output.is_safetensors:
+        return output.read_rows(name, start, count, buffer)
+    return output.get(name).narrow(0, start, count)
+
+
+def _units(stored: torch.Tensor, rounded: torch.Tensor, block: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """|stored - rounded| in ulps of ``dtype`` at ``rounded``, less the zero floor of ``block``
+    (NaN where either is not finite, so that it fails)."""
+    info = torch.finfo(dtype)
+    rounded64, stored64 = rounded.double(), stored.double()
+    _, exponent = torch.frexp(rounded64)
+    ulp = torch.where(rounded64.abs() < info.tiny, info.tiny * info.eps, info.eps * torch.exp2((exponent - 1).double()))
+    finite = block[torch.isfinite(block)]
+    floor = ZERO_FLOOR * float(finite.abs().max()) if finite.numel() else 0.0
+    distance = ((stored64 - rounded64).abs() - floor).clamp(min=0)
+    units = distance / ulp
+    units[~(torch.isfinite(stored64) & torch.isfinite(rounded64))] = math.nan
+    return units
+
+
+def _refuse(tensor: TensorPlan, start: int, differs: torch.Tensor, units: torch.Tensor, stored: torch.Tensor,
+            expected: torch.Tensor) -> None:
+    """One line naming the first element beyond the limit: its index, stored and planned values."""
+    bad = ~(units <= ULP_LIMIT)
+    positions = differs.nonzero()
+    first = positions[int(bad.nonzero()[0])].tolist()
+    if expected.dim():
+        first[0] += start
+    index = tuple(first)
+    local = tuple([first[0] - start, *first[1:]]) if expected.dim() else ()
+    value, planned = float(stored[local]), float(expected[local])
+    how = "not finite" if not math.isfinite(float(units[bad][0])) else f"{float(units[bad][0]):.4g} ulps off"
+    where = f"{tensor.name}{list(index)}" if index else tensor.name
+    raise VerificationError(
+        f"weights proof: {where} is {value:.6g}, but the conversion makes it {planned:.6g} ({tensor.dtype_name}, "
+        f"{how}; {int(bad.sum())} element{'s' if int(bad.sum()) != 1 else ''} of this block beyond "
+        f"{ULP_LIMIT:g} ulp)")
