@@ -166,8 +166,10 @@ def count_line(listed: list[dict], audited: int) -> str:
 
     counts = {name: sum(row["status"] == name for row in listed) for name in STATUSES}
     families = len({id(ARCHITECTURES[row["model_type"]]) for row in listed if row["status"] == "exact"})
+    unmeasured = sum(row["status"] == "not yet" and row["reason"].startswith("not measured") for row in listed)
     return (f"{counts['exact']} model types ({families} families) convert exactly, {counts['refused']} are refused and "
-            f"{counts['not yet']} are not yet supported, of the {len(listed)} that have a LayerNorm among the "
+            f"{counts['not yet']} are not yet supported ({counts['not yet'] - unmeasured} measured pre-LN or mixed, "
+            f"{unmeasured} not measured here), of the {len(listed)} that have a LayerNorm among the "
             f"{audited} model types of transformers' registry")
 
 
@@ -226,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         import transformers
         from transformers import CONFIG_MAPPING
 
-        registry = sorted(CONFIG_MAPPING.keys())
+        registry = sorted(name for name in CONFIG_MAPPING.keys() if not name.startswith("normswap_"))
         previous = load_results(args.json) if args.json.exists() else {}
         same = previous.get("transformers") == transformers.__version__
         cached = {row["model_type"]: row for row in previous.get("rows", [])} if same else {}

@@ -266,7 +266,8 @@ def source_has_layer_norm(model_type: str) -> bool:
     spec = util.find_spec("transformers.models")
     folder = Path(spec.submodule_search_locations[0]) / model_type_to_module_name(model_type)
     texts = [path.read_text(encoding="utf-8", errors="replace") for path in folder.glob("modeling_*.py")]
-    return any(re.search(r"LayerNorm\b|layer_norm\(", text) for text in texts)
+    return any(re.search(r"nn\.LayerNorm\b|class \w*LayerNorm\w*\(|\bF\.layer_norm\(|functional\.layer_norm\(", text)
+               for text in texts)
 
 
 def measure_config(config) -> dict:

@@ -62,7 +62,9 @@ def test_results_cover_the_installed_registry(results):
 
     assert results["transformers"] == transformers.__version__, \
         "transformers changed: rerun `nice -n 10 python3 scripts/audit_architectures.py --resume`"
-    assert {row["model_type"] for row in results["rows"]} == set(CONFIG_MAPPING.keys())
+    # normswap's own output types (normswap_bloom, ...) are registered once normswap loads a model
+    registry = {name for name in CONFIG_MAPPING.keys() if not name.startswith("normswap_")}
+    assert {row["model_type"] for row in results["rows"]} == registry
 
 
 def test_docs_and_readme_are_generated_from_the_results(audit, results):
