@@ -19,6 +19,15 @@ def first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
+def quoted(value: object, limit: int = 120) -> str:
+    """An untrusted value as it may appear in a message: ``repr``-escaped (no control character,
+    NUL or newline reaches the terminal) and at most ``limit`` characters, the cut marked."""
+    text = repr(value if isinstance(value, str) else str(value))
+    if len(text) <= limit:
+        return text
+    return text[: limit - 1] + f"…({len(text)} characters)"
+
+
 class VerificationError(NormswapError):
     """The converted model did not match the original within tolerance."""
 

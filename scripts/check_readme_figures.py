@@ -126,7 +126,7 @@ def mean_dimensions(output: str) -> list[float]:
 
 def naive_verification(output: str) -> list[float]:
     cells = table_cells(output, "remote_code")
-    return [float(cells[1]), float(cells[2]), float(cells[3])]
+    return [float(cells[1]), float(cells[2]), float(cells[3]), float(cells[4]), float(cells[5])]
 
 
 def strided(output: str) -> list[float]:
@@ -169,8 +169,8 @@ FIGURES: list[Figure] = [
     Figure("docs/geometry.md", r"([\d.]+)–([\d.]+)% of each norm input's length", "geometry",
            geometry_original_range),
     Figure("docs/geometry.md", r"spread over dims (\d+), (\d+), (\d+), (\d+), (\d+)\)", "geometry", mean_dimensions),
-    Figure("docs/geometry.md", r"max \|Δlogit\| ([\d.]+), mean KL ([\d.e-]+) and top-1 agreement ([\d.]+)",
-           "naive", naive_verification),
+    Figure("docs/geometry.md", r"max \|Δlogit\| ([\d.]+), mean KL ([\d.e-]+) and top-1 agreement ([\d.]+) on its "
+                               r"probe\s+\(probe perplexity ([\d.]+) → ([\d.]+)\)", "naive", naive_verification),
     Figure("docs/geometry.md", r"perplexity\s+(78\.\d+) → (78\.\d+) \(relative Δ (−[\d.e-]+)\)", "naive",
            lambda out: strided(out)),
     Figure("docs/geometry.md", r"up to\s+([\d.]+) nats on one document \((\w+)\)", "naive", per_document_max),

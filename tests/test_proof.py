@@ -242,3 +242,22 @@ def test_non_finite_values_and_a_wrong_inventory_are_named(sources, tmp_path):
         with pytest.raises(VerificationError, match=message):
             normswap.prove_checkpoint(src, out)
         weights.write_bytes(pristine)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_cast_conversion_is_proven_in_its_own_rounding(sources, tmp_path, dtype):
+    """``--dtype`` shows in the stored dtypes, so the rebuilt plan casts as the conversion did; one
+    ulp of the narrow dtype passes, two fail."""
+    src = sources("gpt2")
+    out = tmp_path / "out"
+    normswap.convert_checkpoint(src, out, fold_gains=True, dtype=dtype, verification="none")
+    assert normswap.prove_checkpoint(src, out)["recomputed"] == len(load_file(out / "model.safetensors"))
+    weights = out / "model.safetensors"
+    pristine, state = weights.read_bytes(), load_file(weights)
+    name = "transformer.h.1.mlp.c_proj.weight"
+    for steps, passes in ((1, True), (2, False)):
+        changed = state[name].clone()
+        for _ in range(steps):
+            changed[5, 7] = torch.nextafter(changed[5, 7], torch.tensor(float("inf"), dtype=changed.dtype))
+        save_file({**state, name: changed}, weights, metadata={"format": "pt"})
+        assert _passes(lambda: normswap.prove_checkpoint(src, out), restore=[(weights, pristine)]) == passes

@@ -227,6 +227,24 @@ def test_checkpoint_never_replaces_a_report(source, tmp_path, capsys):
     assert (report / "report.json").read_text() == "{}"
 
 
+@pytest.mark.parametrize("added", ["my-notes.txt", "sub/notes.txt", "unlisted-marker"])
+def test_overwrite_refuses_an_output_holding_what_normswap_did_not_write(source, tmp_path, capsys, added):
+    report = tmp_path / "report"
+    with output.claimed_output(report, inputs=[], overwrite=False, kind="report") as claim:
+        (claim.tmp / "sub").mkdir()
+        (claim.tmp / "report.json").write_text("{}")
+        claim.install()
+    assert output.foreign_paths(report) == []
+    if added == "unlisted-marker":  # a marker that lists nothing proves nothing
+        (report / output.MARKER).write_text(json.dumps({"written_by": "normswap", "kind": "report"}))
+    else:
+        (report / added).write_text("mine")
+    guard = Guard(report)
+    code, _, err = run_cli(capsys, "eval", source, "--out", report, "--overwrite", "--no-progress")
+    assert_refused(code, err, "normswap did not write", "report.json" if added == "unlisted-marker" else added)
+    guard.unchanged()
+
+
 @pytest.mark.parametrize("option", ["--text", "--audio", "--images"])
 def test_eval_input_inside_out_is_refused(converted, tmp_path, capsys, option):
     out = tmp_path / "report"
@@ -431,7 +449,8 @@ def _task_folder(tmp_path: Path, target: str = "{{text}}", extra: str = "") -> P
     return folder
 
 
-@pytest.mark.parametrize("case", ["function", "include", "class", "jinja-globals", "jinja-attr", "jinja-concat"])
+@pytest.mark.parametrize("case", ["function", "include", "class", "jinja-globals", "jinja-attr", "jinja-concat",
+                                  "metric-folder", "metric-hub", "hf-evaluate"])
 def test_task_folder_code_needs_the_flag(tmp_path, monkeypatch, case):
     from normswap.evaluation.local_tasks import materialise_tasks
 
@@ -451,9 +470,15 @@ def test_task_folder_code_needs_the_flag(tmp_path, monkeypatch, case):
         target = "{{ cycler.__init__.__globals__.os.system('touch x') }}"
     elif case == "jinja-attr":
         target = "{{ text|attr('__class__') }}"
-    else:
+    elif case == "jinja-concat":
         target = "{{ text['__cla' ~ 'ss__'] }}"
-    monkeypatch.setenv("NORMSWAP_EVALS_DIR", str(_task_folder(tmp_path, target, extra)))
+    folder = _task_folder(tmp_path, target, extra)
+    metric = {"metric-folder": f"metric: {tmp_path}", "metric-hub": "metric: org/metric",
+              "hf-evaluate": "metric: word_perplexity\n    hf_evaluate: true"}.get(case)
+    if metric:
+        task = folder / "task.yaml"
+        task.write_text(task.read_text().replace("metric: word_perplexity", metric))
+    monkeypatch.setenv("NORMSWAP_EVALS_DIR", str(folder))
     with pytest.raises(NormswapError, match="--trust-remote-code") as refused:
         materialise_tasks(tmp_path / "work", ["user_task"])
     assert "task.yaml" in str(refused.value)

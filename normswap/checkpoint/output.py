@@ -6,7 +6,8 @@ Every command that writes a folder (``convert``, ``run``) goes through ``claimed
    not containing and not inside any input; a non-empty folder is replaced only with
    ``--overwrite`` and only when it carries ``MARKER``, the file normswap writes into every
    folder it installs, recording the same kind (``checkpoint``, ``report``, ``run``): a report
-   never replaces a checkpoint. A folder holding a mount point or another filesystem is never
+   never replaces a checkpoint. The marker lists every path normswap wrote (``marker``); a folder
+   holding any other path is never replaced. A folder holding a mount point or another filesystem is never
    replaced (its removal would reach into what is mounted there).
 2. ``--out`` is claimed: created when absent (so no one else can create it meanwhile) and locked
    with ``flock``, so of two commands writing one ``--out`` the second fails at once.
@@ -36,7 +37,6 @@ import ctypes
 import ctypes.util
 import errno
 import fcntl
-import json
 import os
 import signal
 import sys
@@ -45,14 +45,14 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
+from normswap.checkpoint.marker import KINDS as KINDS  # re-exported
+from normswap.checkpoint.marker import MARKER, describe_foreign, foreign_paths, marked_kind, write_marker
 from normswap.checkpoint.removal import mounts_inside, remove_tree
 from normswap.checkpoint.space import check_free_space as check_free_space  # re-exported
 from normswap.checkpoint.space import progress_bar as progress_bar  # re-exported
-from normswap.checkpoint.temporaries import drop_marker, make_temporary, remove_stale_temporaries
+from normswap.checkpoint.temporaries import TMP_MARKER, drop_marker, make_temporary, remove_stale_temporaries
 from normswap.errors import NormswapError
 
-MARKER = ".normswap-output"
-KINDS = ("checkpoint", "report", "run")
 installed: list[Path] = []  # every outermost --out this process installed (not one nested in another's work)
 _open_claims: list[Path] = []
 
@@ -71,19 +71,6 @@ def _real(path: Path) -> Path:
 
 def _within(inner: Path, outer: Path) -> bool:
     return inner == outer or outer in inner.parents
-
-
-def marked_kind(folder: Path) -> str | None:
-    """The kind recorded in ``folder``'s marker; None when it has no marker (or not a regular file)."""
-    marker = folder / MARKER
-    if marker.is_symlink() or not marker.is_file():
-        return None
-    try:
-        data = json.loads(marker.read_text(encoding="utf-8")[:4096])
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return ""
-    kind = data.get("kind") if isinstance(data, dict) else None
-    return kind if kind in KINDS else ""
 
 
 def check_out(out: Path, inputs: Sequence[Path], overwrite: bool, *, kind: str) -> None:
@@ -126,6 +113,9 @@ def check_out(out: Path, inputs: Sequence[Path], overwrite: bool, *, kind: str) 
     if mounts:
         raise NormswapError(f"--out {out} holds {mounts[0]}, a mount point or another filesystem; normswap never "
                             "removes across filesystems, so unmount it or pick another --out")
+    foreign = foreign_paths(out)
+    if foreign:
+        raise NormswapError(describe_foreign(out, foreign))
 
 
 class Claim:
@@ -141,17 +131,14 @@ class Claim:
 
     def install(self) -> None:
         """Write the marker and move the temporary folder to ``--out`` (see the module docstring)."""
-        from normswap import __version__
-
-        marker = {"written_by": "normswap", "version": __version__, "kind": self.kind}
-        (self.tmp / MARKER).write_text(json.dumps(marker) + "\n")
+        write_marker(self.tmp, self.kind, leave_out=TMP_MARKER)
         drop_marker(self.tmp)
         with _signals_held(_is_main_thread()):
             if not _same_folder(self._fd, self.out):
                 raise NormswapError(f"--out {self.out} was replaced by something else while normswap worked; "
                                     "left it as it is, nothing was written")
             if any(self.out.iterdir()):
-                if marked_kind(self.out) != self.kind or mounts_inside(self.out):
+                if marked_kind(self.out) != self.kind or mounts_inside(self.out) or foreign_paths(self.out):
                     raise NormswapError(f"something was written into --out {self.out} while normswap worked; "
                                         "left it as it is, nothing was written")
                 _exchange(self.tmp, self.out)  # the old folder is now at self.tmp, removed below

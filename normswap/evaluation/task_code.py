@@ -3,7 +3,9 @@
 lm-eval imports and runs a ``!function`` tag's module, follows ``include:`` to any file (which may
 hold one), builds a ``class:`` named by the YAML, and renders ``doc_to_*`` Jinja templates in an
 unsandboxed environment, where ``{{ cycler.__init__.__globals__.os.system(...) }}`` runs a
-command. Tasks bundled with normswap (``evals/`` beside the package) and lm-eval's own are
+command. A ``metric_list`` entry naming a metric outside lm-eval's registry, or marked
+``hf_evaluate: true``, goes to ``evaluate.load``, which imports a local folder's script or
+fetches one from the Hub: such a metric is code too. Tasks bundled with normswap (``evals/`` beside the package) and lm-eval's own are
 trusted; a folder named by ``NORMSWAP_EVALS_DIR`` runs such code only with
 ``--trust-remote-code``, as a checkpoint's does. Without it, ``code_in`` names the first such
 construct and the task is refused; its templates are then rendered in Jinja's sandbox too
@@ -17,6 +19,8 @@ from contextlib import contextmanager
 from typing import Any
 
 import yaml
+
+from normswap.errors import quoted
 
 # keys through which lm-eval builds a class or reads another file (which may hold a tag); the
 # other keys run code only through a ``!function`` tag, found as ``Tagged``
@@ -60,6 +64,10 @@ def code_in(config: Any, where: str = "") -> str | None:
             path = f"{where}.{key}" if where else str(key)
             if key in _CODE_KEYS and value not in (None, [], {}):
                 return f"'{path}:'"
+            if key == "metric_list":
+                found = _metric_code(value, path)
+                if found:
+                    return found
             found = code_in(value, path)
             if found:
                 return found
@@ -72,6 +80,31 @@ def code_in(config: Any, where: str = "") -> str | None:
         if _reaches_internals(config):
             return f"a template at {where or 'the top'} that reaches Python internals"
     return None
+
+
+def _metric_code(metric_list: Any, where: str) -> str | None:
+    """What in a ``metric_list`` lm-eval would hand to ``evaluate.load`` (a metric name outside
+    its registry, or any entry with ``hf_evaluate`` set), as a phrase naming it."""
+    entries = metric_list if isinstance(metric_list, list) else [metric_list]
+    known = _registered_metrics()
+    for index, entry in enumerate(entries):
+        if not isinstance(entry, dict):
+            continue
+        name = entry.get("metric")
+        if entry.get("hf_evaluate") not in (None, False):
+            return f"'{where}[{index}].hf_evaluate:' (a metric loaded through evaluate runs its script)"
+        if isinstance(name, str) and name not in known:
+            return (f"the metric {quoted(name)} at {where}[{index}], which is not in lm-eval's registry "
+                    "(evaluate loads it by running its script)")
+    return None
+
+
+def _registered_metrics() -> frozenset[str]:
+    """The metric names lm-eval computes itself (its registry, filled when its metrics module loads)."""
+    import lm_eval.api.metrics  # noqa: F401 (registers the metrics)
+    from lm_eval.api.registry import metric_registry
+
+    return frozenset(metric_registry)
 
 
 def _reaches_internals(template: str) -> bool:
