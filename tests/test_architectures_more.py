@@ -162,3 +162,29 @@ def test_dinov2_swiglu_refused_for_its_fused_checkpoint_names(tmp_path):
     with pytest.raises(NormswapError, match="weights_in"):
         normswap.convert_checkpoint(src, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+# the commuting rotation: a stream whose first write is computed at run time (sinusoidal
+# positions) or is a norm's output (mBART's layernorm_embedding) is refused in one line; a
+# LayerScale folds into its writer first, so BEiT rotates and verifies through the stock class
+ROTATE_CASES = {
+    "xglm": (lambda: T.AutoModelForCausalLM.from_config(CAUSAL["xglm"]()), "computed at run time"),
+    "mbart": (lambda: T.AutoModelForSeq2SeqLM.from_config(SEQ2SEQ["mbart"]()), "layernorm_embedding"),
+    "beit-layerscale": (lambda: _scale_layers(VISION["beit-layerscale"][0](VISION["beit-layerscale"][2]())), None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ROTATE_CASES))
+def test_commuting_rotation_of_new_forms(tmp_path, capsys, case):
+    from test_bad_input import assert_one_line_error, run_cli
+
+    build, refusal = ROTATE_CASES[case]
+    torch.manual_seed(0)
+    src = _source(tmp_path, case, build())
+    code, err = run_cli(capsys, "rotate", str(src), "--out", str(tmp_path / "rotated"), "--no-progress")
+    if refusal is None:
+        assert code == 0, err
+    else:
+        assert code == 2
+        assert_one_line_error(code, err, refusal)
+        assert not (tmp_path / "rotated").exists()

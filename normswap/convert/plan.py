@@ -123,8 +123,9 @@ def build_plan(
     norms = _find_norms(architecture, plans, layer_norm_modules)
     norms += _bake(architecture, config, plans, dropped, structure)  # before centring the table
     writers = []
+    # λ into its writer (an identity), before centring or rotating it
+    fold_layer_scales(architecture, plans)
     if method == "exact":
-        fold_layer_scales(architecture, plans)  # λ into its writer, before centring it
         writers = _centre_writers(architecture, plans)
     if fold_gains:
         for norm in norms:

@@ -204,10 +204,26 @@ def in_fixed_stream(name: str, fixed: dict[str, str] | None) -> bool:
 
 
 def commuting_refusal(architecture: Architecture, config: dict) -> str | None:
-    """Why the stock class cannot hold this family rotated (every stream fixed), or None."""
+    """Why the stock class cannot hold this family rotated, or None.
+
+    Every write into a rotated stream must be a tensor Q can be folded into. A stream the adapter
+    centres at run time (``centre_input``/``centre_output``: sinusoidal positions computed from
+    the position, an embedding norm's output γ ⊙ LN(e) + β) or bakes (an embedding norm) receives a
+    write that is no such tensor, so it must be one of the adapter's fixed streams."""
     fixed = architecture.fixed_streams(config)
     if "" in fixed:
         return f"{fixed['']}, so the stock class cannot hold its stream rotated"
+    structure = Structure.from_json(architecture.structure(config))
+    for kind, paths in (("centre_input", structure.centre_input), ("centre_output", structure.centre_output)):
+        for path in paths:
+            module = re.sub(r"\\(.)", r"\1", path)
+            if not in_fixed_stream(module, fixed):
+                return (f"a write into its stream at {module} is computed at run time or is a norm's output "
+                        f"({kind}), not a tensor a rotation can be folded into")
+    for bake in architecture.bake:
+        if not in_fixed_stream(bake.norm, fixed):
+            return (f"its stream starts as {bake.norm}'s output γ ⊙ LN(e) + β, and diag(γ) does not commute "
+                    "with Q")
     return None
 
 
@@ -216,8 +232,9 @@ def check_commuting(source_dir: Path, config: dict) -> Architecture:
     architecture = planning.check_convertible(source_dir, config)
     reason = commuting_refusal(architecture, config)
     if reason:
-        raise NormswapError(f"cannot rotate this {config.get('model_type')} checkpoint with the stock class: {reason}; "
-                            "--form free writes a normswap_<type> checkpoint instead")
+        hint = "" if refusal(architecture, config) else "; --form free writes a normswap_<type> checkpoint instead"
+        raise NormswapError(f"cannot rotate this {config.get('model_type')} checkpoint with the stock class: "
+                            f"{reason}{hint}")
     return architecture
 
 
