@@ -20,7 +20,7 @@ from normswap.convert import card
 from normswap.dtypes import dtype_name
 from normswap.errors import NormswapError
 from normswap.modeling import build, registry, remote
-from normswap.rotate.options import DEFAULT_CALIBRATION_TOKENS
+from normswap.rotate.options import DEFAULT_CALIBRATION_TOKENS, DEFAULT_FORM
 
 
 def _check_loading(where: str, kwargs: dict) -> None:
@@ -51,6 +51,9 @@ def load(path: str | Path, **from_pretrained_kwargs) -> nn.Module:
     validation.check_structure(path, config)
     architecture = architecture_for(family_config(config))
     base = build.model_class(config, architecture.auto_class)
+    if not provenance.rmsnorm_exact:
+        # a commuting rotation of an uncentred stream: only the stock LayerNorm class computes it
+        return build.load_pretrained(base, path, **from_pretrained_kwargs)
     cls = registry.kernel_class(base, own_type=not provenance.stock_loadable)
     return build.load_pretrained(cls, path, **from_pretrained_kwargs)
 
@@ -214,17 +217,19 @@ def convert_checkpoint(
 
 @checked
 def rotate_checkpoint(
-    src: str | Path, out: str | Path, *, method: str = "hadamard", seed: int = 0,
+    src: str | Path, out: str | Path, *, method: str = "hadamard", seed: int = 0, form: str = DEFAULT_FORM,
     calibration: str | Path | None = None, calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS,
     dtype: str | torch.dtype | None = None, overwrite: bool = False, trust_remote_code: bool = False,
     atol: float | None = None, rtol: float | None = None, verification: str = "auto", quiet: bool = True,
 ) -> dict:
     """Write ``src`` with its residual basis rotated to ``out``, verified against ``src`` by
     ``normswap.verify.checkpoint.verify_rotated`` unless ``verification="none"``; the options are
-    ``normswap.rotate.pipeline.rotate_checkpoint``'s (method ``hadamard``, ``orthogonal`` or ``pca``)."""
+    ``normswap.rotate.pipeline.rotate_checkpoint``'s (method ``hadamard``, ``orthogonal`` or ``pca``;
+    form ``commuting``, Q·1 = 1 and the stock model type, or ``free``, the ``normswap_<type>`` form)."""
     from normswap.rotate.pipeline import rotate_checkpoint as rotate
     from normswap.verify.checkpoint import verify_rotated
 
-    return rotate(src, out, method=method, seed=seed, calibration=calibration, calibration_tokens=calibration_tokens,
+    return rotate(src, out, method=method, seed=seed, form=form, calibration=calibration,
+                  calibration_tokens=calibration_tokens,
                   dtype=dtype, overwrite=overwrite, trust_remote_code=trust_remote_code, atol=atol, rtol=rtol,
                   verification=verification, quiet=quiet, verifier=verify_rotated)

@@ -5,11 +5,16 @@ For one model (default: the bundled Austen GPT-2), side by side in one run:
 * the original LayerNorm model, its exact gain-folded RMSNorm conversion (no rotation), and its
   rotations (``hadamard`` and ``orthogonal`` for several seeds, ``pca`` on calibration text);
 * for each: held-out strided perplexity in float32; the outlier ratio max|x|/RMS(x) and kurtosis
-  at every linear layer's input; and the perplexity after weight-only RTN fake quantisation
-  (symmetric, per output channel) at int8, int4 and int4 with groups of 128, applied to every
-  linear layer of the residual blocks (embeddings and head stay in float32);
-* the fraction of the int4 perplexity gap that each rotation closes:
-  (ppl_int4(original) - ppl_int4(rotated)) / (ppl_int4(original) - ppl(original)).
+  at every linear layer's input (the stream readers and the MLP down projections apart); and the
+  perplexity and KL after RTN fake quantisation (symmetric): weight-only per output channel at
+  int8, int4 and int4 with groups of 128, and W8A8 / W4A8 (weights per channel, every linear
+  layer's input per token at 8 bits), applied to every linear layer of the residual blocks
+  (embeddings and head stay in float32);
+* the rotations in both forms: ``free`` (the RMSNorm model, own model type) and ``commuting``
+  (Q·1 = 1, the stock class); and the free Hadamard rotation with QuaRot's online Hadamard at the
+  down projections' input;
+* per quantiser, the fraction of the original's perplexity gap that each model closes:
+  (ppl_q(original) - ppl_q(model)) / (ppl_q(original) - ppl(original)).
 
 Writes JSON to benchmarks/results/bench_rotate.json and prints Markdown tables.
 
@@ -43,18 +48,20 @@ from normswap.analysis.outliers import (  # noqa: E402
     linear_input_outliers,
     mark_stream_readers,
     plot_outliers,
+    summarise,
     summarise_groups,
 )
 from normswap.api import rotate_checkpoint  # noqa: E402
 from normswap.architectures import architecture_for  # noqa: E402
 from normswap.checkpoint.source import read_config, resolve_source  # noqa: E402
 from normswap.evaluation.perplexity import strided_perplexity  # noqa: E402
-from normswap.rotate.quantise import quantise_model  # noqa: E402
+from normswap.rotate.quantise import QUANTISERS, apply_quantiser, is_down_projection, online_hadamard  # noqa: E402
 from normswap.rotate.slice_pipeline import slice_checkpoint  # noqa: E402
 from normswap.runtime.reference import tokenize_text  # noqa: E402
 
 BUNDLED_TEXT = ROOT / "normswap" / "data" / "text"
-QUANTISATIONS = {"int8": (8, None), "int4": (4, None), "int4-g128": (4, 128)}
+QUANTISATIONS = QUANTISERS
+GAIN_OUTLIERS = (11, 101)  # the synthetic model's norm-gain outlier channels
 
 
 STRIDE = {"value": None}
@@ -73,34 +80,36 @@ def _logits(model, ids: torch.Tensor, window: int) -> torch.Tensor:
 
 
 def measure(name: str, load, ids: torch.Tensor, outlier_ids: torch.Tensor, window: int, blocks: str) -> dict:
-    """Perplexity, outliers, and per quantisation the perplexity and mean KL(unquantised ‖ quantised)
-    over the outlier tokens (KL isolates what quantisation changes, also where perplexity means little)."""
+    """Perplexity, outliers (stream readers and MLP down projections apart), and per quantisation the
+    perplexity and mean KL(unquantised ‖ quantised) over the outlier tokens (KL isolates what
+    quantisation changes, also where perplexity means little)."""
     model = load()
     row = {"model": name, "perplexity": perplexity(model, ids, window)}
     layers = linear_input_outliers(model, outlier_ids, seq_len=window)
     mark_stream_readers(model, layers)  # the family's adapter names the layers that read a norm
-    row["outliers"] = {**summarise_groups(layers), "layers": layers}
+    row["outliers"] = {**summarise_groups(layers), "layers": layers,
+                       "down_projections": summarise([layer for layer in layers if is_down_projection(layer["layer"])])}
     reference = torch.log_softmax(_logits(model, outlier_ids, window), -1)
     del model
-    for label, (bits, group) in QUANTISATIONS.items():
+    for label in QUANTISATIONS:
         quantised = load()
-        count = quantise_model(quantised, bits, group, within=blocks)
+        row["quantised_layers"] = apply_quantiser(quantised, label, within=blocks)
         row[f"perplexity_{label}"] = perplexity(quantised, ids, window)
         candidate = torch.log_softmax(_logits(quantised, outlier_ids, window), -1)
         row[f"kl_{label}"] = float((reference.exp() * (reference - candidate)).sum(-1).mean())
-        row["quantised_layers"] = count
         del quantised
     print(f"  {name}: ppl {row['perplexity']:.3f}, int4 {row['perplexity_int4']:.3f}, "
-          f"KL int4 {row['kl_int4']:.4g}", flush=True)
+          f"W4A8 {row['perplexity_W4A8']:.3f}", flush=True)
     return row
 
 
 def synthetic_model(directory: Path, tokenizer_dir: Path, *, d: int = 256, layers: int = 4, seed: int = 0) -> Path:
-    """A random GPT-2 made to look trained where it matters here: norm gains far from 1, biases
-    far from 0, and one massive residual dimension (a few coordinates hundreds of times the RMS,
-    as trained GPT-2, OPT and Pythia have), built by a large constant in the token table and in
-    every MLP output bias on that dimension. Its perplexity is meaningless; the KL between it and
-    its quantised copy is not."""
+    """A random GPT-2 made to look trained where it matters here: norm gains far from 1 with two
+    outlier channels (γ 20× the rest, as trained LayerNorms have: Kovaleva et al. 2021, Wei et al.
+    2022), biases far from 0, and one massive residual dimension (a few coordinates hundreds of
+    times the RMS, as trained GPT-2, OPT and Pythia have), built by a large constant in the token
+    table and in every MLP output bias on that dimension. Its perplexity is meaningless; the KL
+    between it and its quantised copy is not."""
     import shutil
 
     import transformers
@@ -117,6 +126,7 @@ def synthetic_model(directory: Path, tokenizer_dir: Path, *, d: int = 256, layer
         for module in model.modules():
             if isinstance(module, torch.nn.LayerNorm):
                 module.weight.copy_(0.5 + 1.5 * torch.rand(d, generator=generator))
+                module.weight[list(GAIN_OUTLIERS)] *= 20.0
                 module.bias.copy_(0.2 * torch.randn(d, generator=generator))
         model.transformer.wte.weight[:, massive] += 3.0
         for block in model.transformer.h:
@@ -182,53 +192,81 @@ def main() -> int:
         normswap.convert_checkpoint(source, folded, fold_gains=True, verification="none")
         rows.append(measure("folded (no rotation)", lambda: normswap.load(folded), ids, outlier_ids, window,
                             architecture.blocks))
-        runs = [("hadamard", seed) for seed in args.seeds] + [("orthogonal", seed) for seed in args.seeds]
-        runs.append(("pca", None))
-        for method, seed in runs:
-            out = scratch / f"{method}-{seed}"
-            block = rotate_checkpoint(source, out, method=method, seed=seed or 0,
-                                      calibration=calibration if method == "pca" else None, verification="full")
-            assert block["verification"]["passed"]
-            name = method if seed is None else f"{method} seed {seed}"
-            row = measure(name, lambda out=out: normswap.load(out), ids, outlier_ids, window, architecture.blocks)
-            row["rotation"] = {key: block["rotation"][key] for key in ("method", "seed", "matrix_sha256")}
-            row["verification_max_abs_diff"] = block["verification"]["loaders"]["remote_code"]["max_abs_diff"]
-            rows.append(row)
+        runs = [(method, seed) for method in ("hadamard", "orthogonal") for seed in args.seeds] + [("pca", None)]
+        for form in ("free", "commuting"):
+            for method, seed in runs:
+                rows.append(rotated_row(source, scratch, form, method, seed, calibration, ids, outlier_ids, window,
+                                        architecture.blocks))
+        # QuaRot's online Hadamard at the down projections' input, on the free (RMSNorm) form
+        free = scratch / f"free-hadamard-{args.seeds[0]}"
+        rows.append(measure(f"free hadamard seed {args.seeds[0]} + online Hadamard",
+                            lambda: _with_online_hadamard(normswap.load(free), architecture.blocks), ids, outlier_ids,
+                            window, architecture.blocks))
     elapsed = time.perf_counter() - started
 
-    original = rows[0]
-    gap = original["perplexity_int4"] - original["perplexity"]
     for row in rows:
-        row["int4_gap_closed"] = (original["perplexity_int4"] - row["perplexity_int4"]) / gap if gap else float("nan")
-        row["int4_g128_gap_closed"] = _closed(original, row, "perplexity_int4-g128")
+        row.update({f"{label}_gap_closed": _closed(rows[0], row, f"perplexity_{label}") for label in QUANTISATIONS})
 
-    print("\n| model | ppl | int8 | int4 | int4 g128 | int4 gap closed | KL int8 | KL int4 | KL int4 g128 "
-          "| outlier ratio (stream readers, mean / max) | kurtosis (mean / max) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for row in rows:
-        stream = row["outliers"]["stream_readers"]
-        print(f"| {row['model']} | {row['perplexity']:.3f} | {row['perplexity_int8']:.3f} | "
-              f"{row['perplexity_int4']:.3f} | {row['perplexity_int4-g128']:.3f} | {row['int4_gap_closed']:.1%} | "
-              f"{row['kl_int8']:.2e} | {row['kl_int4']:.2e} | {row['kl_int4-g128']:.2e} | "
-              f"{stream['outlier_ratio_mean']:.1f} / {stream['outlier_ratio_max']:.1f} | "
-              f"{stream['kurtosis_mean']:.1f} / {stream['kurtosis_max']:.1f} |")
+    print_tables(rows)
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "model": args.model, "eval_text": args.eval_text.name, "eval_tokens": int(ids.numel()), "window": window,
         "stride": args.stride or window,
         "calibration": calibration.name, "outlier_tokens": int(outlier_ids.numel()),
-        "quantisation": "weight-only RTN, symmetric per output channel (int4-g128: per group of 128 inputs), "
-                        "every linear layer of the residual blocks; embeddings and head in float32",
+        "quantisation": "RTN, symmetric: weights per output channel (int4-g128: per group of 128 inputs); W8A8/W4A8 "
+                        "also every linear layer's input per token at 8 bits; every linear layer of the residual "
+                        "blocks; embeddings and head in float32",
         "seconds": elapsed, "torch": torch.__version__, "machine": platform.machine(),
         "rows": rows,
     }
     args.out.write_text(json.dumps(_finite(payload), indent=1) + "\n")
     plot_outliers({row["model"]: row["outliers"]["layers"] for row in rows
-                   if row["model"] in ("original", "folded (no rotation)", "hadamard seed 0", "orthogonal seed 0", "pca")},
+                   if row["model"] in ("original", "folded (no rotation)", "free hadamard seed 0", "commuting hadamard seed 0",
+                                       "free hadamard seed 0 + online Hadamard")},
                   args.plot)
     print(f"\nwrote {args.out} and {args.plot} ({elapsed:.0f} s)")
     return 0
+
+
+def print_tables(rows: list[dict]) -> None:
+    """Markdown: perplexity and KL per quantiser; outliers at stream readers and down projections."""
+    labels = list(QUANTISATIONS)
+    print("\n| model | ppl | " + " | ".join(labels) + " | " + " | ".join(f"KL {label}" for label in labels) + " |")
+    print("|---|---|" + "---|" * (2 * len(labels)))
+    for row in rows:
+        print(f"| {row['model']} | {row['perplexity']:.2f} | "
+              + " | ".join(f"{row[f'perplexity_{label}']:.2f}" for label in labels) + " | "
+              + " | ".join(f"{row[f'kl_{label}']:.2e}" for label in labels) + " |")
+    print("\n| model | outlier ratio, stream readers (mean / max) | kurtosis, stream readers | outlier ratio, "
+          "down projections | kurtosis, down projections |")
+    print("|---|---|---|---|---|")
+    for row in rows:
+        cells = [f"{part['outlier_ratio_mean']:.1f} / {part['outlier_ratio_max']:.1f} | "
+                 f"{part['kurtosis_mean']:.1f} / {part['kurtosis_max']:.1f}"
+                 for part in (row["outliers"]["stream_readers"], row["outliers"]["down_projections"])]
+        print(f"| {row['model']} | {cells[0]} | {cells[1]} |")
+
+
+def rotated_row(source: Path, scratch: Path, form: str, method: str, seed: int | None, calibration: Path,
+                ids: torch.Tensor, outlier_ids: torch.Tensor, window: int, blocks: str) -> dict:
+    """Rotate ``source`` (verified) in ``form`` and measure it; the free form loads as the RMSNorm
+    model, the commuting form through the stock class."""
+    out = scratch / f"{form}-{method}-{seed}"
+    block = rotate_checkpoint(source, out, method=method, seed=seed or 0, form=form, verification="full",
+                              calibration=calibration if method == "pca" else None)
+    assert block["verification"]["passed"]
+    name = f"{form} {method}" + ("" if seed is None else f" seed {seed}")
+    row = measure(name, lambda: normswap.load(out), ids, outlier_ids, window, blocks)
+    row["rotation"] = {key: block["rotation"][key] for key in ("form", "method", "seed", "matrix_sha256")}
+    row["verification_max_abs_diff"] = max(figures["max_abs_diff"] for figures in block["verification"]["loaders"].values()
+                                           if "max_abs_diff" in figures)
+    return row
+
+
+def _with_online_hadamard(model, blocks: str):
+    assert online_hadamard(model, within=blocks) > 0
+    return model
 
 
 def _parameters(path: Path, under: str = "") -> int:

@@ -1,4 +1,4 @@
-"""Tiny random Whisper, ViT and CLIP checkpoints with their own processors, built from configs.
+"""Tiny random Whisper, ViT, CLIP and other image-model checkpoints with their own processors, built from configs.
 
 Each is made hard (``helpers.make_hard``) and saved with a feature extractor or image processor and,
 where the family has one, a byte-level tokenizer built in memory, so that speech and vision
@@ -50,6 +50,16 @@ def tiny_vit(path: Path, labels: tuple[str, ...] = ("circle", "square", "triangl
                          label2id={label: i for i, label in enumerate(labels)})
     torch.manual_seed(seed)
     save(make_hard(T.ViTForImageClassification(config), seed), path)
+    T.ViTImageProcessor(size={"height": 16, "width": 16}).save_pretrained(path)
+    return path
+
+
+def tiny_image_model(path: Path, model_class, config, seed: int = 0) -> Path:
+    """A tiny vision model on 16×16 images (``config`` gets the bundled images' classes as labels)."""
+    labels = ("circle", "square", "triangle")
+    config.id2label, config.label2id = dict(enumerate(labels)), {label: i for i, label in enumerate(labels)}
+    torch.manual_seed(seed)
+    save(make_hard(model_class(config), seed), path)
     T.ViTImageProcessor(size={"height": 16, "width": 16}).save_pretrained(path)
     return path
 

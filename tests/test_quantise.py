@@ -9,7 +9,16 @@ import torch
 from torch import nn
 
 from normswap.analysis.outliers import _Moments, linear_input_outliers
-from normswap.rotate.quantise import fake_quantise, linear_layers, quantise_model
+from normswap.rotate.quantise import (
+    QUANTISERS,
+    apply_quantiser,
+    fake_quantise,
+    fake_quantise_tokens,
+    is_down_projection,
+    linear_layers,
+    online_hadamard,
+    quantise_model,
+)
 
 
 def test_int4_per_channel_by_hand():
@@ -71,3 +80,56 @@ def test_linear_input_outliers_sees_every_layer():
 
     rows = linear_input_outliers(Tiny(), torch.arange(10), seq_len=5)
     assert [row["layer"] for row in rows] == ["proj"] and rows[0]["entries"] == 40
+
+
+def test_activations_per_token_by_hand():
+    # token 0: s = 2/127, 0.5·127/2 = 31.75 → 32; token 1 of zeros stays zero
+    x = torch.tensor([[[2.0, 0.5], [0.0, 0.0]]])
+    expected = torch.tensor([[[2.0, 32 * 2 / 127], [0.0, 0.0]]])
+    assert torch.allclose(fake_quantise_tokens(x, 8), expected, atol=1e-7)
+
+
+def test_w4a8_quantises_weights_and_every_input():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    x = torch.randn(3, 4)
+    seen = []
+    assert set(QUANTISERS) == {"int8", "int4", "int4-g128", "W8A8", "W4A8"}
+    assert apply_quantiser(model, "W4A8") == 2
+    model[1].register_forward_pre_hook(lambda module, args: seen.append(args[0]))  # after the quantiser's hook
+    model(x)
+    levels = seen[0] / (seen[0].abs().amax(-1, keepdim=True) / 127)  # the input was quantised per token
+    assert torch.allclose(levels, levels.round(), atol=1e-3)
+
+
+def test_online_hadamard_is_exact_and_only_at_down_projections():
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=20, n_positions=8,
+                                     bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    ids = torch.arange(8)[None]
+    with torch.no_grad():
+        before = model(ids).logits
+        assert online_hadamard(model, within="transformer.h") == 1
+        assert torch.allclose(model(ids).logits, before, atol=1e-5)
+    assert is_down_projection("transformer.h.0.mlp.c_proj") and not is_down_projection("transformer.h.0.attn.c_proj")
+    assert is_down_projection("model.decoder.layers.1.fc2") and is_down_projection("gpt_neox.layers.0.mlp.dense_4h_to_h")
+
+
+def test_convert_fold_gains_warns_of_the_folding_trap(tmp_path, capsys):
+    import transformers
+
+    from normswap.cli import main
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=20, n_positions=8,
+                                     bos_token_id=0, eos_token_id=0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "src")
+    assert main(["convert", str(tmp_path / "src"), "--out", str(tmp_path / "folded"), "--fold-gains",
+                 "--verify", "none"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: folding each γ" in err and "int4" in err and "normswap rotate" in err
+    assert main(["convert", str(tmp_path / "src"), "--out", str(tmp_path / "plain"), "--verify", "none"]) == 0
+    assert "folding" not in capsys.readouterr().err

@@ -181,7 +181,7 @@ def check_rotation(src: Path, out: Path, method: str, family: str, *, fp32: bool
     for dtype, tolerance, verification in runs:
         target = out.with_name(f"{out.name}-{str(dtype).removeprefix('torch.')}")
         block = rotate_checkpoint(src, target, method=method, seed=3, calibration=calibration, dtype=dtype,
-                                  verification=verification)
+                                  verification=verification, form="free")
         if verification != "none":
             assert block["verification"]["passed"], block["verification"]
             assert block["verification"]["loaders"]["stock"] == {"refused": True}
@@ -217,7 +217,7 @@ def test_hadamard_of_a_paley_order_is_exact(tmp_path):
     ids = token_ids(VOCAB)
     reference = causal_logits(load(src, "original", torch.float64), ids)
     out = tmp_path / "rotated"
-    block = rotate_checkpoint(src, out, method="hadamard", dtype=torch.float64, verification="full")
+    block = rotate_checkpoint(src, out, method="hadamard", dtype=torch.float64, verification="full", form="free")
     assert block["verification"]["passed"]
     assert "paley1 p=11" in block["rotation"]["construction"]
     error = float((causal_logits(load(out, "remote", torch.float64), ids) - reference).abs().max())
@@ -231,12 +231,12 @@ def test_bundled_model_from_original_and_from_folded_conversion(tmp_path):
     from safetensors.torch import load_file
 
     direct = tmp_path / "direct"
-    block = rotate_checkpoint("normswap:austen-gpt2", direct, method="hadamard", seed=1)
+    block = rotate_checkpoint("normswap:austen-gpt2", direct, method="hadamard", seed=1, form="free")
     assert block["verification"]["passed"] and block["verification"]["mode"] == "full"
     folded = tmp_path / "folded"
     normswap.convert_checkpoint("normswap:austen-gpt2", folded, fold_gains=True, verification="none")
     via_folded = tmp_path / "via-folded"
-    block = rotate_checkpoint(folded, via_folded, method="hadamard", seed=1, verification="layerwise")
+    block = rotate_checkpoint(folded, via_folded, method="hadamard", seed=1, verification="layerwise", form="free")
     assert block["verification"]["passed"] and block["verification"]["mode"] == "layerwise"
     layers = block["verification"]["loaders"]["remote_code"]["layers"]
     assert len(layers) == 4 and max(layer["max_abs_diff"] / layer["max_abs_reference"] for layer in layers) < 1e-5
@@ -263,7 +263,7 @@ def test_folded_bloom_source_is_verified_whole(tmp_path):
     folded = tmp_path / "folded"
     normswap.convert_checkpoint(src, folded, fold_gains=True, verification="none")
     out = tmp_path / "rotated"
-    block = rotate_checkpoint(folded, out, method="orthogonal", verification="layerwise")
+    block = rotate_checkpoint(folded, out, method="orthogonal", verification="layerwise", form="free")
     assert block["verification"]["passed"]
     assert block["verification"]["mode"] == "full"  # the reference needs its remote code
     assert block["structure"]["identity"] == ["transformer.word_embeddings_layernorm"]
@@ -411,7 +411,7 @@ def test_refuses_already_rotated(tmp_path, capsys, gpt2_src):
 )
 def test_refuses_families_without_rotation_invariant_norms(tmp_path, capsys, model, needle):
     src = save(model(), tmp_path / "src")
-    _refused(tmp_path, capsys, str(src), needles=("cannot rotate", needle))
+    _refused(tmp_path, capsys, str(src), "--form", "free", needles=("cannot rotate", needle))
 
 
 def test_refuses_gain_that_cannot_fold(tmp_path, capsys):
@@ -470,7 +470,8 @@ def test_out_must_not_overlap_source(tmp_path, capsys, gpt2_src):
 
 def test_cli_reports_rotation(tmp_path, capsys, gpt2_src):
     out = tmp_path / "rotated"
-    code = normswap_cli("rotate", str(gpt2_src), "--out", str(out), "--method", "orthogonal", "--seed", "4")
+    code = normswap_cli("rotate", str(gpt2_src), "--out", str(out), "--method", "orthogonal", "--seed", "4",
+                        "--form", "free")
     printed = capsys.readouterr().out
     assert code == 0
     assert "rotated by orthogonal (seed 4), d = 16" in printed and "refuses to load, as it must" in printed
@@ -497,9 +498,10 @@ def test_geometry_shows_rotation_spreading_outliers(tmp_path, capsys):
     code = normswap_cli("geometry", str(src), "--compare", str(rotated), "--outliers", "--random-tokens",
                         "--max-tokens", "256", "--out", str(report.parent))
     printed = capsys.readouterr().out
-    assert code == 0 and "is rotated" in printed and "outlier ratio" in printed
+    assert code == 0 and "is rotated" in printed and "outlier ratio" in printed and "KL W4A8" in printed
     # the layers that read the stream are reported apart, and the rotated model is called so
     assert "| rotated | read the stream | 5 |" in printed and "| original | inside blocks | 4 |" in printed
+    assert "| rotated | MLP down projections | 2 |" in printed
     assert "| converted |" not in printed
     reports = json.loads(report.read_text())
     for label in ("original", "converted"):  # the adapter's readers are exactly these layers

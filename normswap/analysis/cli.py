@@ -59,8 +59,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_report_options(parser)
     add_progress_option(parser)
     parser.add_argument("--outliers", action="store_true",
-                        help="also measure max|x|/RMS(x) and kurtosis at every linear layer's input "
-                             "(what a rotation changes); with --plot, also report-outliers.png")
+                        help="also measure max|x|/RMS(x) and kurtosis at every linear layer's input (the MLP "
+                             "down projections apart) and the KL that round-to-nearest quantisation costs (weight-only "
+                             "int8/int4/int4-g128, W8A8, W4A8): what a rotation changes; with --plot, also "
+                             "report-outliers.png")
 
 
 def _text_file(spec: str) -> Path:
@@ -278,5 +280,6 @@ def _outliers(args: argparse.Namespace, models: dict, ids: torch.Tensor, reports
     results = geometry_outliers(models, ids, seq_len, args.batch_size)
     for label, result in results.items():
         reports[label]["outliers"] = result
-    return format_outliers({display_label(label, reports[label]): result["summary"]
+    return format_outliers({display_label(label, reports[label]): result["summary"] for label, result in results.items()},
+                           {display_label(label, reports[label]): result["quantisation_kl"]
                             for label, result in results.items()})

@@ -22,7 +22,7 @@ import re
 import torch
 from torch import nn
 
-from normswap.rotate.quantise import linear_layers
+from normswap.rotate.quantise import QUANTISERS, apply_quantiser, is_down_projection, linear_layers
 
 
 class _Moments:
@@ -160,30 +160,74 @@ def plot_outliers(reports: dict[str, list[dict]], path) -> None:
     plt.close(fig)
 
 
-GROUP_NAMES = {"stream_readers": "read the stream", "inside_blocks": "inside blocks", "all": "all"}
+GROUP_NAMES = {"stream_readers": "read the stream", "inside_blocks": "inside blocks",
+               "down_projections": "MLP down projections", "all": "all"}
 
 
-def format_outliers(summaries: dict[str, dict]) -> str:
-    """A Markdown table: per model, the outlier ratio and kurtosis at the inputs of the layers that
-    read the residual stream, of the layers inside blocks, and of all linear layers."""
+def format_outliers(summaries: dict[str, dict], kl: dict[str, dict[str, float]] | None = None) -> str:
+    """Markdown tables: per model, the outlier ratio and kurtosis at the inputs of the layers that
+    read the residual stream, of the layers inside blocks, of the MLP down projections apart, and of
+    all linear layers; then, per model, the KL each quantiser costs (``kl``)."""
     lines = ["| model | linear layers | count | outlier ratio mean / max | kurtosis mean / max |",
              "|---|---|---|---|---|"]
     for label, groups in summaries.items():
-        for group in ("stream_readers", "inside_blocks", "all"):
+        for group in ("stream_readers", "inside_blocks", "down_projections", "all"):
             summary = groups.get(group)
             if not summary or not summary["layers"]:
                 continue
             lines.append(f"| {label} | {GROUP_NAMES[group]} | {summary['layers']} | "
                          f"{summary['outlier_ratio_mean']:.3g} / {summary['outlier_ratio_max']:.3g} | "
                          f"{summary['kurtosis_mean']:.3g} / {summary['kurtosis_max']:.3g} |")
+    if kl and any(kl.values()):
+        lines += ["", "| model | " + " | ".join(f"KL {label}" for label in QUANTISERS) + " |",
+                  "|---|" + "---|" * len(QUANTISERS)]
+        for label, errors in kl.items():
+            lines.append(f"| {label} | " + " | ".join(f"{errors[q]:.3g}" if q in errors else "-" for q in QUANTISERS)
+                         + " |")
     return "\n".join(lines)
 
 
 def geometry_outliers(models: dict[str, nn.Module], token_ids: torch.Tensor, seq_len: int, batch_size: int) -> dict:
-    """``normswap geometry --outliers``: per model label, the per-layer rows and their summary."""
+    """``normswap geometry --outliers``: per model label, the per-layer rows, their summary, the
+    summary of the MLP down projections' inputs apart, and the quantisation error per quantiser."""
     results = {}
     for label, model in models.items():
         rows = linear_input_outliers(model, token_ids, seq_len=seq_len, batch_size=batch_size)
         mark_stream_readers(model, rows)
-        results[label] = {"summary": summarise_groups(rows), "layers": rows}
+        summary = summarise_groups(rows)
+        summary["down_projections"] = summarise([row for row in rows if is_down_projection(row["layer"])])
+        results[label] = {"summary": summary, "layers": rows,
+                          "quantisation_kl": quantisation_errors(model, token_ids, seq_len, batch_size)}
     return results
+
+
+@torch.no_grad()
+def quantisation_errors(model: nn.Module, token_ids: torch.Tensor, seq_len: int, batch_size: int) -> dict[str, float]:
+    """Per quantiser (``normswap.rotate.quantise.QUANTISERS``), the mean KL(model ‖ quantised copy) of
+    the next-token distributions over ``token_ids``, every linear layer of the residual blocks
+    quantised (embeddings and head not); empty for a model without logits or blocks."""
+    import copy
+
+    from normswap.analysis.collect import windows
+    from normswap.runtime.offload import find_blocks
+
+    found = find_blocks(model, None)
+    batches = list(windows(token_ids.reshape(-1).long(), seq_len, batch_size))
+    device = next(model.parameters()).device
+
+    def log_probs(candidate: nn.Module) -> list[torch.Tensor] | None:
+        outputs = [getattr(candidate(input_ids=batch.to(device)), "logits", None) for batch in batches]
+        return None if any(out is None for out in outputs) else [torch.log_softmax(out.double(), -1) for out in outputs]
+
+    reference = log_probs(model) if found is not None and not model.config.is_encoder_decoder else None
+    if reference is None:
+        return {}
+    errors = {}
+    for label in QUANTISERS:
+        quantised = copy.deepcopy(model)
+        apply_quantiser(quantised, label, within=found[0])
+        candidate = log_probs(quantised)
+        errors[label] = float(sum((p.exp() * (p - q)).sum(-1).sum() for p, q in zip(reference, candidate, strict=True))
+                              / sum(p.shape[0] * p.shape[1] for p in reference))
+        del quantised
+    return errors

@@ -248,8 +248,8 @@ def format_comparison(original: dict, converted: dict) -> str:
              _table(header, rows), "", "original:", *format_summary(original), "", f"{name}:",
              *format_summary(converted)]
     if converted.get("rotated"):
-        lines.append("note: the compared checkpoint is rotated: its stream is C·h·Q, which is not orthogonal "
-                     "to 1 by design (its norms are weightless RMSNorms, which a rotation commutes with)")
+        lines.append("note: the compared checkpoint is rotated: its stream is h·Q (C·h·Q in the free form), "
+                     "not orthogonal to 1 by design (its norms commute with the rotation)")
     elif not converted["overall"]["mean_at_noise"]:
         lines.append(f"warning: the converted model's norm inputs are NOT orthogonal to 1 "
                      f"(largest token share {_g(converted['overall']['token_share_max'])})")

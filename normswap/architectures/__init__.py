@@ -2,16 +2,29 @@
 
 from __future__ import annotations
 
+from normswap.architectures.beit import BEIT
+from normswap.architectures.biogpt import BIOGPT
+from normswap.architectures.blenderbot import BLENDERBOT
 from normswap.architectures.bloom import BLOOM
 from normswap.architectures.clip import CLIP
 from normswap.architectures.codegen import CODEGEN
+from normswap.architectures.cohere import COHERE
+from normswap.architectures.deit import DEIT
+from normswap.architectures.dinov2 import DINOV2
 from normswap.architectures.falcon import FALCON
 from normswap.architectures.gpt2 import GPT2
 from normswap.architectures.gpt_bigcode import GPT_BIGCODE
 from normswap.architectures.gpt_neo import GPT_NEO
 from normswap.architectures.gpt_neox import GPT_NEOX
 from normswap.architectures.gptj import GPTJ
+from normswap.architectures.m2m_100 import M2M_100
+from normswap.architectures.mbart import MBART
+from normswap.architectures.mpt import MPT
+from normswap.architectures.nemotron import NEMOTRON
+from normswap.architectures.olmo import OLMO
 from normswap.architectures.opt import OPT
+from normswap.architectures.pegasus import PEGASUS
+from normswap.architectures.persimmon import PERSIMMON
 from normswap.architectures.phi import PHI
 from normswap.architectures.spec import (
     CENTRE_INPUT,
@@ -24,13 +37,18 @@ from normswap.architectures.spec import (
     Reader,
     Writer,
 )
+from normswap.architectures.stablelm import STABLELM
+from normswap.architectures.starcoder2 import STARCODER2
 from normswap.architectures.vit import VIT
 from normswap.architectures.whisper import WHISPER
+from normswap.architectures.xglm import XGLM
 from normswap.errors import NormswapError
 
 ARCHITECTURES: dict[str, Architecture] = {}
 for _architecture in (
     GPT2, WHISPER, VIT, CLIP, GPT_NEO, GPTJ, GPT_NEOX, OPT, BLOOM, PHI, FALCON, GPT_BIGCODE, CODEGEN,
+    XGLM, BIOGPT, STARCODER2, STABLELM, PERSIMMON, MPT, OLMO, COHERE, NEMOTRON,
+    M2M_100, MBART, PEGASUS, BLENDERBOT, DEIT, DINOV2, BEIT,
 ):
     for _model_type in _architecture.model_types:
         ARCHITECTURES[_model_type] = _architecture
@@ -43,8 +61,8 @@ _POST_LN_REASON = (
 # model type -> why it cannot be converted exactly
 POST_LN: dict[str, str] = {
     name: _POST_LN_REASON
-    for name in ("bert", "roberta", "distilbert", "bart", "mbart", "electra", "albert", "xlm-roberta",
-                 "camembert", "deberta", "deberta-v2", "t5", "marian", "pegasus")
+    for name in ("bert", "roberta", "distilbert", "bart", "electra", "albert", "xlm-roberta",
+                 "camembert", "deberta", "deberta-v2", "t5", "marian")
 }
 POST_LN["t5"] = "T5 already uses RMSNorm (T5LayerNorm); there is nothing to convert"
 

@@ -56,6 +56,10 @@ BLOOM = assemble(
         "write the stream and their mean removal cannot be moved into the weights")),
     blocks="transformer.h",
     classes={"BloomForCausalLM": _facts},
+    # the stream starts as word_embeddings_layernorm's output γ ⊙ LN(E[i]) + β: no γ' makes
+    # γ' ⊙ LN(e') equal (γ ⊙ LN(e))·Q, so the stock class cannot start the stream rotated
+    fixed_streams=lambda config: {"": "the stream starts as word_embeddings_layernorm's output γ ⊙ LN(e) + β, and "
+                                      "diag(γ) does not commute with Q"},
     default_class="BloomForCausalLM",
     tie_default=True,
 )

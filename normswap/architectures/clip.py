@@ -24,6 +24,13 @@ C·h = h - mean(h)·1 where the original returns h (pooled outputs, embeddings a
 
 In short: the vision stream is centred after ``pre_layrnorm`` in the RMSNorm class, and the
 vision ``last_hidden_state`` is exact only up to its per-token mean.
+
+Commuting rotation (Q·1 = 1, stock LayerNorm kept): the text tower's stream is rotated, and
+``final_layer_norm``'s γ folds into ``text_projection`` (β ⊘ γ stays in the norm, rotated), so the
+projected text embeddings are exact while the text ``last_hidden_state`` comes out as (h ⊘ γ)·Q
+(CLIPModel's ``text_model_output.pooler_output`` is the projection's output, exact). The vision stream is not rotated (``fixed_streams``): it starts as
+``pre_layrnorm``'s γ ⊙ LN(e) + β, and no gain γ' makes γ' ⊙ LN(e·Q) equal (γ ⊙ LN(e))·Q unless γ
+is constant (diag(γ) does not commute with Q), so the whole vision tower stays as it is.
 """
 
 from __future__ import annotations
@@ -63,6 +70,22 @@ def _structure(config: dict) -> dict[str, list[str]]:
     return {CENTRE_OUTPUT: [pattern("{vision_model.|}pre_layrnorm")]}
 
 
+VISION_FIXED = ("the vision stream starts as pre_layrnorm's output γ ⊙ LN(e) + β, and diag(γ) does not commute "
+                "with Q")
+
+
+def _fixed_streams(config: dict) -> dict[str, str]:
+    kind = config.get("model_type")
+    return {} if kind == "clip_text_model" else {"" if kind == "clip_vision_model" else r"vision_model\.": VISION_FIXED}
+
+
+def _rotated_outputs(config: dict) -> dict[str, str]:
+    if config.get("model_type") == "clip":
+        # its text_model_output.pooler_output is the projection's output (transformers 5): exact
+        return {"text_model_output.last_hidden_state": "text_model.final_layer_norm"}
+    if config.get("model_type") == "clip_text_model":
+        return {"last_hidden_state": "text_model.final_layer_norm"}
+    return {}
 
 
 def _drop_repeated(tower: str, scope: bool) -> tuple[str, str]:
@@ -144,7 +167,8 @@ CLIP = assemble(
     Writer(P + "embeddings.patch_embedding.{weight|bias}", hidden_axis=0),
     pre_ln_blocks(P + "encoder.layers", writes="{self_attn.out_proj|mlp.fc2}",
                   layer_norm1=attention_readers("self_attn"), layer_norm2=linear_reader("mlp.fc1")),
-    Norm(P + "final_layer_norm", output_is_model_output=True),
+    # read by text_projection (no bias) in the projecting classes; folded only by the commuting rotation
+    Norm(P + "final_layer_norm", (linear_reader("text_projection", bias=False),), output_is_model_output=True),
     # its output is the residual stream: no reader to fold into; centred in the RMSNorm class
     Norm(P + "pre_layrnorm"),
     Norm(P + "post_layernorm", output_is_model_output=True),
@@ -153,6 +177,8 @@ CLIP = assemble(
     refuse=_refuse,
     structure=_structure,
     probe="clip",
+    fixed_streams=_fixed_streams,
+    rotated_outputs=_rotated_outputs,
     classes={"CLIPModel": _model_facts, "CLIPTextModel": _tower_facts("text", False),
              "CLIPTextModelWithProjection": _tower_facts("text", True),
              "CLIPVisionModel": _tower_facts("vision", False),

@@ -1,7 +1,7 @@
 """What planning needs to know about a family's model class, declared as data.
 
 Planning needs, of the transformers class a checkpoint loads into: its state-dict names and
-shapes, every ``nn.LayerNorm`` in it (a norm the adapter does not describe is refused), its
+shapes, every LayerNorm in it (``layer_norm_like``; a norm the adapter does not describe is refused), its
 ``base_model_prefix``, transformers' load-time renaming of checkpoint keys, and its module
 paths (which resolve the adapter's structure patterns). Building the class on the meta device
 tells all of that, but importing torch and transformers takes seconds; an adapter may instead
@@ -40,7 +40,7 @@ class ModelFacts:
 
     base_prefix: str
     tensors: dict[str, tuple[int, ...]]  # state-dict name -> shape, in the class's order
-    layer_norms: tuple[str, ...]  # module paths of every nn.LayerNorm, in the class's order
+    layer_norms: tuple[str, ...]  # module paths of every LayerNorm, in the class's order
     renames: tuple[tuple[str, str], ...] = COMMON_RENAMES
 
     @property
@@ -122,12 +122,12 @@ def declared_facts(classes: FactsByClass, default_class: str | None, config: dic
 def facts_of_model(model: nn.Module) -> ModelFacts:
     """The same facts, read from ``model`` built on the meta device (imports torch). Its
     renaming is left empty: ``normswap.modeling.build.checkpoint_renamer`` is transformers' own."""
-    from torch import nn
+    from normswap.modeling.remote import layer_norm_like
 
     return ModelFacts(
         base_prefix=model.base_model_prefix,
         tensors={name: tuple(value.shape) for name, value in model.state_dict().items()},
-        layer_norms=tuple(name for name, module in model.named_modules() if isinstance(module, nn.LayerNorm)),
+        layer_norms=tuple(name for name, module in model.named_modules() if layer_norm_like(module)),
         renames=(),
     )
 

@@ -4,19 +4,17 @@ An adapter says which tensors *write* the residual stream (and along which axis 
 dimension runs), which norms exist and which tensors *read* each norm's output, and how the head
 is tied. It holds no tensor math: that is in ``normswap.convert.fold``, shared by every family.
 
-Names are written in one dialect, templates of whole *canonical* names: the names in the state
-dict of the family's model class (``transformer.h.{layer}.ln_1``). Checkpoints saved from the
-base model (``h.0.ln_1.weight``) are renamed to canonical names when they are read, so adapters
-never deal with prefixes. In a template
+Names are templates of whole *canonical* names, those of the family's model class's state dict
+(``transformer.h.{layer}.ln_1``); checkpoints saved from the base model are renamed on reading.
+In a template
 
-* ``{layer}`` is a layer index;
+* ``{layer}`` is a layer index, ``{head}`` a head index (a ModuleList of per-head norms);
 * ``{a|b}`` is one of the alternatives (``transformer.{wte|wpe}.weight``);
 * ``{name=a|b|}`` is a named choice (here ``a``, ``b`` or nothing): a prefix under which some of
   a family's classes nest the same modules (CLIP's ``{tower=text_model.|vision_model.|}``).
   Readers' templates repeat it and take the value it has in the norm they read.
 
-``pattern`` compiles a template to the regular expression the surgery matches whole names with;
-a norm's named groups (``layer``, the named choices) fill its readers' templates.
+``pattern`` compiles a template to a regular expression; a norm's named groups fill its readers'.
 """
 
 from __future__ import annotations
@@ -37,9 +35,10 @@ CONV1D_IN_AXIS, CONV1D_OUT_AXIS = 0, 1
 # changes the RMSNorm class performs. ``normswap.modeling.remote.apply_structure`` reads them (it
 # is copied into every checkpoint and imports nothing from normswap, so it spells them itself; a
 # test keeps the two in step). ``identity``: modules replaced by nn.Identity (added by the plan for
-# a baked norm); ``centre_input``/``centre_output``: modules whose input/output is centred.
-IDENTITY, CENTRE_INPUT, CENTRE_OUTPUT = "identity", "centre_input", "centre_output"
-STRUCTURE_KINDS = (IDENTITY, CENTRE_INPUT, CENTRE_OUTPUT)
+# a baked norm); ``centre_input``/``centre_output``: modules whose input/output is centred;
+# ``gain_plus_one``: norms that store γ - 1 (added by the plan for a norm with ``gain_offset`` 1).
+IDENTITY, CENTRE_INPUT, CENTRE_OUTPUT, GAIN_PLUS_ONE = "identity", "centre_input", "centre_output", "gain_plus_one"
+STRUCTURE_KINDS = (IDENTITY, CENTRE_INPUT, CENTRE_OUTPUT, GAIN_PLUS_ONE)
 
 _PLACEHOLDER = re.compile(r"\{([^{}]*)\}")
 
@@ -51,8 +50,8 @@ def pattern(template: str) -> str:
     for match in _PLACEHOLDER.finditer(template):
         parts.append(re.escape(template[end:match.start()]))
         name, is_named, choices = match.group(1).rpartition("=")
-        if choices == "layer" and not is_named:
-            parts.append(r"(?P<layer>\d+)")
+        if choices in ("layer", "head") and not is_named:
+            parts.append(rf"(?P<{choices}>\d+)")
         elif is_named:
             parts.append(f"(?P<{name}>" + "|".join(map(re.escape, choices.split("|"))) + ")")
         elif "|" in choices:
@@ -64,7 +63,7 @@ def pattern(template: str) -> str:
     return "".join(parts)
 
 
-def _format_template(template: str) -> str:
+def format_template(template: str) -> str:
     """``template`` as a ``str.format`` string filled from a norm's named groups."""
 
     def field(match: re.Match[str]) -> str:
@@ -112,12 +111,12 @@ class Reader:
     @property
     def weight(self) -> str:
         """The weight's name as a ``str.format`` template."""
-        return _format_template(self.module) + ".weight"
+        return format_template(self.module) + ".weight"
 
     @property
     def bias(self) -> str | None:
         """The bias's name as a ``str.format`` template; None when the layer has no bias slot."""
-        return _format_template(self.module) + ".bias" if self.has_bias else None
+        return format_template(self.module) + ".bias" if self.has_bias else None
 
 
 @dataclass(frozen=True)
@@ -126,15 +125,49 @@ class Norm:
 
     ``output_is_model_output``: the norm's output is itself returned to the user (an encoder's
     ``last_hidden_state``), so its gains must stay in the norm and are never folded.
+    ``gain_offset``: γ = stored weight + offset (1 for Nemotron's LayerNorm1P, which stores γ - 1).
     """
 
     module: str
     readers: tuple[Reader, ...] = ()
     output_is_model_output: bool = False
+    gain_offset: float = 0.0
 
     @property
     def pattern(self) -> str:
         return pattern(self.module)
+
+
+@dataclass(frozen=True)
+class HeadNorm:
+    """A per-head LayerNorm of queries or keys: ``module`` normalises each head's slice of the
+    output of ``projection`` (a module template, centred per head along its output ``axis``);
+    the head size is the norm's last dimension.
+
+    Centring the projection's rows per head (``fold.centre_heads``) makes its input zero-mean: an
+    RMSNorm, gains kept. A fused q/k/v output has ``period`` blocks per head, ``members`` normed.
+    """
+
+    module: str
+    projection: str
+    axis: int = 0
+    period: int = 1
+    members: tuple[int, ...] = (0,)
+
+    @property
+    def pattern(self) -> str:
+        return pattern(self.module)
+
+
+@dataclass(frozen=True)
+class LayerScale:
+    """A per-channel scale λ on a writer's output (DINOv2, BEiT): the stream gets λ ⊙ (W·u + b).
+
+    ``scale`` names λ, ``writer`` the Linear it scales: W' = C·diag(λ)·W, b' = C(λ ⊙ b), λ ← 1.
+    """
+
+    scale: str
+    writer: str
 
 
 def linear_writers(module: str, *, conv1d: bool = False) -> tuple[Writer, Writer]:
@@ -245,19 +278,21 @@ class Architecture:
     auto_class: str
     writers: tuple[Writer, ...]
     norms: tuple[Norm, ...]
-    # (head weight, embedding weight) pairs that may be tied
-    tied: tuple[tuple[str, str], ...] = ()
+    tied: tuple[tuple[str, str], ...] = ()  # (head weight, embedding weight) pairs that may be tied
+    # (copy, table) pairs sharing one table (token tables), tied by the head's flag: written untied
+    shared: tuple[tuple[str, str], ...] = ()
     # a function config -> reason string when the checkpoint cannot be converted exactly
     refuse: Callable[[dict], str | None] = lambda config: None
     # config keys -> values that say the head is tied (default: tie_word_embeddings, true if absent)
     tie_flag: str = "tie_word_embeddings"
-    # the value the family's config class gives ``tie_flag`` when config.json omits it (None: ask
-    # the config class, which imports transformers)
+    # the value the config class gives ``tie_flag`` when config.json omits it (None: ask it)
     tie_default: bool | None = None
     # tensors dropped from the output: buffers that the current classes no longer keep (regular
     # expressions, compiled from templates with ``pattern``)
     ignore: tuple[str, ...] = ()
     bake: tuple[EmbeddingNormBake, ...] = ()
+    head_norms: tuple[HeadNorm, ...] = ()
+    layer_scales: tuple[LayerScale, ...] = ()
     # structural changes for the RMSNorm class, as config -> {kind: module patterns}, a kind being
     # one of STRUCTURE_KINDS (``centre_input``, ``centre_output``; the plan adds ``identity``)
     structure: Callable[[dict], dict[str, list[str]]] = lambda config: {}
@@ -274,6 +309,12 @@ class Architecture:
     # not declared is built on the meta device instead
     classes: FactsByClass = field(default_factory=dict)
     default_class: str | None = None
+    # the commuting rotation (Q·1 = 1, stock LayerNorm kept): streams the stock class cannot hold
+    # rotated, as config -> {regular expression of a name prefix: why}; their tensors stay as they are
+    fixed_streams: Callable[[dict], dict[str, str]] = lambda config: {}
+    # the commuting rotation: the model outputs that come out rotated, as config -> {attribute path
+    # of the output object (``text_model_output.pooler_output``): the norm whose output it is}
+    rotated_outputs: Callable[[dict], dict[str, str]] = lambda config: {}
 
     def facts(self, config: dict) -> ModelFacts | None:
         """The declared facts of the class ``config`` loads into; None when not declared."""

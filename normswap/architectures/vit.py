@@ -10,6 +10,11 @@ centred), the optional mask token, and every ``attention.o_proj`` and ``mlp.fc2`
 The final ``layernorm``: in ``ViTModel`` its output is ``last_hidden_state`` (and feeds the
 pooler), a model output, so its gains stay; in ``ViTForImageClassification`` only the classifier
 (which has a bias) reads it, so γ and β fold there.
+
+Commuting rotation (Q·1 = 1, stock LayerNorm kept): the whole stream is rotated. In
+``ViTForImageClassification`` the logits are exact. In ``ViTModel`` the final ``layernorm``'s γ
+and β fold into ``pooler.dense`` (which reads the class token), so ``pooler_output`` is exact and
+``last_hidden_state`` comes out as ((h - β) ⊘ γ)·Q for the original's h.
 """
 
 from __future__ import annotations
@@ -65,12 +70,13 @@ VIT = assemble(
     Writer(P + "embeddings.patch_embeddings.projection.{weight|bias}", hidden_axis=0),
     pre_ln_blocks(P + "layers", writes="{attention.o_proj|mlp.fc2}",
                   layernorm_before=attention_readers("attention"), layernorm_after=linear_reader("mlp.fc1")),
-    # ViTModel: last_hidden_state itself
-    Norm("layernorm", output_is_model_output=True),
+    # ViTModel: last_hidden_state itself, and the pooler's input (folded by the commuting rotation only)
+    Norm("layernorm", (linear_reader("pooler.dense"),), output_is_model_output=True),
     # ViTForImageClassification: read only by the classifier (on the class token)
     Norm("vit.layernorm", (linear_reader("classifier"),)),
     refuse=only_classes(*SUPPORTED_CLASSES),
     probe="vision",
+    rotated_outputs=lambda config: {"last_hidden_state": "layernorm"},
     classes={"ViTModel": lambda config: _facts(config, classifier=False),
              "ViTForImageClassification": lambda config: _facts(config, classifier=True)},
 )

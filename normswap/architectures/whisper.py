@@ -26,6 +26,12 @@ The decoder's final norm feeds ``proj_out``, which has no bias: γ folds, β/γ 
 In short: the encoder input is centred explicitly in the RMSNorm class, and the encoder's final
 norm keeps its gains (a model output).
 
+Commuting rotation (Q·1 = 1, stock LayerNorm kept): the decoder stream is rotated; the encoder
+stream is not (``fixed_streams``). Its first value is GELU(conv2(...)) + positions, and no tensor of
+the stock class can turn GELU's output into GELU(·)·Q (only a permutation commutes with an
+elementwise non-linearity), so the encoder, its final norm and the cross-attention k/v that read
+that norm stay as they are.
+
 Only ``WhisperForConditionalGeneration`` checkpoints are accepted (the hub's Whisper models); the
 encoder-only and decoder-only classes read these norms differently.
 """
@@ -49,6 +55,8 @@ from normswap.architectures.spec import (
 M = "{base=model.|}"  # WhisperForConditionalGeneration nests the encoder-decoder under ``model.``
 SUPPORTED_CLASSES = ("WhisperForConditionalGeneration",)
 SELF_ATTENTION = attention_readers("self_attn", key_bias=False)
+ENCODER_FIXED = ("the encoder stream starts as GELU(conv2(...)) + positions, and no stock tensor can rotate a GELU "
+                 "output")
 
 
 def _attention(state: StateDict, attention: str, d: int) -> None:
@@ -98,4 +106,5 @@ WHISPER = assemble(
     structure=lambda config: {CENTRE_INPUT: [pattern("{model.|}encoder.layers.0")]},
     probe="seq2seq_speech",
     classes={"WhisperForConditionalGeneration": _facts},
+    fixed_streams=lambda config: {pattern(M + "encoder."): ENCODER_FIXED},
 )

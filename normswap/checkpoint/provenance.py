@@ -47,6 +47,12 @@ class Provenance:
     def method(self) -> str:
         return self.options.get("method", "exact")
 
+    @property
+    def rmsnorm_exact(self) -> bool:
+        """Whether the RMSNorm class computes the checkpoint: not for a commuting rotation of an
+        uncentred stream (``rotation.centred`` false), which only the stock LayerNorm class computes."""
+        return (self.rotation or {}).get("centred", True) is not False
+
 
 def original_model_type(config: dict) -> str | None:
     """The model type a checkpoint's family is known by: the one it was converted from, for a

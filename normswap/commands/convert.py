@@ -22,7 +22,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--revision", type=non_empty, help="hub ids: the branch, tag or commit to download (default: main)")
     add_checkpoint_out(parser)
     parser.add_argument("--fold-gains", action="store_true",
-                        help="fold each norm's gain and bias into the layers that read it")
+                        help="fold each norm's gain and bias into the layers that read it (the input to normswap "
+                             "rotate; unrotated, its weights quantise worse: docs/rotation.md)")
     parser.add_argument("--method", choices=["exact", "naive"], default="exact",
                         help="exact: centre the residual writers (default); naive: swap only (inexact)")
     parser.add_argument("--allow-inexact", action="store_true", help="required with --method naive")
@@ -57,6 +58,15 @@ def run(args: argparse.Namespace) -> int:
         if args.method == "naive":
             print("warning: --method naive is inexact by design; the figures above are its measured degradation",
                   file=sys.stderr)
+    if provenance["norms_folded"]:
+        print(FOLDING_TRAP, file=sys.stderr)
     if args.json:
         emit_json(args, provenance)
     return 0
+
+
+FOLDING_TRAP = (
+    "warning: folding each γ into the layers that read it scales their input columns by γ, so a few columns "
+    "become outliers: per-channel low-bit weight quantisation (int4 round-to-nearest) of this checkpoint "
+    "without a rotation can cost far more than it costs the original. Rotate it first (normswap rotate), or "
+    "quantise in groups; docs/rotation.md has the measurements")

@@ -13,7 +13,7 @@ from normswap.commands import (
     emit_json,
     progress_off,
 )
-from normswap.rotate.options import DEFAULT_CALIBRATION_TOKENS, METHODS
+from normswap.rotate.options import DEFAULT_CALIBRATION_TOKENS, FORMS, METHODS
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -24,6 +24,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="hadamard: randomised Hadamard diag(±1)·H/√d (default); orthogonal: seeded random "
                              "orthogonal; pca: principal directions of the stream on --calibration text "
                              "(the default, and the only method, with --slice)")
+    parser.add_argument("--form", choices=FORMS,
+                        help="commuting (default): Q·1 = 1, so LayerNorm(x·Q) = LayerNorm(x)·Q and the output keeps the "
+                             "original model type, loadable by stock transformers; free: any orthogonal Q on the "
+                             "centred RMSNorm conversion, written as a normswap_<type> checkpoint")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random signs / random matrix (default 0)")
     parser.add_argument("--calibration", metavar="TEXT_FILE",
                         help="UTF-8 text the pca directions are measured on, or 'bundled' (held-out Persuasion)")
@@ -51,6 +55,11 @@ def run(args: argparse.Namespace) -> int:
             setattr(args, name, str(text_file(getattr(args, name))))
     if args.slice is not None or args.held_out is not None:
         from normswap.commands.rotate_slice import run_slice
+        from normswap.errors import NormswapError
+
+        if args.form is not None:
+            raise NormswapError("--form applies to rotation; a sliced checkpoint has its own model type "
+                                "(docs/rotation.md says why)")
 
         return run_slice(args)
     from normswap.api import rotate_checkpoint
@@ -58,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
     from normswap.text import count, format_table
 
     provenance = rotate_checkpoint(
-        args.src, args.out, method=args.method or "hadamard", seed=args.seed, calibration=args.calibration,
+        args.src, args.out, method=args.method or "hadamard", seed=args.seed, form=args.form or "commuting",
+        calibration=args.calibration,
         calibration_tokens=args.calibration_tokens, dtype=args.dtype, overwrite=args.overwrite,
         trust_remote_code=args.trust_remote_code, atol=args.atol, rtol=args.rtol,
         verification=args.verification, quiet=progress_off(args),
@@ -66,9 +76,15 @@ def run(args: argparse.Namespace) -> int:
     rotation = provenance["rotation"]
     counts = rotation["rotated"]
     seed = "" if rotation["seed"] is None else f" (seed {rotation['seed']})"
+    form = ("commuting form: Q·1 = 1, the original model type, loadable by stock transformers"
+            if rotation.get("form") == "commuting" else "free form: model type normswap_<type>")
     print(f"wrote {args.out}: residual stream rotated by {rotation['method']}{seed}, d = {rotation['dimension']}, "
           f"sha256 {rotation['matrix_sha256'][:16]}…; {count(counts['writers'], 'writer')}, "
-          f"{count(counts['readers'], 'reader')}, {count(counts['norm_biases'], 'norm bias')} rotated")
+          f"{count(counts['readers'], 'reader')}, {count(counts['norm_biases'], 'norm bias')} rotated ({form})")
+    for stream in rotation.get("fixed_streams", {}).values():
+        print(f"not rotated: {stream}")
+    for name, norm in rotation.get("rotated_outputs", {}).items():
+        print(f"rotated output: {name} (the output of {norm}, γ and β folded away, times Q)")
     verification = provenance.get("verification")
     if verification:
         print(format_table(verification["loaders"]))

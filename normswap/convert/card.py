@@ -71,6 +71,41 @@ the model computes the original's function while its hidden states are x·Q. Loa
 LayerNorm(x·Q) ≠ LayerNorm(x)·Q.
 """
 
+COMMUTING_CARD = """\
+---
+library_name: transformers
+tags:
+- normswap
+- rotation
+---
+# `{source}`, its residual stream rotated
+
+Written by [normswap](https://pypi.org/project/normswap/) {version}. It computes the same function as
+`{source}` with the stock classes: load it with `{auto_class}.from_pretrained(PATH)`, no remote code.
+
+## What was done
+
+- **Folded** the gain γ and bias β of {folded} LayerNorms into the layers that read them (where a
+  reader has no bias slot, β ⊘ γ stays in the norm); the LayerNorm modules stay, with weight 1.
+- **Untied:** {untied}. The head reads the stream; it does not write it.
+- **Rotated** the residual stream (below). Weights stored as `{dtype}`.
+
+## Verification
+
+{table}
+"""
+
+COMMUTING_SECTION = """
+## Rotation (commuting with LayerNorm)
+
+The residual stream is rotated by an orthogonal matrix Q with Q·1 = 1 ({method}{seed}; {construction}; \
+d = {dimension}; sha256 {matrix_sha256}), stored in `{matrix_file}`. Such a Q commutes with LayerNorm's \
+mean removal, so LayerNorm(x·Q) = LayerNorm(x)·Q and the stock LayerNorm modules (weight 1; γ and β \
+folded into the layers that read them) compute the original's function: stock transformers loads \
+this checkpoint as it is. Hidden states are x·Q. Outputs that come out rotated: {outputs}. Streams \
+left unrotated: {fixed}.
+"""
+
 
 def provenance_block(source: str, plan: ConversionPlan, options: dict, auto_class: str) -> dict:
     """The ``normswap`` block of config.json: what was done, with which options and version."""
@@ -102,7 +137,8 @@ def rotation_provenance(source: str, plan: ConversionPlan, auto_class: str, dtyp
     else:
         options = {"method": "exact", "fold_gains": True, "dtype": dtype_name(dtype)}
         block = provenance_block(source, plan, options, auto_class)
-    block["stock_loadable"] = False
+    # the commuting form (Q·1 = 1) keeps the stock LayerNorm exact; the free form needs the RMSNorm class
+    block["stock_loadable"] = rotation.get("form") == "commuting" and plan.stock_loadable
     block["rotation"] = rotation
     return block
 
@@ -137,7 +173,9 @@ def converted_config(config: dict, plan: ConversionPlan, meta: nn.Module | None,
     # the family's Auto class, and every other Auto class that maps this type to this class
     # (AutoModelForImageClassification for a ViTForImageClassification)
     autos = [architecture.auto_class, *build.auto_classes_for(config["model_type"], model_name)]
-    if provenance["stock_loadable"]:
+    if provenance["stock_loadable"] and not provenance.get("rotation", {}).get("centred", True):
+        new.pop("auto_map", None)  # an uncentred stream: the RMSNorm class would not compute this model
+    elif provenance["stock_loadable"]:
         new["auto_map"] = {auto: f"modeling_normswap.{remote.CLASS_PREFIX}{model_name}" for auto in autos}
     else:
         new["model_type"] = remote.MODEL_TYPE_PREFIX + config["model_type"]
@@ -178,7 +216,14 @@ def model_card(provenance: dict) -> str:
         tolerance=(verification or {}).get("tolerance", {}).get("limit", float("nan")),
     )
     rotation = provenance.get("rotation")
+    if rotation is not None and not rotation.get("centred", True):
+        card = COMMUTING_CARD.format(source=provenance["source"], version=provenance["version"],
+                                     auto_class=provenance["auto_class"], folded=folded, dtype=options["dtype"],
+                                     untied=", ".join(provenance["untied"]) or "nothing (the head was not tied)",
+                                     table=format_table(verification["loaders"]) if verification else "(not verified)")
     if rotation is not None:
         seed = "" if rotation["seed"] is None else f", seed {rotation['seed']}"
-        card += ROTATION_SECTION.format(**{**rotation, "seed": seed})
+        section = COMMUTING_SECTION if rotation.get("form") == "commuting" else ROTATION_SECTION
+        card += section.format(**{**rotation, "seed": seed, "fixed": ", ".join(rotation.get("fixed_streams", {}).values())
+                                  or "none", "outputs": ", ".join(rotation.get("rotated_outputs", {})) or "none"})
     return card

@@ -22,7 +22,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from normswap.convert.steps import Bake, Centre, DivideByGain, Fill, FoldBias, FoldGain, Rotate, Step
+from normswap.convert.steps import (
+    Bake,
+    Centre,
+    CentreHeads,
+    DivideByGain,
+    Fill,
+    FoldBias,
+    FoldGain,
+    Rotate,
+    Step,
+)
 
 if TYPE_CHECKING:
     from normswap.convert.plan import TensorPlan
@@ -47,6 +57,24 @@ def centre(weight: torch.Tensor, hidden_axis: int) -> torch.Tensor:
 def centre_(work: torch.Tensor, hidden_axis: int) -> torch.Tensor:
     """``centre`` in place on a float64 ``work`` tensor (the streamed slices)."""
     return work.sub_(work.mean(dim=hidden_axis, keepdim=True))
+
+
+def centre_heads(weight: torch.Tensor, axis: int, head_dim: int, period: int = 1,
+                 members: tuple[int, ...] = (0,)) -> torch.Tensor:
+    """Centre each head's block of ``head_dim`` entries along ``axis`` (the output axis of a q or
+    k projection, or its bias), in float64.
+
+    A per-head norm computes LN(q_h) for every head's slice q_h = W_h·x + b_h. Replacing W_h by
+    C_D·W_h and b_h by C_D·b_h (C_D = I - 11ᵀ/D, D = head_dim) makes every q_h zero-mean for any x,
+    so LN(q_h) = RMSNorm(q_h) exactly, and LN of the original q_h equals LN of the centred one
+    (LN(q + m·1) = LN(q)): the attention is unchanged. Blocks are taken ``period`` at a time and
+    only those at ``members`` are centred (a fused q/k/v projection: period 3, members (0, 1)).
+    """
+    value = torch.movedim(weight.double(), axis, 0).clone()
+    blocks = value.reshape(-1, period, head_dim, *value.shape[1:])
+    for member in members:
+        blocks[:, member] -= blocks[:, member].mean(dim=1, keepdim=True)
+    return torch.movedim(blocks.reshape(value.shape), 0, axis)
 
 
 def fold_gain(weight: torch.Tensor, gain: torch.Tensor, input_axis: int) -> torch.Tensor:
@@ -214,7 +242,7 @@ def slice_kernel(step: Step, read: Read) -> Callable[[torch.Tensor], torch.Tenso
     if isinstance(step, Centre):
         return lambda w: centre_(w, step.axis)
     if isinstance(step, FoldGain):
-        gain = read(step.gain).double()
+        gain = read(step.gain).double() + step.offset
         return lambda w: fold_gain_(w, gain, step.axis)
     if isinstance(step, Bake):
         gain, bias = read(step.gain), read(step.bias)
@@ -227,13 +255,16 @@ def slice_kernel(step: Step, read: Read) -> Callable[[torch.Tensor], torch.Tenso
 def whole_step(step: Step, value: torch.Tensor, read: Read) -> torch.Tensor:
     """A step that needs the whole float64 tensor ``value``.
 
-    Fill: a constant; DivideByGain: β ⊘ γ (``residual_norm_bias``); FoldBias: b + Wβ
+    Fill: a constant; DivideByGain: β ⊘ γ (``residual_norm_bias``); CentreHeads: each head's
+    block centred (``centre_heads``); FoldBias: b + Wβ
     (``chunked_bias_fold``); Rotate: a kept norm bias, (β⊘γ)·Q (``rotate_axis``).
     """
     if isinstance(step, Fill):
         return torch.full_like(value, step.value)
     if isinstance(step, DivideByGain):
-        return residual_norm_bias(read(step.gain), value)
+        return residual_norm_bias(read(step.gain).double() + step.offset, value)
+    if isinstance(step, CentreHeads):
+        return centre_heads(value, step.axis, step.head_dim, step.period, step.members)
     if isinstance(step, FoldBias):
         return chunked_bias_fold(read(step.weight), read(step.norm_bias), value, step.axis)
     if isinstance(step, Rotate):

@@ -10,50 +10,31 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from normswap.architectures.facts import ModelFacts
-from normswap.architectures.spec import Architecture
+from normswap.architectures.spec import Architecture, HeadNorm, Norm
 from normswap.checkpoint.names import canonical_names, output_shard_names
-from normswap.checkpoint.safetensors_io import StoredTensor
 from normswap.checkpoint.source import TensorInfo
+from normswap.convert.heads import centre_heads, fold_layer_scales
 from normswap.convert.names import resolve_structure
-from normswap.convert.steps import Bake, Centre, DivideByGain, Fill, FoldBias, FoldGain, Step, Structure
-from normswap.dtypes import dtype_name, is_floating
+from normswap.convert.steps import (
+    Bake,
+    Centre,
+    DivideByGain,
+    Fill,
+    FoldBias,
+    FoldGain,
+    NormPlan,
+    Structure,
+    TensorPlan,
+)
+from normswap.dtypes import is_floating
 from normswap.errors import NormswapError
 
 if TYPE_CHECKING:  # planning imports no torch; tensors are read and written elsewhere
     import torch
-
-
-@dataclass
-class TensorPlan(StoredTensor):
-    """How one output tensor is made. Its dtype is kept by name (a ``torch.dtype`` given is stored
-    as its name); ``dtype`` is the ``torch.dtype``."""
-
-    name: str
-    source: str | None  # source tensor the value starts from; None for a bias created from zeros
-    shape: tuple[int, ...]
-    dtype_name: str
-    shard: str
-    steps: list[Step] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.dtype_name = dtype_name(self.dtype_name)
-
-
-@dataclass
-class NormPlan:
-    """What happens to one norm: always swapped; optionally its γ/β folded into its readers."""
-
-    name: str
-    readers: list[str]
-    folded_gain: bool = False
-    folded_bias: bool = False
-    kept_bias: str | None = None  # "β" or "β/γ" when the norm keeps a bias
-    baked_into: str | None = None
-    note: str = ""
 
 
 @dataclass
@@ -135,14 +116,25 @@ def build_plan(
                 raise NormswapError(f"transformers would rename the output tensor {name} on load; not supported")
     plans, dropped, shards = _tensor_plans(architecture, tensors, renamed, dtype)
     untied = _untie(architecture, config, plans, model_keys)
+    for copy, table in architecture.shared:  # an untied checkpoint ties nothing: write every copy
+        if copy in model_keys and copy not in plans and table in plans:
+            plans[copy] = replace(plans[table], name=copy, steps=[])
     structure = resolve_structure(architecture.structure(config), module_names)
     norms = _find_norms(architecture, plans, layer_norm_modules)
     norms += _bake(architecture, config, plans, dropped, structure)  # before centring the table
-    writers = _centre_writers(architecture, plans) if method == "exact" else []
+    writers = []
+    # λ into its writer (an identity), before centring or rotating it
+    fold_layer_scales(architecture, plans)
+    if method == "exact":
+        writers = _centre_writers(architecture, plans)
     if fold_gains:
         for norm in norms:
-            if norm.baked_into is None:
+            if norm.baked_into is None and not norm.per_head:
                 _fold_norm(norm, architecture, plans, set(writers), read_small)
+    if method == "exact":
+        centre_heads(architecture, plans, norms)  # after a bias fold, which adds Wβ to the rows
+    structure.gain_plus_one += [norm.name for norm in norms if norm.baked_into is None and not norm.per_head
+                                and _norm_spec(architecture, norm.name).gain_offset == 1]
     return ConversionPlan(
         model_type=config.get("model_type", "?"), method=method, fold_gains=fold_gains,
         tensors=dict(sorted(plans.items())), norms=norms, writers=writers, untied=untied, dropped=sorted(dropped),
@@ -252,6 +244,10 @@ def _find_norms(architecture: Architecture, plans: dict[str, TensorPlan], layer_
         if module in baked:
             continue
         spec = next((norm for norm in architecture.norms if re.fullmatch(norm.pattern, module)), None)
+        if spec is None and any(re.fullmatch(head.pattern, module) for head in architecture.head_norms):
+            norms.append(NormPlan(module, [], per_head=True, note="per-head norm; its projection is centred per "
+                                  "head, gains kept"))
+            continue
         if spec is None:
             raise NormswapError(
                 f"the {architecture.model_types[0]} adapter does not describe the norm '{module}'; "
@@ -263,9 +259,16 @@ def _find_norms(architecture: Architecture, plans: dict[str, TensorPlan], layer_
     return norms
 
 
+def _norm_spec(architecture: Architecture, name: str) -> Norm | HeadNorm:
+    return next(s for s in (*architecture.norms, *architecture.head_norms) if re.fullmatch(s.pattern, name))
+
+
 def _fold_norm(norm: NormPlan, architecture: Architecture, plans: dict[str, TensorPlan], writers: set[str], read_small) -> None:
-    """Fold a norm's γ (and β where every reader has a bias slot) into the layers that read it."""
-    spec = next(s for s in architecture.norms if re.fullmatch(s.pattern, norm.name))
+    """Fold a norm's γ (and β where every reader has a bias slot) into the layers that read it.
+
+    A norm with ``gain_offset`` stores γ - offset: γ is read as stored + offset, and the stored
+    weight left behind is 1 - offset (a unit gain)."""
+    spec = _norm_spec(architecture, norm.name)
     if spec.output_is_model_output:
         norm.note = "output is a model output; gains kept"
         return
@@ -289,8 +292,9 @@ def _fold_norm(norm: NormPlan, architecture: Architecture, plans: dict[str, Tens
     has_bias = bias_name in plans
     # β folds when every reader can take Wβ: into its bias, or dropped where a constant cancels
     bias_foldable = has_bias and all(bias is not None or reader.constant_cancels for reader, _, bias in readers)
+    offset = spec.gain_offset
     if has_bias and not bias_foldable and read_small is not None:
-        if bool((read_small(plans[gain_name].source) == 0).any()):
+        if bool((read_small(plans[gain_name].source) + offset == 0).any()):
             norm.note = "γ has zeros and β cannot be folded; kept unfolded"
             return
 
@@ -298,13 +302,13 @@ def _fold_norm(norm: NormPlan, architecture: Architecture, plans: dict[str, Tens
     for reader, weight, bias in readers:
         if bias_foldable and bias is not None:
             plans[bias].steps.append(FoldBias(plans[weight].source, plans[bias_name].source, reader.input_axis))
-        plans[weight].steps.append(FoldGain(gain_source, reader.input_axis))
-    plans[gain_name].steps.append(Fill(1.0))
+        plans[weight].steps.append(FoldGain(gain_source, reader.input_axis, offset))
+    plans[gain_name].steps.append(Fill(1.0 - offset))
     norm.folded_gain = True
     if has_bias:
         if bias_foldable:
             plans[bias_name].steps.append(Fill(0.0))
             norm.folded_bias = True
         else:
-            plans[bias_name].steps.append(DivideByGain(gain_source))
+            plans[bias_name].steps.append(DivideByGain(gain_source, offset))
             norm.kept_bias = "β/γ"

@@ -1,5 +1,6 @@
-"""What a plan does, as data: ``Step``s to one tensor, and the ``Structure`` it changes in the
-model class. ``normswap.convert.plan`` decides them; ``normswap.convert.fold`` executes the steps
+"""What a plan does, as data: ``Step``s to one tensor (a ``TensorPlan`` lists them), what happens
+to one norm (``NormPlan``), and the ``Structure`` it changes in the model class.
+``normswap.convert.plan`` decides them; ``normswap.convert.fold`` executes the steps
 (``compute_tensor``, ``slice_kernel``), each step's math being a ``fold`` function.
 
 A ``SliceStep`` acts independently on every slice taken across its ``axis`` (the axis that
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from normswap.checkpoint.safetensors_io import StoredTensor
+from normswap.dtypes import dtype_name
 from normswap.errors import NormswapError
 
 
@@ -42,10 +45,24 @@ class Centre(SliceStep):
 
 @dataclass(frozen=True)
 class FoldGain(SliceStep):
-    """Multiply the reader's input ``axis`` by the norm gain ``gain``."""
+    """Multiply ``axis`` by the gain ``gain`` + ``offset``: a reader's input axis by its norm's γ
+    (``offset`` 1 for a norm that stores γ - 1), or a writer's output axis by its LayerScale."""
 
     gain: str
     axis: int
+    offset: float = 0.0
+
+
+@dataclass(frozen=True)
+class CentreHeads(WholeStep):
+    """Centre each head's block of ``head_dim`` entries along ``axis`` (``fold.centre_heads``):
+    of every ``period`` consecutive blocks, those at the positions in ``members`` (a fused q/k/v
+    projection centres its q and k blocks, not v)."""
+
+    axis: int
+    head_dim: int
+    period: int = 1
+    members: tuple[int, ...] = (0,)
 
 
 @dataclass(frozen=True)
@@ -59,9 +76,10 @@ class FoldBias(WholeStep):
 
 @dataclass(frozen=True)
 class DivideByGain(WholeStep):
-    """Norm bias β ← β ⊘ γ, for a norm whose γ is folded but whose β has nowhere to go."""
+    """Norm bias β ← β ⊘ (γ + ``offset``), for a norm whose γ is folded but whose β has nowhere to go."""
 
     gain: str
+    offset: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -86,7 +104,7 @@ class Rotate:
     slice_wise: bool = True
 
 
-Step = Bake | Centre | FoldGain | FoldBias | DivideByGain | Fill | Rotate
+Step = Bake | Centre | CentreHeads | FoldGain | FoldBias | DivideByGain | Fill | Rotate
 
 
 @dataclass
@@ -102,6 +120,7 @@ class Structure:
     identity: list[str] = field(default_factory=list)  # replaced by nn.Identity (a baked norm)
     centre_input: list[str] = field(default_factory=list)  # first input centred explicitly
     centre_output: list[str] = field(default_factory=list)  # output centred explicitly
+    gain_plus_one: list[str] = field(default_factory=list)  # norms that store γ - 1
 
     @classmethod
     def from_json(cls, data: dict[str, list[str]] | None) -> Structure:
@@ -125,3 +144,33 @@ class Structure:
 
     def __str__(self) -> str:
         return str(self.to_json())
+
+
+@dataclass
+class TensorPlan(StoredTensor):
+    """How one output tensor is made. Its dtype is kept by name (a ``torch.dtype`` given is stored
+    as its name); ``dtype`` is the ``torch.dtype``."""
+
+    name: str
+    source: str | None  # source tensor the value starts from; None for a bias created from zeros
+    shape: tuple[int, ...]
+    dtype_name: str
+    shard: str
+    steps: list[Step] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.dtype_name = dtype_name(self.dtype_name)
+
+
+@dataclass
+class NormPlan:
+    """What happens to one norm: always swapped; optionally its γ/β folded into its readers."""
+
+    name: str
+    readers: list[str]
+    folded_gain: bool = False
+    folded_bias: bool = False
+    kept_bias: str | None = None  # "β" or "β/γ" when the norm keeps a bias
+    baked_into: str | None = None
+    note: str = ""
+    per_head: bool = False  # a per-head norm of queries or keys (its projection is centred per head)

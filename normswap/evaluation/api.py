@@ -33,8 +33,10 @@ def evaluate(
     if media_kind(settings) is not None:
         return evaluate_media(model, baseline=baseline, settings=settings, tolerances=tolerances,
                               reference=reference, reference_source=reference_source)
-    # Speech and vision models read audio or images: say so before loading anything.
-    check_sources([m for m in (baseline, model) if m is not None], None, settings.trust_remote_code)
+    # Speech and vision models read audio or images, encoder-decoders have no causal score: say so
+    # before loading anything.
+    check_sources([m for m in (baseline, model) if m is not None], None, settings.trust_remote_code,
+                  causal_text=True)
     evaluator = Evaluator(settings, workdir=workdir)
     try:
         results: list[ModelEval] = []

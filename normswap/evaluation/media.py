@@ -30,7 +30,8 @@ AUDIO_SUFFIXES = (".wav", ".flac", ".ogg", ".oga", ".mp3", ".aiff", ".aif")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 
 # model type -> the input it takes; everything else reads text.
-MODALITIES = {"whisper": "audio", "vit": "images", "clip": "images"}
+MODALITIES = {"whisper": "audio", "vit": "images", "clip": "images", "deit": "images", "dinov2": "images",
+              "beit": "images"}
 
 
 def modality(config: dict) -> str:

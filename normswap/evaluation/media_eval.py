@@ -31,14 +31,22 @@ def media_kind(settings: EvalSettings) -> str | None:
     return "audio" if audio else "images" if images else None
 
 
-def check_sources(sources: list[str], kind: str | None, trust_remote_code: bool) -> list[Path]:
-    """Resolve every checkpoint and check that it reads ``kind``; one line otherwise."""
+def check_sources(sources: list[str], kind: str | None, trust_remote_code: bool, *,
+                  causal_text: bool = False) -> list[Path]:
+    """Resolve every checkpoint and check that it reads ``kind`` (and, with ``causal_text``, that
+    a text model is a causal LM, whose scores text evaluation takes); one line otherwise."""
     from normswap.checkpoint.source import read_config, resolve_source
 
     paths = []
     for source in sources:
         path = resolve_source(source, trust_remote_code=trust_remote_code)
-        media.require_modality(read_config(path), source, kind)
+        config = read_config(path)
+        media.require_modality(config, source, kind)
+        if causal_text and config.get("is_encoder_decoder"):
+            raise NormswapError(
+                f"{source} is a {config.get('model_type')} encoder-decoder: text evaluation scores a causal "
+                "language model (perplexity, lm-eval log-likelihoods of continuations), which it is not; "
+                "`normswap verify` compares its logits and `normswap geometry --text` reads it")
         paths.append(path)
     return paths
 

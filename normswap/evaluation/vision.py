@@ -1,12 +1,12 @@
-"""Image evaluation of vision models (ViT) and image–text models (CLIP).
+"""Image evaluation of vision models (ViT, DeiT, DINOv2, BEiT) and image–text models (CLIP).
 
 Images go through the checkpoint's own image processor (``preprocessor_config.json``); CLIP's
 texts through its own tokenizer.
 
-* ViT with a classification head: each image's class distribution (its log-softmax is the
+* A vision model with a classification head: each image's class distribution (its log-softmax is the
   per-image score the comparison takes differences of), top-1 accuracy when the class subfolders
   name classes of the model's ``id2label``, and, between the two models, top-1 agreement and the
-  largest |Δlogit|. A ViT without a head is compared on its pooled output (cosine, max |Δ|).
+  largest |Δlogit|. One without a head is compared on its pooled output (cosine, max |Δ|).
 * CLIP: image–text similarities against one prompt per class (``a photo of a {label}.``), or
   against each image's own file name as caption when there are no class subfolders; zero-shot
   accuracy when labels exist; between the two models, agreement of the best-matching text per

@@ -51,7 +51,10 @@ def patch(model: nn.Module) -> nn.Module:
     fused: dict[nn.Module, fusion.BlockFusion] = {}
     for module in model.modules():
         if is_rmsnorm(module):
-            module.forward = types.MethodType(_rmsnorm_forward, module)
+            # the kernels take one gain per channel: a per-head gain or a stored γ - 1 keeps its forward
+            weight = getattr(module, "weight", None)
+            if not getattr(module, "gain_offset", 0.0) and (weight is None or weight.dim() == 1):
+                module.forward = types.MethodType(_rmsnorm_forward, module)
             continue
         found = fusion.fusion_for(module)
         if found is not None:

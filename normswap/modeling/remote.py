@@ -15,7 +15,12 @@ states and ``apply_structure`` performs:
 * ``centre_input``: modules whose first input is centred explicitly (Whisper's encoder, whose
   stream starts as ``gelu(conv(...)) + positions``, a value no weight folding can centre);
 * ``centre_output``: modules whose output is centred explicitly (CLIP's ``pre_layrnorm``, a norm
-  whose output *is* the residual stream).
+  whose output *is* the residual stream);
+* ``gain_plus_one``: norms that store γ - 1 and compute with γ (Nemotron's ``LayerNorm1P``).
+
+The norms swapped are every ``nn.LayerNorm`` and every leaf module of a class named
+``*LayerNorm`` (a family's own LayerNorm: OLMo's weightless one, Cohere's bias-free one that may
+normalise per head); ``layer_norm_like`` says which.
 
 Classes are made on demand: ``NormswapGPT2LMHeadModel`` is ``GPT2LMHeadModel`` with RMSNorms, and
 ``NormswapBloomConfig`` is ``BloomConfig`` under the model type ``normswap_bloom`` (used when the
@@ -54,6 +59,9 @@ class RMSNorm(nn.Module):
         bias: bool = True,
         device: torch.device | None = None,
         dtype: torch.dtype | None = None,
+        *,
+        weight_shape: tuple[int, ...] | None = None,
+        gain_offset: float = 0.0,
     ) -> None:
         super().__init__()
         if isinstance(normalized_shape, int):
@@ -62,16 +70,20 @@ class RMSNorm(nn.Module):
         if len(self.normalized_shape) != 1:
             raise ValueError("RMSNorm normalises over the last dimension only")
         self.eps = float(eps)
+        # the gain multiplies as (weight + gain_offset): 1 for a norm that stores γ - 1
+        self.gain_offset = float(gain_offset)
+        # a per-head norm holds one gain per head: [heads, head_dim], broadcast over the input
+        shape = tuple(weight_shape) if weight_shape is not None else self.normalized_shape
         factory = {"device": device, "dtype": dtype}
-        self.weight = nn.Parameter(torch.ones(self.normalized_shape, **factory)) if weight else None
-        self.bias = nn.Parameter(torch.zeros(self.normalized_shape, **factory)) if bias else None
+        self.weight = nn.Parameter(torch.ones(shape, **factory)) if weight else None
+        self.bias = nn.Parameter(torch.zeros(shape, **factory)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         compute = torch.promote_types(x.dtype, torch.float32)
         xf = x.to(compute)
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.weight is not None:
-            y = y * self.weight.to(compute)
+            y = y * (self.weight.to(compute) + self.gain_offset)
         if self.bias is not None:
             y = y + self.bias.to(compute)
         return y.to(x.dtype)
@@ -83,24 +95,39 @@ class RMSNorm(nn.Module):
         )
 
 
-def rmsnorm_like(layer_norm: nn.LayerNorm) -> RMSNorm:
-    """An RMSNorm with the same shape, eps, γ, β, device and dtype as ``layer_norm``.
+def layer_norm_like(module: nn.Module) -> bool:
+    """An ``nn.LayerNorm``, or a leaf module of a family's own class named ``*LayerNorm``."""
+    if isinstance(module, nn.LayerNorm):
+        return True
+    return (type(module).__name__.endswith("LayerNorm") and not getattr(module, "is_normswap_rmsnorm", False)
+            and next(module.children(), None) is None)
 
-    On the meta device (while a model is being built for loading) there are no values to copy.
+
+def rmsnorm_like(layer_norm: nn.Module) -> RMSNorm:
+    """An RMSNorm with the same width, eps, γ, β, device and dtype as ``layer_norm``.
+
+    A family's own LayerNorm class is read by what it holds: ``weight``/``bias`` (a gain of shape
+    [heads, head_dim] normalises each head over its last dimension), ``eps`` or
+    ``variance_epsilon``, else F.layer_norm's 1e-5. On the meta device (while a model is being
+    built for loading) there are no values to copy.
     """
-    reference = layer_norm.weight if layer_norm.weight is not None else layer_norm.bias
+    weight, bias = getattr(layer_norm, "weight", None), getattr(layer_norm, "bias", None)
+    reference = weight if weight is not None else bias
+    shape = tuple(getattr(layer_norm, "normalized_shape", ()) or reference.shape)
+    own_class = not isinstance(layer_norm, nn.LayerNorm)
     factory = {} if reference is None else {"device": reference.device, "dtype": reference.dtype}
     norm = RMSNorm(
-        layer_norm.normalized_shape,
-        eps=layer_norm.eps,
-        weight=layer_norm.weight is not None,
-        bias=layer_norm.bias is not None,
+        shape[-1:] if own_class else shape,
+        eps=getattr(layer_norm, "eps", getattr(layer_norm, "variance_epsilon", 1e-5)),
+        weight=weight is not None,
+        bias=bias is not None,
+        weight_shape=None if reference is None else tuple(reference.shape),
         **factory,
     )
     if reference is not None and not reference.is_meta:
         with torch.no_grad():
             for name in ("weight", "bias"):
-                if getattr(layer_norm, name) is not None:
+                if getattr(layer_norm, name, None) is not None:
                     getattr(norm, name).copy_(getattr(layer_norm, name))
     return norm
 
@@ -123,11 +150,12 @@ def _centre_output_hook(module, args, output):
 
 
 def swap_layer_norms(model: nn.Module) -> int:
-    """Replace every ``nn.LayerNorm`` in ``model`` by an equivalent ``RMSNorm``; returns the count."""
+    """Replace every LayerNorm (``layer_norm_like``) in ``model`` by an equivalent ``RMSNorm``;
+    returns the count."""
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.LayerNorm):
+            if layer_norm_like(child):
                 setattr(parent, name, rmsnorm_like(child))
                 swapped += 1
     return swapped
@@ -143,6 +171,8 @@ def apply_structure(model: nn.Module, structure: dict | None) -> None:
         model.get_submodule(path).register_forward_pre_hook(_centre_input_hook, with_kwargs=True)
     for path in structure.get("centre_output", []):
         model.get_submodule(path).register_forward_hook(_centre_output_hook)
+    for path in structure.get("gain_plus_one", []):
+        model.get_submodule(path).gain_offset = 1.0
 
 
 class Shortcut(nn.Module):

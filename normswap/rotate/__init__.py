@@ -2,6 +2,7 @@
 
 - ``hadamard``: Hadamard matrices of every size normswap builds.
 - ``matrices``: the rotation Q: randomised Hadamard, seeded orthogonal, or pca.
+- ``commuting``: the same three with Q·1 = 1, which commute with LayerNorm itself (the default form).
 - ``calibration``: the stream's second moments on calibration text, measured block by block.
 - ``pipeline``: ``rotate_checkpoint``: fold, plan, write, verify, install a rotated checkpoint.
 - ``slicing``: SliceGPT's math: kept bases, shortcut matrices, the sliced tensors.

@@ -14,6 +14,7 @@ measured on the whole model, and the result says so.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -179,9 +180,9 @@ def calibration_ids(source_dir: Path, text: str, label: str) -> torch.Tensor:
 
 
 def calibrate(source_dir: Path, rotation_plan: RotationPlan, text_path: str | Path, max_tokens: int,
-              config: dict | None = None) -> Rotation:
-    """The pca rotation of the source's stream on the calibration text: Σ over every norm of its
-    input's second moment, measured block by block."""
+              config: dict | None = None, make: Callable[[torch.Tensor, dict], Rotation] = pca_rotation) -> Rotation:
+    """The pca rotation (``make``: the free form's or the commuting form's) of the source's stream
+    on the calibration text: Σ over every norm of its input's second moment, measured block by block."""
     text = read_calibration(text_path)
     ids = calibration_ids(source_dir, text, str(text_path))[:max_tokens]
     norms = [norm.name for norm in rotation_plan.plan.norms if norm.baked_into is None]
@@ -189,4 +190,4 @@ def calibrate(source_dir: Path, rotation_plan: RotationPlan, text_path: str | Pa
     moment = sum(measured.moments[name] for name in norms)
     calibration = {"text": Path(text_path).name, "tokens": int(ids.numel()),
                    "text_sha256": hashlib.sha256(text.encode()).hexdigest(), "window": measured.window}
-    return pca_rotation(moment, calibration)
+    return make(moment, calibration)

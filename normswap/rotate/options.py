@@ -6,3 +6,7 @@ from __future__ import annotations
 METHODS = ("hadamard", "orthogonal", "pca")
 # at most this many calibration tokens are read (pca and --slice)
 DEFAULT_CALIBRATION_TOKENS = 32768
+# the form of a rotation: commuting (Q·1 = 1, the stock LayerNorm kept, the original model type) or
+# free (any orthogonal Q on the centred RMSNorm conversion, model type normswap_<type>)
+FORMS = ("commuting", "free")
+DEFAULT_FORM = "commuting"

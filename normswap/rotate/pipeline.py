@@ -12,8 +12,13 @@ checkpoint is written by the same streaming writer, and installed by the same
 the source is an original checkpoint. Which tensors rotate comes from the adapters alone: every
 ``Writer`` on its hidden axis, every ``Reader`` of a norm on its input axis, every norm bias that
 is kept. The matrices are ``normswap.rotate.matrices``'s, the pca calibration
-``normswap.rotate.calibration``'s. The output has its own model type ``normswap_<type>``: the stock
-LayerNorm class would compute LayerNorm(x·Q), which is not LayerNorm(x)·Q.
+``normswap.rotate.calibration``'s.
+
+Two forms. ``commuting`` (the default): Q·1 = 1 (``normswap.rotate.commuting``), so
+LN(x·Q) = LN(x)·Q with the stock LayerNorm itself; the norms are folded but no writer is centred,
+and the output keeps the original model type: stock transformers loads it. ``free``: any
+orthogonal Q on the centred, RMSNorm-exact conversion; the output has its own model type
+``normswap_<type>``, because the stock LayerNorm class would compute LayerNorm(x·Q) ≠ LayerNorm(x)·Q.
 """
 
 from __future__ import annotations
@@ -28,10 +33,26 @@ from normswap.checkpoint.source import CheckpointReader, read_config, resolve_so
 from normswap.convert import card, install, pipeline
 from normswap.dtypes import parse_dtype
 from normswap.errors import NormswapError
+from normswap.rotate import commuting
 from normswap.rotate.calibration import calibrate, read_calibration
-from normswap.rotate.matrices import ROTATION_FILE, hadamard_rotation, orthogonal_rotation, save_rotation
-from normswap.rotate.options import DEFAULT_CALIBRATION_TOKENS, METHODS
-from normswap.rotate.plan import add_rotation, check_rotatable, hidden_size, plan_rotation
+from normswap.rotate.matrices import (
+    ROTATION_FILE,
+    Rotation,
+    hadamard_rotation,
+    orthogonal_rotation,
+    pca_rotation,
+    save_rotation,
+)
+from normswap.rotate.options import DEFAULT_CALIBRATION_TOKENS, DEFAULT_FORM, FORMS, METHODS
+from normswap.rotate.plan import (
+    RotationPlan,
+    add_rotation,
+    check_commuting,
+    check_rotatable,
+    plan_commuting,
+    plan_rotation,
+    stream_width,
+)
 
 
 @checked
@@ -41,6 +62,7 @@ def rotate_checkpoint(
     *,
     method: str = "hadamard",
     seed: int = 0,
+    form: str = DEFAULT_FORM,
     calibration: str | Path | None = None,
     calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS,
     dtype: str | torch.dtype | None = None,
@@ -54,15 +76,16 @@ def rotate_checkpoint(
 ) -> dict:
     """Write ``src`` with its residual basis rotated by Q to ``out``, verified against ``src``.
 
-    ``src`` is an original LayerNorm checkpoint (centred and gain-folded in the same streaming
-    pass) or a normswap checkpoint converted with ``--fold-gains``. ``method``: ``hadamard``,
-    ``orthogonal`` (both seeded by ``seed``) or ``pca`` (needs ``calibration``, a text file).
+    ``src`` is an original LayerNorm checkpoint (folded, and for the free form centred, in the same
+    streaming pass) or a normswap checkpoint converted with ``--fold-gains``. ``method``:
+    ``hadamard``, ``orthogonal`` (both seeded by ``seed``) or ``pca`` (needs ``calibration``, a text
+    file). ``form``: ``commuting`` (Q·1 = 1, stock model type) or ``free`` (``normswap_<type>``).
     Returns the provenance block written into ``out/config.json``; raises ``NormswapError`` for bad
     input and ``VerificationError`` when the output does not match, leaving nothing at ``out``.
     ``verifier`` (``normswap.verify.checkpoint.verify_rotated`` from the public API) checks the
     output unless ``verification`` is ``none``.
     """
-    check_options(method, seed, calibration, calibration_tokens, verification)
+    check_options(method, seed, calibration, calibration_tokens, verification, form)
     install.check_verification_mode(verification, atol, rtol)
     out_dtype = parse_dtype(dtype)
     source_dir = resolve_source(src, trust_remote_code=trust_remote_code)
@@ -70,21 +93,17 @@ def rotate_checkpoint(
     inputs = source_inputs(source_dir) + ([Path(calibration)] if calibration is not None else [])
     output.check_out(out, inputs, overwrite, kind="checkpoint")
     config = read_config(source_dir)
-    check_rotatable(source_dir, config)  # refusals before any weight is read
-    if calibration is not None:
-        read_calibration(calibration)
+    check_source(source_dir, config, form, calibration)
     with CheckpointReader(source_dir) as reader:
-        rotation_plan = plan_rotation(source_dir, config, reader, dtype=out_dtype)
-        if method == "pca":
-            rotation = calibrate(source_dir, rotation_plan, calibration, calibration_tokens, config)
-        else:
-            make = hadamard_rotation if method == "hadamard" else orthogonal_rotation
-            rotation = make(hidden_size(rotation_plan.meta), seed)
-        counts = add_rotation(rotation_plan.plan, rotation_plan.architecture, rotation)
+        rotation_plan, fixed = planned_rotation(source_dir, config, reader, form, out_dtype)
+        rotation = make_rotation(method, form, seed, source_dir, config, rotation_plan, calibration, calibration_tokens,
+                                 stream_width(rotation_plan.plan, rotation_plan.architecture, fixed))
+        counts = add_rotation(rotation_plan.plan, rotation_plan.architecture, rotation, fixed)
         plan, architecture = rotation_plan.plan, rotation_plan.architecture
         provenance = card.rotation_provenance(
             str(src), plan, architecture.auto_class, pipeline.main_dtype(plan),
-            {**rotation.provenance(), "rotated": counts}, rotation_plan.source_block,
+            {**rotation.provenance(), **form_provenance(form, rotation_plan, fixed), "rotated": counts},
+            rotation_plan.source_block,
         )
         install.install(
             out, inputs, plan, reader, source_dir, provenance,
@@ -98,9 +117,61 @@ def rotate_checkpoint(
     return provenance
 
 
+def check_source(source_dir: Path, config: dict, form: str, calibration: str | Path | None) -> None:
+    """The refusals of a source (and its calibration text) in ``form``, before any weight is read."""
+    if form == "free" or "normswap" in config:
+        check_rotatable(source_dir, config)
+    else:
+        check_commuting(source_dir, config)
+    if calibration is not None:
+        read_calibration(calibration)
+
+
+def make_rotation(method: str, form: str, seed: int, source_dir: Path, config: dict, rotation_plan: RotationPlan,
+                  calibration: str | Path | None, tokens: int, d: int) -> Rotation:
+    """Q of ``method`` in ``form``, of the stream's size d; pca measured on the calibration text."""
+    if method == "pca":
+        if rotation_plan.architecture.probe != "causal_lm":
+            raise NormswapError(f"--method pca measures the stream on text run through a causal language model; "
+                                f"this is a {rotation_plan.architecture.probe} model: use hadamard or orthogonal")
+        make = commuting.pca_rotation if form == "commuting" else pca_rotation
+        return calibrate(source_dir, rotation_plan, calibration, tokens, config, make=make)
+    return seeded_rotation(method, form, d, seed)
+
+
+def seeded_rotation(method: str, form: str, d: int, seed: int) -> Rotation:
+    """The ``hadamard`` or ``orthogonal`` Q of order d and ``seed`` in ``form`` (the weights proof
+    rebuilds a stored Q with it)."""
+    if form == "commuting":
+        return (commuting.hadamard_rotation if method == "hadamard" else commuting.orthogonal_rotation)(d, seed)
+    return (hadamard_rotation if method == "hadamard" else orthogonal_rotation)(d, seed)
+
+
+def planned_rotation(source_dir: Path, config: dict, reader: CheckpointReader, form: str,
+                     dtype: torch.dtype | None) -> tuple[RotationPlan, dict[str, str]]:
+    """The plan of a rotation in ``form`` before its ``Rotate`` steps, and the streams it leaves
+    as they are (``add_rotation`` takes both; the weights proof rebuilds a rotation's plan with it)."""
+    if form == "commuting":
+        return plan_commuting(source_dir, config, reader, dtype=dtype)
+    return plan_rotation(source_dir, config, reader, dtype=dtype), {}
+
+
+def form_provenance(form: str, rotation_plan: RotationPlan, fixed: dict[str, str]) -> dict:
+    """What the provenance records of the form: which, whether the stream is centred (then the
+    RMSNorm class computes the model too), the streams left as they are, the outputs that come out
+    rotated (``output = ((h - β) ⊘ γ)·Q``, or (h ⊘ γ)·Q where β ⊘ γ stayed in the norm)."""
+    block = {"form": form, "centred": form == "free" or rotation_plan.folded_source}
+    if form == "commuting":
+        block["fixed_streams"] = dict(fixed)
+        block["rotated_outputs"] = rotation_plan.architecture.rotated_outputs(rotation_plan.config)
+    return block
+
+
 def check_options(method: str, seed: int, calibration: str | Path | None, calibration_tokens: int,
-                  verification: str) -> None:
+                  verification: str, form: str = DEFAULT_FORM) -> None:
     """Refuse inconsistent options in one line, before anything is read."""
+    if form not in FORMS:
+        raise NormswapError(f"unknown rotation form '{form}'; use one of {', '.join(FORMS)}")
     if method not in METHODS:
         raise NormswapError(f"unknown rotation method '{method}'; use one of {', '.join(METHODS)}")
     if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:

@@ -63,12 +63,14 @@ def check_weightless(plan: ConversionPlan, read_small, *, folded_source: bool) -
                                 "RMSNorm(x·Q) = RMSNorm(x)·Q needs weightless norms")
 
 
-def add_rotation(plan: ConversionPlan, architecture: Architecture, rotation: Rotation) -> dict[str, int]:
+def add_rotation(plan: ConversionPlan, architecture: Architecture, rotation: Rotation,
+                 fixed: dict[str, str] | None = None) -> dict[str, int]:
     """Append a ``Rotate`` step to every tensor that writes or reads the stream; counts per side.
 
     Writers rotate along their hidden axis, readers along their input axis, kept norm biases as
     vectors (after β ⊘ γ is formed). A folded norm bias is zero and stays zero. Every rotated
-    axis must have the stream's size d.
+    axis must have the stream's size d. Writers and norms of the ``fixed`` streams (name prefixes,
+    ``in_fixed_stream``) are not rotated.
     """
     d = rotation.dimension
     counts = {"writers": 0, "readers": 0, "norm_biases": 0}
@@ -84,10 +86,10 @@ def add_rotation(plan: ConversionPlan, architecture: Architecture, rotation: Rot
 
     for name in plan.tensors:
         writer = next((w for w in architecture.writers if re.fullmatch(w.pattern, name)), None)
-        if writer is not None:
+        if writer is not None and not in_fixed_stream(name, fixed):
             rotate(name, writer.hidden_axis, "writer")
     for norm in plan.norms:
-        if norm.baked_into is not None:
+        if norm.baked_into is not None or in_fixed_stream(norm.name, fixed):
             continue
         spec = next(s for s in architecture.norms if re.fullmatch(s.pattern, norm.name))
         groups = re.fullmatch(spec.pattern, norm.name).groupdict()
@@ -190,3 +192,91 @@ def family_of(source_dir: Path, config: dict) -> tuple[Architecture, dict, dict 
     if "normswap" in config:
         return architecture_for(_original_config(config)), _original_config(config), config["normswap"]
     return architecture_for(config), config, None
+
+
+# ---------------------------------------------------------------------------------------------
+# The commuting form: Q·1 = 1, the stock LayerNorm kept (``normswap.rotate.commuting``)
+
+
+def in_fixed_stream(name: str, fixed: dict[str, str] | None) -> bool:
+    """Whether ``name`` belongs to a stream the commuting form leaves as it is (a prefix of ``fixed``)."""
+    return bool(fixed) and any(re.match(prefix, name) for prefix in fixed)
+
+
+def commuting_refusal(architecture: Architecture, config: dict) -> str | None:
+    """Why the stock class cannot hold this family rotated, or None.
+
+    Every write into a rotated stream must be a tensor Q can be folded into. A stream the adapter
+    centres at run time (``centre_input``/``centre_output``: sinusoidal positions computed from
+    the position, an embedding norm's output γ ⊙ LN(e) + β) or bakes (an embedding norm) receives a
+    write that is no such tensor, so it must be one of the adapter's fixed streams."""
+    fixed = architecture.fixed_streams(config)
+    if "" in fixed:
+        return f"{fixed['']}, so the stock class cannot hold its stream rotated"
+    structure = Structure.from_json(architecture.structure(config))
+    for kind, paths in (("centre_input", structure.centre_input), ("centre_output", structure.centre_output)):
+        for path in paths:
+            module = re.sub(r"\\(.)", r"\1", path)
+            if not in_fixed_stream(module, fixed):
+                return (f"a write into its stream at {module} is computed at run time or is a norm's output "
+                        f"({kind}), not a tensor a rotation can be folded into")
+    for bake in architecture.bake:
+        if not in_fixed_stream(bake.norm, fixed):
+            return (f"its stream starts as {bake.norm}'s output γ ⊙ LN(e) + β, and diag(γ) does not commute "
+                    "with Q")
+    return None
+
+
+def check_commuting(source_dir: Path, config: dict) -> Architecture:
+    """The adapter of an original source the commuting form can rotate; refusals before any weight is read."""
+    architecture = planning.check_convertible(source_dir, config)
+    reason = commuting_refusal(architecture, config)
+    if reason:
+        hint = "" if refusal(architecture, config) else "; --form free writes a normswap_<type> checkpoint instead"
+        raise NormswapError(f"cannot rotate this {config.get('model_type')} checkpoint with the stock class: "
+                            f"{reason}{hint}")
+    return architecture
+
+
+def _folding_architecture(architecture: Architecture) -> Architecture:
+    """The adapter as the commuting form plans it: no run-time centring (the stock class keeps
+    LayerNorm, which removes the mean itself), and every norm folded, model outputs included (their
+    output comes out rotated; ``Architecture.rotated_outputs`` says which)."""
+    norms = tuple(replace(norm, output_is_model_output=False) for norm in architecture.norms)
+    return replace(architecture, norms=norms, structure=lambda _config: {})
+
+
+def plan_commuting(source_dir: Path, config: dict, reader: CheckpointReader, *,
+                   dtype: torch.dtype | None) -> tuple[RotationPlan, dict[str, str]]:
+    """The commuting form's plan of an original source: every norm outside the fixed streams
+    folded into its readers (γ; β where the readers can take it, else β ⊘ γ kept), no writer
+    centred, the fixed streams untouched; and the fixed streams. A folded conversion (already
+    centred and weightless) is planned as for the free form."""
+    if "normswap" in config:
+        return plan_rotation(source_dir, config, reader, dtype=dtype), {}
+    architecture = check_commuting(source_dir, config)
+    fixed = architecture.fixed_streams(config)
+    architecture, plan, meta = planning.plan_conversion(source_dir, config, reader, method="naive", fold_gains=True,
+                                                        dtype=dtype, architecture=_folding_architecture(architecture))
+    plan.method = "exact"
+    for name, tensor in plan.tensors.items():
+        if in_fixed_stream(name, fixed):
+            tensor.steps.clear()
+    for norm in plan.norms:
+        if in_fixed_stream(norm.name, fixed):
+            norm.folded_gain = norm.folded_bias = False
+            norm.kept_bias, norm.note = None, "not rotated: " + next(why for p, why in fixed.items() if re.match(p, norm.name))
+        elif not norm.folded_gain and f"{norm.name}.weight" in plan.tensors:
+            raise NormswapError(f"cannot rotate: the gain of the norm {norm.name} cannot be folded ({norm.note}); "
+                                "LN(x·Q) = LN(x)·Q needs weightless norms")
+    return RotationPlan(architecture, plan, meta, config, False, None), fixed
+
+
+def stream_width(plan: ConversionPlan, architecture: Architecture, fixed: dict[str, str] | None) -> int:
+    """d of the stream that rotates: the hidden-axis size of its first writer (CLIPModel's config
+    states no single hidden size; the rotated tower's writers do)."""
+    for name, tensor in plan.tensors.items():
+        writer = next((w for w in architecture.writers if re.fullmatch(w.pattern, name)), None)
+        if writer is not None and not in_fixed_stream(name, fixed):
+            return tensor.shape[writer.hidden_axis]
+    raise NormswapError("the checkpoint has no tensor that writes a rotatable stream")

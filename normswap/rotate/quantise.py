@@ -1,4 +1,4 @@
-"""Weight-only round-to-nearest fake quantisation, to measure what a rotation does for low-bit weights.
+"""Round-to-nearest fake quantisation of weights and activations, to measure what a rotation does.
 
 Symmetric, per output channel (optionally per group of ``group_size`` input weights within a
 channel): with b bits, q_max = 2^(b-1) - 1 and, for each channel (or group) w,
@@ -9,7 +9,12 @@ channel): with b bits, q_max = 2^(b-1) - 1 and, for each channel (or group) w,
 lands exactly on a tie may go either way; a channel of zeros keeps s = 1 and stays zero). The rounding itself is
 torch's maintained primitive ``torch.fake_quantize_per_channel_affine`` with zero point 0; this
 module only chooses the scales and the channel layout. Weights are returned dequantised, so a
-model runs unchanged and only its weights carry the quantisation error.
+model runs unchanged and only its weights carry the quantisation error. Activations are quantised
+the same way per token, at every linear layer's input, by forward pre-hooks (``quantise_activations``).
+
+torch's own primitive is used rather than a quantisation library's: torchao's CPU paths are weight
+layouts for real low-bit kernels (not a fake-quantised W4A8 that runs every family unchanged), and
+optimum-quanto would add a dependency for the same round-to-nearest arithmetic.
 """
 
 from __future__ import annotations
@@ -64,3 +69,78 @@ def quantise_model(model: nn.Module, bits: int, group_size: int | None = None, w
         groups = group_size if group_size and module.weight.shape[input_axis] % group_size == 0 else None
         module.weight.copy_(fake_quantise(module.weight, bits, input_axis, groups))
     return len(layers)
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations: what a residual rotation is for. A W·A·-bit model quantises every linear layer's
+# input too, per token (one scale per row of x, s = max|x_t| / q_max, symmetric), with the same
+# torch primitive along the token axis. A token with one massive coordinate gets a large scale
+# and every other coordinate of it rounds to few levels; a rotation spreads that coordinate.
+
+# label -> (weight bits, weight group size, activation bits or None): weight-only RTN at int8, int4
+# and int4 in groups of 128, then W8A8 and W4A8 (every linear layer's input per token at 8 bits)
+QUANTISERS = {"int8": (8, None, None), "int4": (4, None, None), "int4-g128": (4, 128, None),
+              "W8A8": (8, None, 8), "W4A8": (4, None, 8)}
+
+
+def apply_quantiser(model: nn.Module, label: str, within: str | None = None) -> int:
+    """Fake-quantise ``model`` in place as ``QUANTISERS[label]`` says; returns the weight layers quantised."""
+    bits, group, activation_bits = QUANTISERS[label]
+    count = quantise_model(model, bits, group, within=within)
+    if activation_bits:
+        quantise_activations(model, activation_bits, within=within)
+    return count
+
+
+# the MLP's down projection (its input is the MLP's hidden activation, which no residual rotation
+# touches), per family naming
+DOWN_PROJECTIONS = ("mlp.c_proj", "fc2", "dense_4h_to_h", "fc_out", "down_proj", "mlp.dense_4h_to_h")
+
+
+def is_down_projection(name: str) -> bool:
+    """Whether the linear layer ``name`` is an MLP's down projection (GPT-2's ``mlp.c_proj``, OPT's ``fc2``, ...)."""
+    return any(name == suffix or name.endswith("." + suffix) for suffix in DOWN_PROJECTIONS)
+
+
+@torch.no_grad()
+def fake_quantise_tokens(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """x̂ with every token (row over the last axis) quantised symmetrically to ``bits``, per token
+    (a measurement: no gradient flows through it)."""
+    rows = x.float().reshape(-1, x.shape[-1]).contiguous()
+    q_max = 2 ** (bits - 1) - 1
+    scale = rows.abs().amax(dim=1) / q_max
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    zero_point = torch.zeros(rows.shape[0], dtype=torch.int32)
+    quantised = torch.fake_quantize_per_channel_affine(rows, scale, zero_point, 0, -q_max, q_max)
+    return quantised.reshape(x.shape).to(x.dtype)
+
+
+def quantise_activations(model: nn.Module, bits: int, within: str | None = None) -> list:
+    """Fake-quantise the input of every linear layer under ``within`` per token to ``bits`` (forward
+    pre-hooks); returns the hook handles (``handle.remove()`` undoes it)."""
+
+    def hook(module, args):
+        return (fake_quantise_tokens(args[0], bits), *args[1:])
+
+    return [module.register_forward_pre_hook(hook) for _, module, _ in linear_layers(model, within)]
+
+
+@torch.no_grad()
+def online_hadamard(model: nn.Module, within: str | None = None) -> int:
+    """QuaRot's online Hadamard at every MLP down projection's input: x ← x·H, W ← Hᵀ·W, with H the
+    orthonormal Hadamard matrix of the layer's input size, so (x·H)(Hᵀ·W) = x·W. The input is
+    rotated at run time (a pre-hook): it follows the MLP's non-linearity, so no weight can hold it.
+    Returns the count of layers changed (sizes without a Hadamard construction are skipped)."""
+    from normswap.rotate import hadamard
+
+    count = 0
+    for name, module, input_axis in linear_layers(model, within):
+        size = module.weight.shape[input_axis]
+        if not is_down_projection(name) or hadamard.construction(size) is None:
+            continue
+        matrix = (hadamard.hadamard_matrix(size).double() / size**0.5).to(module.weight.dtype)
+        weight = module.weight.movedim(input_axis, 1)  # [out, in]
+        module.weight.copy_((weight @ matrix).movedim(1, input_axis))  # W·H on [out, in] is Hᵀ·W on [in, out]
+        module.register_forward_pre_hook(lambda _module, args, h=matrix: (args[0] @ h.to(args[0].dtype), *args[1:]))
+        count += 1
+    return count

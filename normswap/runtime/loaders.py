@@ -81,10 +81,10 @@ def refusals(path: Path, stock_loadable: bool, config: dict | None = None) -> di
     return {} if stock_loadable else {"stock": {"refused": stock_refuses(path, config)}}
 
 
-def loader_runs(stock_loadable: bool, rms_how: str) -> list[tuple[str, str]]:
+def loader_runs(stock_loadable: bool, rms_how: str | None) -> list[tuple[str, str]]:
     """(label, how) for each load of a converted checkpoint: ``stock`` (when ``stock_loadable``),
-    then ``rms_how`` as ``remote_code``."""
-    return ([("stock", "stock")] if stock_loadable else []) + [("remote_code", rms_how)]
+    then ``rms_how`` as ``remote_code`` (none when ``rms_how`` is None: no RMSNorm class computes it)."""
+    return ([("stock", "stock")] if stock_loadable else []) + ([("remote_code", rms_how)] if rms_how else [])
 
 
 def checked_form(how: str, model: nn.Module) -> nn.Module:
@@ -94,7 +94,7 @@ def checked_form(how: str, model: nn.Module) -> nn.Module:
     return model
 
 
-def each_loader(stock_loadable: bool, rms_how: str, load: Callable[[str], nn.Module]) -> Iterator[tuple[str, nn.Module]]:
+def each_loader(stock_loadable: bool, rms_how: str | None, load: Callable[[str], nn.Module]) -> Iterator[tuple[str, nn.Module]]:
     """(label, model) for each load of the converted checkpoint (``loader_runs``), one at a time:
     ``load(how)``, checked (``checked_form``). Each model is dropped, and its memory handed back,
     before the next is loaded: the caller keeps no reference to it past its turn."""

@@ -212,14 +212,17 @@ def run_comparison(reference_dir: Path, converted_dir: Path, architecture: Archi
                    layerwise: tuple[str, str | None], quiet: bool,
                    stream_map: by_layer.StreamMap = by_layer.centred64,
                    tolerance: tuple[float, float] | None = None,
-                   configs: tuple[dict | None, dict | None] = (None, None),
+                   configs: tuple[dict | None, dict | None] = (None, None), rmsnorm_form: bool = True,
+                   skip: frozenset[str] = frozenset(),
                    ) -> tuple[Probe, dict[str, dict], str, str | None]:
     """(probe, figures per loader, mode, note): block by block when ``layerwise`` (a
     ``verification_mode`` answer) says so and the model allows it, else whole models.
 
     With ``tolerance`` (atol, rtol), a block-by-block run teacher-forces only the loads that fail
-    it (``layerwise.compare_layerwise``). ``configs``: the two config.json files, already read."""
-    rms_how = "remote" if trust_remote_code else "rmsnorm"
+    it (``layerwise.compare_layerwise``). ``configs``: the two config.json files, already read.
+    Without ``rmsnorm_form`` only the stock class loads the checkpoint (an uncentred stream, which no
+    RMSNorm class computes); outputs in ``skip`` are not compared."""
+    rms_how = ("remote" if trust_remote_code else "rmsnorm") if rmsnorm_form else None
     mode, note = layerwise
     refused = refusals(converted_dir, stock_loadable, configs[1])
     if mode == "layerwise":
@@ -234,7 +237,8 @@ def run_comparison(reference_dir: Path, converted_dir: Path, architecture: Archi
         except Unsupported as error:
             mode, note = "full", f"layer by layer unavailable ({error}); compared whole models"
     probe, compared = compare_whole(reference, reference_dir, converted_dir, architecture,
-                                    stock_loadable=stock_loadable, rms_how=rms_how, converted_config=configs[1])
+                                    stock_loadable=stock_loadable, rms_how=rms_how, converted_config=configs[1],
+                                    skip=skip)
     return probe, {**refused, **compared}, mode, note
 
 
@@ -293,12 +297,15 @@ def verify_rotated(reference: str | Path, rotated: str | Path, *, atol: float | 
                    plan: ConversionPlan | None = None) -> dict:
     """Compare a rotated checkpoint with the checkpoint it was rotated from (an original or a
     folded conversion): first every stored tensor against the rotation plan (``proof``; ``plan``
-    is the plan the rotation ran, else it is rebuilt from the recorded method, seed and the
-    stored Q), then logits, and per block the stream, which must be C·h·Q.
+    is the plan the rotation ran, else it is rebuilt from the recorded form, method, seed and the
+    stored Q), then logits, and per block the stream, which must be h·Q (C·h·Q for the free form,
+    whose stream is centred).
 
-    The rotated model is built from normswap's own RMSNorm classes; with ``trust_remote_code``
-    the checkpoint's ``modeling_normswap.py`` runs instead. ``reference_config`` and
-    ``rotated_config`` are the two config.json files when the caller has read them."""
+    The free form's model is built from normswap's own RMSNorm classes (with ``trust_remote_code``
+    the checkpoint's ``modeling_normswap.py`` runs instead). The commuting form's is loaded with
+    the stock class, and with the RMSNorm class too where its stream is centred (a folded source);
+    the outputs that come out rotated (``rotated_outputs``) are not compared. ``reference_config``
+    and ``rotated_config`` are the two config.json files when the caller has read them."""
     from normswap.rotate.plan import family_of
 
     reference_dir, rotated_dir = resolve_source(reference), Path(rotated)
@@ -317,16 +324,20 @@ def verify_rotated(reference: str | Path, rotated: str | Path, *, atol: float | 
         mode = verification_mode(reference_dir, architecture, layerwise)
     else:
         mode = ("full", "layer by layer needs a reference the stock class loads; compared whole models")
+    rotation_block = provenance.rotation or {}
+    form, centred = rotation_block.get("form", "free"), provenance.rmsnorm_exact
 
     def stream_map(hidden: torch.Tensor) -> torch.Tensor:
-        return by_layer.centred64(hidden) @ rotation
+        return (by_layer.centred64(hidden) if centred else hidden.double()) @ rotation
 
     rms_how = "remote" if trust_remote_code else "rmsnorm"
     probe, loaders, mode, note = run_comparison(
         reference_dir, rotated_dir, architecture,
         reference=lambda: reference_model(reference_dir, architecture, rms_how=rms_how, config=reference_config),
-        stock_loadable=False, trust_remote_code=trust_remote_code, layerwise=mode, quiet=quiet,
-        stream_map=stream_map, tolerance=(atol, rtol), configs=(reference_config, rotated_config),
+        stock_loadable=form == "commuting" and provenance.stock_loadable, trust_remote_code=trust_remote_code,
+        layerwise=mode, quiet=quiet, stream_map=stream_map, tolerance=(atol, rtol),
+        configs=(reference_config, rotated_config), rmsnorm_form=centred,
+        skip=frozenset(rotation_block.get("rotated_outputs", {})),
     )
     return summarise(probe, loaders, atol=atol, rtol=rtol, mode=mode, note=note, method="exact",
                      paths=(reference_dir, rotated_dir), reference="source",

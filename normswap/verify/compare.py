@@ -27,21 +27,22 @@ def centred(x: torch.Tensor) -> torch.Tensor:
     return x - x.mean(-1, keepdim=True)
 
 
-def _encoder_outputs(outputs, stream_last_hidden_state: bool) -> list[torch.Tensor]:
+def _encoder_outputs(outputs, stream_last_hidden_state: bool, skip: frozenset[str] = frozenset(),
+                     prefix: str = "") -> list[torch.Tensor]:
     """Pooled and last hidden states of an encoder output; the latter centred when it is the raw
     residual stream (CLIP's vision tower returns the stream itself, un-normalised: the conversion
     exactly removes its mean component, so only its centred part can be, and is, preserved)."""
     parts = []
     for key in ("logits", "text_embeds", "image_embeds", "pooler_output", "last_hidden_state"):
         value = outputs.get(key) if hasattr(outputs, "get") else None
-        if value is None:
+        if value is None or prefix + key in skip:
             continue
         parts.append(centred(value) if key == "last_hidden_state" and stream_last_hidden_state else value)
     return parts
 
 
 @torch.no_grad()
-def model_output(model: torch.nn.Module, probe: Probe, kind: str) -> torch.Tensor:
+def model_output(model: torch.nn.Module, probe: Probe, kind: str, skip: frozenset[str] = frozenset()) -> torch.Tensor:
     """The compared output of ``model`` on ``probe``, as float64.
 
     ``causal_lm`` and ``seq2seq_speech``: the logits. ``vision``: the logits of a classifier, or
@@ -49,21 +50,21 @@ def model_output(model: torch.nn.Module, probe: Probe, kind: str) -> torch.Tenso
     logits_per_image, both embeddings and both towers' pooled / last hidden states; a tower
     model's pooled output, projected embeddings and last hidden state (centred for the vision
     tower, whose last hidden state is the raw residual stream). Several parts are flattened and
-    concatenated.
+    concatenated. Outputs named in ``skip`` (``text_model_output.pooler_output``) are left out.
     """
     outputs = model(**probe.inputs)
     if kind in LOGIT_PROBES:
         return outputs.logits.double()
     if kind == "vision":
-        parts = _encoder_outputs(outputs, stream_last_hidden_state=False)
+        parts = _encoder_outputs(outputs, stream_last_hidden_state=False, skip=skip)
     elif kind == "clip":
         model_type = getattr(model.config, "model_type", "clip")
         if model_type == "clip":
             parts = [outputs.logits_per_image, outputs.text_embeds, outputs.image_embeds]
-            parts += _encoder_outputs(outputs.text_model_output, stream_last_hidden_state=False)
-            parts += _encoder_outputs(outputs.vision_model_output, stream_last_hidden_state=True)
+            parts += _encoder_outputs(outputs.text_model_output, False, skip, "text_model_output.")
+            parts += _encoder_outputs(outputs.vision_model_output, True, skip, "vision_model_output.")
         else:
-            parts = _encoder_outputs(outputs, stream_last_hidden_state=model_type == "clip_vision_model")
+            parts = _encoder_outputs(outputs, model_type == "clip_vision_model", skip)
     else:
         raise NormswapError(f"unknown probe kind {kind}")
     return torch.cat([part.double().flatten() for part in parts])

@@ -253,7 +253,7 @@ def _together(converted: _Converted, runs: list[tuple[str, str]], teacher_forced
 
 @on_idle_cores
 def compare_layerwise(original_dir: Path, converted_dir: Path, architecture: Architecture, *,
-                      stock_loadable: bool, quiet: bool = True, rms_how: str = "rmsnorm",
+                      stock_loadable: bool, quiet: bool = True, rms_how: str | None = "rmsnorm",
                       stream_map: StreamMap = centred64, passes: Judge | None = None,
                       shared_reads: bool = True,
                       configs: tuple[dict | None, dict | None] = (None, None)) -> tuple[Probe, dict[str, dict]]:

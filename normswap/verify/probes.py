@@ -81,6 +81,12 @@ def seq2seq_speech_probe(config: Any, tokenizer: Any, seed: int = 0) -> Probe:
     return Probe({"input_features": features, "decoder_input_ids": ids}, kind)
 
 
+def seq2seq_text_probe(config: Any, tokenizer: Any, seed: int = 0) -> Probe:
+    """A text encoder-decoder: the same ids [PROBE_BATCH, n] into the encoder and the decoder."""
+    ids, kind = token_ids(config.vocab_size, _context(config), tokenizer, torch.Generator().manual_seed(seed))
+    return Probe({"input_ids": ids, "attention_mask": torch.ones_like(ids), "decoder_input_ids": ids}, kind)
+
+
 def _pixels(vision_config, generator: torch.Generator) -> torch.Tensor:
     size = vision_config.image_size
     height, width = (size, size) if isinstance(size, int) else tuple(size)
@@ -115,9 +121,9 @@ def clip_probe(config: Any, tokenizer: Any, seed: int = 0) -> Probe:
 
 
 PROBES = {"causal_lm": causal_lm_probe, "seq2seq_speech": seq2seq_speech_probe, "vision": vision_probe,
-          "clip": clip_probe}
+          "clip": clip_probe, "seq2seq_text": seq2seq_text_probe}
 # probe kinds whose compared output is a tensor of logits (distribution figures apply)
-LOGIT_PROBES = ("causal_lm", "seq2seq_speech")
+LOGIT_PROBES = ("causal_lm", "seq2seq_speech", "seq2seq_text")
 
 
 def build_probe(kind: str, config: Any, checkpoint: Path) -> Probe:

@@ -100,16 +100,17 @@ def _with_recorded_dtype(plan, options: dict, stored: dict[str, TensorInfo]) -> 
 def rebuilt_rotation_plan(reference_dir: Path, reference_config: dict, rotation: dict, matrix: torch.Tensor,
                           options: dict, stored: dict[str, TensorInfo]) -> ConversionPlan:
     """The plan a rotation ran: the rotation plan of its source (an original or a folded
-    conversion) with ``rotate.plan.add_rotation``'s steps for Q = ``matrix``, the matrix stored
+    conversion) in its recorded form with ``rotate.plan.add_rotation``'s steps for Q = ``matrix``, the matrix stored
     beside the weights. A seeded Q (``hadamard``, ``orthogonal``) must be the one its recorded
     method and seed make; a ``pca`` Q is measured on calibration text and is taken as stored
     (the file's hash and orthogonality are checked when it is loaded)."""
-    from normswap.rotate.matrices import Rotation, hadamard_rotation, orthogonal_rotation
-    from normswap.rotate.plan import add_rotation, plan_rotation
+    from normswap.rotate.matrices import Rotation
+    from normswap.rotate.pipeline import planned_rotation, seeded_rotation
+    from normswap.rotate.plan import add_rotation
 
-    method, seed = rotation.get("method"), rotation.get("seed")
+    method, seed, form = rotation.get("method"), rotation.get("seed"), rotation.get("form", "free")
     if method in ("hadamard", "orthogonal"):
-        made = (hadamard_rotation if method == "hadamard" else orthogonal_rotation)(matrix.shape[0], seed).matrix
+        made = seeded_rotation(method, form, matrix.shape[0], seed).matrix
         error = float((made - matrix).abs().max())
         if not error <= 1e-12:
             raise VerificationError(f"weights proof: the stored rotation is not the {method} matrix of seed {seed} "
@@ -118,8 +119,8 @@ def rebuilt_rotation_plan(reference_dir: Path, reference_config: dict, rotation:
 
     def plan(dtype: torch.dtype | None) -> ConversionPlan:
         with CheckpointReader(reference_dir) as reader:
-            rotation_plan = plan_rotation(reference_dir, reference_config, reader, dtype=dtype)
-        add_rotation(rotation_plan.plan, rotation_plan.architecture, q)
+            rotation_plan, fixed = planned_rotation(reference_dir, reference_config, reader, form, dtype)
+        add_rotation(rotation_plan.plan, rotation_plan.architecture, q, fixed)
         return rotation_plan.plan
 
     return _with_recorded_dtype(plan, options, stored)

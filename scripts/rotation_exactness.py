@@ -1,0 +1,124 @@
+"""How exact `normswap rotate` is, per family, method and form, in float64.
+
+For a tiny GPT-2 and the first test model of every causal family in tests/test_architectures_causal.py (made
+"hard" by tests/helpers.make_hard: γ far from 1, β far from 0, a massive dimension) and for Whisper,
+ViT (ViTForImageClassification) and CLIP (CLIPModel), each method (hadamard, orthogonal, pca on the
+bundled Emma excerpt for the causal ones) in each form: the rotation is written with float64
+weights and loaded back, the commuting form with the stock class (no remote code), the free form
+with normswap.load (the RMSNorm model); the figure is max|Δoutput| / max|output| against the float64
+original (logits; for CLIP logits_per_image and both embeddings). A form or method a family does
+not support is reported with the refusal's reason.
+
+    python3 scripts/rotation_exactness.py [--out benchmarks/results/rotation_exactness.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+import transformers as T  # noqa: E402
+from helpers import make_hard, save, token_ids  # noqa: E402
+from test_architectures_causal import CASES, VOCAB, _family  # noqa: E402
+from test_architectures_encoders import CLIP_TEXT, CLIP_VISION, VIT, WHISPER, pixels, whisper_inputs  # noqa: E402
+
+import normswap  # noqa: E402
+from normswap.api import rotate_checkpoint  # noqa: E402
+from normswap.errors import NormswapError  # noqa: E402
+
+CALIBRATION = ROOT / "normswap" / "data" / "text" / "emma-excerpt.txt"
+TOKENIZER = ROOT / "normswap" / "data" / "austen-gpt2"
+
+
+GPT2 = {"gpt2": lambda: T.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=32, bos_token_id=0, eos_token_id=0)}
+
+
+def _causal(case: str, folder: Path):
+    torch.manual_seed(0)
+    config = {**GPT2, **CASES}[case]()
+    config.vocab_size = 2048  # the bundled tokenizer's ids, for pca calibration
+    src = save(make_hard(T.AutoModelForCausalLM.from_config(config)).eval(), folder / case)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (src / name).write_bytes((TOKENIZER / name).read_bytes())
+    ids = token_ids(VOCAB)
+    return src, T.AutoModelForCausalLM, lambda model: model(input_ids=ids).logits
+
+
+def _encoders(folder: Path) -> dict:
+    clip_ids = torch.randint(2, 48, (2, 7), generator=torch.Generator().manual_seed(2))
+    clip_ids[:, -1] = 49
+    whisper = whisper_inputs()
+
+    def clip(model):
+        out = model(input_ids=clip_ids, pixel_values=pixels().to(model.dtype))
+        return torch.cat([out.logits_per_image.flatten(), out.text_embeds.flatten(), out.image_embeds.flatten()])
+
+    models = {
+        "whisper": (T.WhisperForConditionalGeneration(T.WhisperConfig(**WHISPER)), T.AutoModelForSpeechSeq2Seq,
+                    lambda m: m(input_features=whisper["input_features"].to(m.dtype),
+                                decoder_input_ids=whisper["decoder_input_ids"]).logits),
+        "vit": (T.ViTForImageClassification(T.ViTConfig(**VIT, num_labels=3)), T.AutoModelForImageClassification,
+                lambda m: m(pixel_values=pixels().to(m.dtype)).logits),
+        "clip": (T.CLIPModel(T.CLIPConfig(text_config=CLIP_TEXT, vision_config=CLIP_VISION, projection_dim=24)),
+                 T.AutoModel, clip),
+    }
+    built = {}
+    for name, (model, auto, forward) in models.items():
+        torch.manual_seed(0)
+        built[name] = (save(make_hard(model).eval(), folder / name), auto, forward)
+    return built
+
+
+@torch.no_grad()
+def relative_error(src: Path, auto, forward, out: Path, form: str) -> float:
+    reference = forward(auto.from_pretrained(src, dtype=torch.float64).eval()).double()
+    model = auto.from_pretrained(out, dtype=torch.float64) if form == "commuting" else normswap.load(out, dtype=torch.float64)
+    return float((forward(model.eval()).double() - reference).abs().max() / reference.abs().max())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "rotation_exactness.json")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    rows = []
+    with tempfile.TemporaryDirectory() as scratch:
+        scratch = Path(scratch)
+        firsts = {"gpt2": "gpt2"}
+        for case in CASES:
+            firsts.setdefault(_family(case), case)
+        sources = {case: _causal(case, scratch) for case in firsts.values()} | _encoders(scratch)
+        for name, (src, auto, forward) in sources.items():
+            row = {"model": name}
+            for form in ("commuting", "free"):
+                for method in ("hadamard", "orthogonal", "pca"):
+                    out = scratch / f"{name}-{form}-{method}"
+                    try:
+                        rotate_checkpoint(src, out, method=method, form=form, seed=3, dtype=torch.float64,
+                                          verification="none", calibration=CALIBRATION if method == "pca" else None)
+                        row[f"{form} {method}"] = relative_error(src, auto, forward, out, form)
+                    except NormswapError as error:
+                        row[f"{form} {method}"] = f"refused: {str(error)[:90]}"
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    keys = [f"{form} {method}" for form in ("commuting", "free") for method in ("hadamard", "orthogonal", "pca")]
+    print("\n| model | " + " | ".join(keys) + " |\n|---|" + "---|" * len(keys))
+    for row in rows:
+        cells = [f"{row[key]:.1e}" if isinstance(row[key], float) else "refused" for key in keys]
+        print(f"| {row['model']} | " + " | ".join(cells) + " |")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"dtype": "float64", "torch": torch.__version__, "rows": rows}, indent=1) + "\n")
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,312 @@
+"""normswap rotate's commuting form (the default): Q·1 = 1, the stock LayerNorm kept.
+
+Every causal family's tiny "hard" model, Whisper, ViT and CLIP are rotated with float64 weights and
+loaded back with the *stock* class (no remote code), whose outputs must match the float64
+original's to 1e-9 · max|output|; with float32 weights once per family with built-in
+verification. Outputs that the form rotates (an encoder's last hidden state) must be exactly
+((h - β) ⊘ γ)·Q, or (h ⊘ γ)·Q where β ⊘ γ stayed in the norm. The free form of the same sources is
+tested in test_rotate.py (``--form free``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as T
+from helpers import causal_logits, load, make_hard, save, token_ids
+from safetensors.torch import load_file
+from test_architectures_causal import CASES, FP64_TOL, QUICK, VOCAB, _family
+from test_architectures_encoders import (
+    CLIP_TEXT,
+    CLIP_VISION,
+    VIT,
+    WHISPER,
+    pixels,
+    whisper_inputs,
+    whisper_logits,
+)
+from test_bad_input import assert_one_line_error, run_cli
+from test_rotate import CALIBRATION, _first_of_each_family, make_source
+
+from normswap.api import rotate_checkpoint
+from normswap.rotate import commuting
+from normswap.rotate.matrices import load_rotation
+
+# ---------------------------------------------------------------------------------------------
+# The constructions
+
+
+@pytest.mark.parametrize("d", [1, 2, 12, 24, 32, 40, 768])
+def test_every_construction_is_orthogonal_and_fixes_one(d):
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(6, d, generator=generator, dtype=torch.float64) * 4 + 3  # far from centred
+    moment = x.T @ x
+    rotations = [commuting.hadamard_rotation(d, 5), commuting.orthogonal_rotation(d, 5)]
+    if d > 1:
+        rotations.append(commuting.pca_rotation(moment, {}))
+    for rotation in rotations:
+        q = rotation.matrix
+        assert torch.allclose(q @ q.T, torch.eye(d, dtype=torch.float64), atol=1e-12), rotation.method
+        assert commuting.commutes_with_centring(q), rotation.method
+        if d > 1:
+            # the identity the form rests on: LN(x·Q) = LN(x)·Q for an uncentred x, eps included
+            ln = torch.nn.functional.layer_norm
+            assert torch.allclose(ln(x @ q, (d,), eps=1e-5), ln(x, (d,), eps=1e-5) @ q, atol=1e-12), rotation.method
+
+
+def test_commuting_hadamard_spreads_and_seeds_differ():
+    h = commuting.normalised_hadamard(commuting.hadamard.hadamard_matrix(12))
+    assert torch.equal(h[:, 0], torch.ones(12, dtype=torch.float64))
+    assert torch.equal(h @ h.T, 12 * torch.eye(12, dtype=torch.float64))
+    first, second = commuting.hadamard_rotation(64, 0).matrix, commuting.hadamard_rotation(64, 1).matrix
+    assert float((first.T @ second).abs().max()) < 0.9  # not the same rotation up to signs
+    assert float(first.abs().max()) < 0.5  # no coordinate is kept as it is
+
+
+def test_pca_orders_the_complement_by_variance():
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(400, 8, generator=generator, dtype=torch.float64) * torch.arange(1, 9, dtype=torch.float64)
+    rotation = commuting.pca_rotation(x.T @ x, {"text": "t"})
+    coordinates = (x @ rotation.matrix @ commuting.complement_basis(8))[:, 1:]
+    variance = coordinates.pow(2).sum(0)
+    assert bool((variance[:-1] >= variance[1:] - 1e-9).all())
+    assert rotation.calibration["energy_share"]["top_1"] > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Causal families: stock class, no remote code
+
+
+def _params():
+    for case in CASES:
+        if _family(case) == "bloom":
+            continue
+        yield pytest.param(case, "hadamard", id=f"{case}-hadamard", marks=() if case in QUICK else pytest.mark.slow)
+        marks = () if case == "opt-projected" else pytest.mark.slow
+        yield pytest.param(case, "orthogonal", id=f"{case}-orthogonal", marks=marks)
+        yield pytest.param(case, "pca", id=f"{case}-pca", marks=marks)
+
+
+def check_stock_rotation(src: Path, out: Path, method: str, family: str, *, fp32: bool) -> None:
+    ids = token_ids(VOCAB)
+    reference = causal_logits(load(src, "original", torch.float64), ids)
+    scale = max(1.0, float(reference.abs().max()))
+    runs = [(torch.float64, FP64_TOL.get(family, 1e-9), "none")] + ([(torch.float32, 1e-4, "auto")] if fp32 else [])
+    for dtype, tolerance, verification in runs:
+        target = out.with_name(f"{out.name}-{str(dtype).removeprefix('torch.')}")
+        block = rotate_checkpoint(src, target, method=method, seed=3, dtype=dtype, verification=verification,
+                                  calibration=CALIBRATION if method == "pca" else None)
+        if verification != "none":
+            assert block["verification"]["passed"], block["verification"]
+            assert list(block["verification"]["loaders"]) == ["stock"]
+        model = load(target, "stock", dtype)  # no trust_remote_code
+        layer_norms = [m for m in model.modules() if isinstance(m, torch.nn.LayerNorm)]  # stock modules kept
+        assert layer_norms and all(m.weight is None or torch.equal(m.weight, torch.ones_like(m.weight))
+                                   for m in layer_norms)
+        error = float((causal_logits(model, ids) - reference).abs().max())
+        assert error <= tolerance * scale, f"{dtype}: max |Δ| = {error:.3g}"
+        config = json.loads((target / "config.json").read_text())
+        assert config["model_type"] == family and "auto_map" not in config
+        rotation = config["normswap"]["rotation"]
+        assert rotation["form"] == "commuting" and rotation["centred"] is False and rotation["method"] == method
+        assert config["normswap"]["stock_loadable"] and config["normswap"]["writers_centred"] == 0
+        assert commuting.commutes_with_centring(load_rotation(target))
+
+
+@pytest.mark.parametrize(("case", "method"), list(_params()))
+def test_commuting_rotation_is_exact_in_the_stock_class(tmp_path, case, method):
+    pca = method == "pca"
+    src = make_source(tmp_path, case, vocab=2048 if pca else VOCAB, tokenizer=pca)
+    check_stock_rotation(src, tmp_path / "rotated", method, _family(case),
+                         fp32=method == "hadamard" and case in _first_of_each_family())
+
+
+def test_folded_source_rotates_into_both_classes(tmp_path):
+    """A --fold-gains conversion is centred already: its commuting rotation is exact in the stock
+    class and in the RMSNorm class, and is verified through both."""
+    import normswap
+
+    src = make_source(tmp_path, "gpt_neox-parallel-untied")
+    folded = tmp_path / "folded"
+    normswap.convert_checkpoint(src, folded, fold_gains=True, verification="none")
+    block = rotate_checkpoint(folded, tmp_path / "rotated", method="orthogonal", verification="full")
+    assert block["rotation"]["centred"] is True and set(block["verification"]["loaders"]) == {"stock", "remote_code"}
+    assert block["verification"]["passed"]
+
+
+def test_layerwise_verification_compares_every_block_with_h_q(tmp_path, capsys):
+    src = make_source(tmp_path, "gpt_neox-sequential-tied-nobias")
+    out = tmp_path / "rotated"
+    block = rotate_checkpoint(src, out, method="orthogonal", verification="layerwise")
+    verification = block["verification"]
+    assert verification["passed"] and verification["mode"] == "layerwise"
+    layers = verification["loaders"]["stock"]["layers"]
+    assert len(layers) == 2 and max(layer["max_abs_diff"] / layer["max_abs_reference"] for layer in layers) < 1e-5
+    code, _ = run_cli(capsys, "verify", str(src), str(out), "--quiet")
+    assert code == 0
+
+
+def test_bloom_is_refused_with_the_reason(tmp_path, capsys):
+    src = make_source(tmp_path, "bloom-baked")
+    code, err = run_cli(capsys, "rotate", str(src), "--out", str(tmp_path / "out"))
+    assert_one_line_error(code, err, "word_embeddings_layernorm", "--form free")
+    assert not (tmp_path / "out").exists()
+    # its folded conversion (own model type, baked norm) rotates, and keeps its own model type
+    import normswap
+
+    folded = tmp_path / "folded"
+    normswap.convert_checkpoint(src, folded, fold_gains=True, verification="none")
+    block = rotate_checkpoint(folded, tmp_path / "rotated", verification="full")
+    assert block["verification"]["passed"] and not block["stock_loadable"]
+    assert json.loads((tmp_path / "rotated" / "config.json").read_text())["model_type"] == "normswap_bloom"
+
+
+# ---------------------------------------------------------------------------------------------
+# Whisper, ViT, CLIP
+
+
+def _tiny(tmp_path: Path, model: torch.nn.Module, name: str) -> Path:
+    return save(make_hard(model).eval(), tmp_path / name)
+
+
+@pytest.mark.parametrize("method", ["hadamard", pytest.param("orthogonal", marks=pytest.mark.slow)])
+def test_whisper_decoder_rotates_encoder_stays(tmp_path, method):
+    torch.manual_seed(0)
+    src = _tiny(tmp_path, T.WhisperForConditionalGeneration(T.WhisperConfig(**WHISPER)), "whisper")
+    out = tmp_path / "rotated"
+    block = rotate_checkpoint(src, out, method=method, dtype=torch.float64, verification="full")
+    assert block["verification"]["passed"] and list(block["verification"]["loaders"]) == ["stock"]
+    inputs = whisper_inputs()
+    auto = "AutoModelForSpeechSeq2Seq"
+    reference = whisper_logits(load(src, "original", torch.float64, auto), inputs)
+    error = float((whisper_logits(load(out, "stock", torch.float64, auto), inputs) - reference).abs().max())
+    assert error <= 1e-9 * max(1.0, float(reference.abs().max()))
+    before, after = load_file(src / "model.safetensors"), load_file(out / "model.safetensors")
+    encoder = [name for name in before if name.startswith("model.encoder.")]
+    assert encoder and all(torch.equal(before[name].double(), after[name]) for name in encoder)
+    assert torch.equal(after["model.decoder.layers.0.final_layer_norm.weight"], torch.ones(32, dtype=torch.float64))
+    assert "encoder" in next(iter(block["rotation"]["fixed_streams"])) and block["structure"] == {}
+
+
+@pytest.mark.parametrize("method", ["hadamard", pytest.param("orthogonal", marks=pytest.mark.slow)])
+def test_vit_rotates_and_says_which_output_is_rotated(tmp_path, method):
+    torch.manual_seed(0)
+    src = _tiny(tmp_path, T.ViTModel(T.ViTConfig(**VIT)), "vit")
+    out = tmp_path / "rotated"
+    block = rotate_checkpoint(src, out, method=method, dtype=torch.float64, verification="full")
+    assert block["verification"]["passed"] and block["rotation"]["rotated_outputs"] == {"last_hidden_state": "layernorm"}
+    original, rotated = load(src, "original", torch.float64, "AutoModel"), load(out, "stock", torch.float64, "AutoModel")
+    with torch.no_grad():
+        expected, got = original(pixel_values=pixels().double()), rotated(pixel_values=pixels().double())
+    assert torch.allclose(got.pooler_output, expected.pooler_output, atol=1e-9)
+    q, norm = load_rotation(out), original.layernorm
+    assert torch.allclose(got.last_hidden_state, ((expected.last_hidden_state - norm.bias) / norm.weight) @ q, atol=1e-9)
+    # the classifier class: the logits are the compared output
+    torch.manual_seed(0)
+    classifier = _tiny(tmp_path, T.ViTForImageClassification(T.ViTConfig(**VIT, num_labels=3)), "vit-cls")
+    block = rotate_checkpoint(classifier, tmp_path / "rotated-cls", method=method, verification="auto")
+    assert block["verification"]["passed"]
+
+
+def _clip_inputs() -> dict:
+    ids = torch.randint(2, 48, (2, 7), generator=torch.Generator().manual_seed(2))
+    ids[:, -1] = 49
+    return {"input_ids": ids, "pixel_values": pixels().double()}
+
+
+@pytest.mark.parametrize("method", ["hadamard", pytest.param("orthogonal", marks=pytest.mark.slow)])
+def test_clip_text_tower_rotates_vision_tower_stays(tmp_path, method):
+    torch.manual_seed(0)
+    model = T.CLIPModel(T.CLIPConfig(text_config=CLIP_TEXT, vision_config=CLIP_VISION, projection_dim=24))
+    src = _tiny(tmp_path, model, "clip")
+    out = tmp_path / "rotated"
+    block = rotate_checkpoint(src, out, method=method, dtype=torch.float64, verification="full")
+    assert block["verification"]["passed"]
+    original, rotated = load(src, "original", torch.float64, "AutoModel"), load(out, "stock", torch.float64, "AutoModel")
+    with torch.no_grad():
+        expected, got = original(**_clip_inputs()), rotated(**_clip_inputs())
+    for key in ("logits_per_image", "text_embeds", "image_embeds"):
+        assert torch.allclose(getattr(got, key), getattr(expected, key), atol=1e-9), key
+    assert torch.allclose(got.vision_model_output.last_hidden_state, expected.vision_model_output.last_hidden_state)
+    q, gain = load_rotation(out), original.text_model.final_layer_norm.weight
+    # β ⊘ γ stayed in the norm (text_projection has no bias): the text stream comes out as (h ⊘ γ)·Q
+    assert block["rotation"]["rotated_outputs"] == {"text_model_output.last_hidden_state": "text_model.final_layer_norm"}
+    assert torch.allclose(got.text_model_output.last_hidden_state,
+                          (expected.text_model_output.last_hidden_state / gain) @ q, atol=1e-9)
+    assert torch.allclose(got.text_model_output.pooler_output, expected.text_model_output.pooler_output, atol=1e-9)
+
+
+@pytest.mark.parametrize(("model", "needle"), [
+    (lambda: T.CLIPVisionModel(T.CLIPVisionConfig(**CLIP_VISION)), "pre_layrnorm"),
+    (lambda: T.CLIPTextModel(T.CLIPTextConfig(**CLIP_TEXT)), "text_projection"),
+], ids=["clip-vision", "clip-text-without-projection"])  # fmt: skip
+def test_clip_towers_without_a_rotatable_function_are_refused(tmp_path, capsys, model, needle):
+    src = save(model(), tmp_path / "src")
+    code, err = run_cli(capsys, "rotate", str(src), "--out", str(tmp_path / "out"))
+    assert_one_line_error(code, err, needle)
+
+
+def test_pca_is_refused_for_non_text_families(tmp_path, capsys):
+    torch.manual_seed(0)
+    src = save(T.ViTModel(T.ViTConfig(**VIT)), tmp_path / "vit")
+    code, err = run_cli(capsys, "rotate", str(src), "--out", str(tmp_path / "out"), "--method", "pca",
+                        "--calibration", str(CALIBRATION))
+    assert_one_line_error(code, err, "causal language model")
+
+
+# ---------------------------------------------------------------------------------------------
+# A stock consumer takes the output: transformers' Auto class, generate, lm-eval's hf model
+
+
+def _stock_causal(path: Path) -> torch.nn.Module:
+    model = T.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)  # no trust_remote_code
+    assert type(model).__module__.startswith("transformers.models.")
+    return model.eval()
+
+
+@pytest.mark.parametrize("case", ["gpt2-bundled", "opt-tied"])
+def test_stock_generate_matches_the_original(tmp_path, case):
+    if case == "gpt2-bundled":
+        from normswap.checkpoint.source import example_model_path
+
+        src = example_model_path()
+        tokenizer = T.AutoTokenizer.from_pretrained(src)
+        prompt = tokenizer("It is a truth universally acknowledged, that", return_tensors="pt").input_ids
+    else:
+        src, prompt = make_source(tmp_path, case), token_ids(VOCAB, batch=1, length=6)
+    rotated = tmp_path / "rotated"
+    rotate_checkpoint(src, rotated)  # the default: commuting hadamard, verified
+    assert "auto_map" not in json.loads((rotated / "config.json").read_text())
+    outputs = []
+    for path in (src, rotated):
+        with torch.no_grad():
+            outputs.append(_stock_causal(path).generate(prompt, max_new_tokens=24, do_sample=False,
+                                                        attention_mask=torch.ones_like(prompt), pad_token_id=0))
+    assert torch.equal(outputs[0], outputs[1]) and outputs[0].shape[1] == prompt.shape[1] + 24
+
+
+@pytest.mark.slow
+def test_lm_eval_hf_model_scores_the_rotated_checkpoint_as_the_original(tmp_path):
+    """lm-eval's own ``--model hf`` (HFLM from a path, no remote code) on the local tasks."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from normswap.checkpoint.source import example_model_path
+    from normswap.evaluation.local_tasks import materialise_tasks
+
+    rotated = tmp_path / "rotated"
+    rotate_checkpoint("normswap:austen-gpt2", rotated, verification="none")
+    tasks = ["persuasion_cloze", "persuasion_lastword"]
+    manager = TaskManager(include_defaults=False, include_path=str(materialise_tasks(tmp_path / "tasks", tasks)))
+    scores = []
+    for path in (example_model_path(), rotated):
+        raw = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={path},dtype=float32,device=cpu", tasks=tasks,
+                                      task_manager=manager, limit=40, bootstrap_iters=0, batch_size=8)
+        scores.append({f"{task}/{key}": value for task, metrics in raw["results"].items()
+                       for key, value in metrics.items() if isinstance(value, float)})
+    assert scores[0].keys() == scores[1].keys() and "persuasion_cloze/acc,none" in scores[0]
+    for key, value in scores[0].items():
+        assert abs(scores[1][key] - value) <= 1e-4 * max(1.0, abs(value)), (key, value, scores[1][key])
