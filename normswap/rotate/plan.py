@@ -203,6 +203,18 @@ def in_fixed_stream(name: str, fixed: dict[str, str] | None) -> bool:
     return bool(fixed) and any(re.match(prefix, name) for prefix in fixed)
 
 
+_CHOICE = re.compile(r"\((?:\?P<\w+>)?([^()]*)\)")
+
+
+def _names_of(path: str) -> list[str]:
+    """The module names a structure path (a ``pattern`` of literal names and ``(a|b)`` choices) stands for."""
+    match = _CHOICE.search(path)
+    if match is None:
+        return [re.sub(r"\\(.)", r"\1", path)]
+    return [name for choice in match.group(1).split("|")
+            for name in _names_of(path[:match.start()] + choice + path[match.end():])]
+
+
 def commuting_refusal(architecture: Architecture, config: dict) -> str | None:
     """Why the stock class cannot hold this family rotated, or None.
 
@@ -216,9 +228,12 @@ def commuting_refusal(architecture: Architecture, config: dict) -> str | None:
     structure = Structure.from_json(architecture.structure(config))
     for kind, paths in (("centre_input", structure.centre_input), ("centre_output", structure.centre_output)):
         for path in paths:
-            module = re.sub(r"\\(.)", r"\1", path)
-            if not in_fixed_stream(module, fixed):
-                return (f"a write into its stream at {module} is computed at run time or is a norm's output "
+            # a choice the class does not have (CLIPModel's bare ``pre_layrnorm``) is no write: the
+            # path is refused only when none of its names lies in a fixed stream
+            names = _names_of(path)
+            outside = [name for name in names if not in_fixed_stream(name, fixed)]
+            if len(outside) == len(names):
+                return (f"a write into its stream at {outside[0]} is computed at run time or is a norm's output "
                         f"({kind}), not a tensor a rotation can be folded into")
     for bake in architecture.bake:
         if not in_fixed_stream(bake.norm, fixed):
