@@ -36,6 +36,7 @@ from normswap.convert.plan import ConversionPlan, TensorPlan
 from normswap.convert.write import ShardSource, expected_blocks, one_thread, tensors_by_shard
 from normswap.dtypes import parse_dtype
 from normswap.errors import VerificationError
+from normswap.memory import map_large_allocations
 
 # a stored value may differ from the correctly rounded plan value by at most this many ulps
 ULP_LIMIT = 1.0
@@ -52,6 +53,9 @@ def prove_weights(source_dir: Path, converted_dir: Path, plan: ConversionPlan) -
     Returns the counts (``byte_identical``, ``recomputed``), the limit and the worst tensor with
     its distance in ulps from the correctly rounded value; raises ``VerificationError`` naming the
     first tensor, element and values that are wrong."""
+    # block-sized float64 temporaries come and go per tensor: give them their own mappings, so
+    # the heap does not keep a depth-proportional high-water mark
+    map_large_allocations()
     counts = {"tensors": len(plan.tensors), "byte_identical": 0, "recomputed": 0}
     worst = {"tensor": None, "ulp": 0.0, "dtype": None, "elements_off_by_rounding": 0}
     with CheckpointReader(source_dir) as source, CheckpointReader(converted_dir) as output, one_thread():
