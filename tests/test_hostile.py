@@ -377,7 +377,7 @@ INDEX_CASES = {
     "weight_map-list": (_index_change(lambda index: index.update(weight_map=[1, 2])), "must be a mapping"),
     "weight_map-string": (_index_change(lambda index: index.update(weight_map="x")), "must be a mapping"),
     "weight_map-missing": (_index_change(lambda index: index.pop("weight_map")), "must be a mapping"),
-    "index-list": (_index_change(lambda index: [index]), "must be a mapping"),
+    "index-list": (_index_change(lambda index: [index]), "must hold a JSON object"),
     "shard-number": (_index_change(_first_shard(3)), "must be a file name"),
     "shard-parent": (_index_change(_first_shard("../model-00001-of-00002.safetensors")), "not a file name"),
     "shard-absolute": (_index_change(_first_shard("/etc/hostname")), "not a file name"),

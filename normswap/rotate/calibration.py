@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from normswap.architectures import Architecture
+from normswap.checkpoint.bounded import read_text_file
 from normswap.checkpoint.source import read_config
 from normswap.errors import NormswapError
 from normswap.rotate.matrices import Rotation, pca_rotation
@@ -39,18 +40,7 @@ BATCH_WINDOWS = 8
 
 
 def read_calibration(path: str | Path) -> str:
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise NormswapError(f"calibration text not found: {path}")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as error:
-        raise NormswapError(f"cannot read calibration text {path}: {error.strerror or error}") from None
-    except UnicodeDecodeError as error:
-        raise NormswapError(f"calibration text {path} is not UTF-8 (byte {error.start}: {error.reason})") from None
-    if not text.strip():
-        raise NormswapError(f"calibration text is empty: {path}")
-    return text
+    return read_text_file(Path(path), "calibration text")
 
 
 @dataclass
