@@ -151,6 +151,18 @@ def test_every_command_reads_side_files_first(source, tmp_path, capsys, command)
     refused(capsys, tmp_path, *args, needle="generation_config.json: nested more than")
 
 
+@pytest.mark.parametrize("marker", ["[" * 4096, '{"kind": ' + "9" * 5000 + "}"])
+def test_a_hostile_output_marker_is_a_marker_of_no_kind(source, tmp_path, capsys, marker):
+    from normswap.checkpoint.output import MARKER
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / MARKER).write_text(marker)
+    (out / "user-file").write_text("mine")
+    refused(capsys, tmp_path, "convert", source, "--out", out, "--overwrite", needle="--overwrite only replaces")
+    assert (out / "user-file").read_text() == "mine"
+
+
 def test_oversized_side_file(source, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(bounded, "MAX_BYTES", 1024)
     src = copy(source, tmp_path)
@@ -262,7 +274,7 @@ def _task_folder(tmp_path: Path, change=None, raw: bytes | None = None) -> Path:
 TASK_PROBLEMS = {
     "missing-data-file": (lambda text: text.replace("data/persuasion_lastword.jsonl", "data/absent.jsonl"),
                           "does not exist"),
-    "class-string": (lambda text: text + "class: os.system\n", "'class' must be Python code"),
+    "class-string": (lambda text: text + "class: os.system\n", "a task folder is code"),
     "filter_list-string": (lambda text: text + "filter_list: strip\n", "'filter_list' must be a list"),
     "filter_list-entries": (lambda text: text + "filter_list: [strip]\n", "every entry of 'filter_list'"),
     "metric_list-entries": (lambda text: text + "metric_list: [perplexity]\n", "every entry of 'metric_list'"),
@@ -283,6 +295,12 @@ def test_task_yaml_checked_before_lm_eval_builds_it(tmp_path, capsys, monkeypatc
     monkeypatch.setenv("NORMSWAP_EVALS_DIR", str(folder))
     refused(capsys, tmp_path, "eval", "normswap:austen-gpt2", "--tasks", "persuasion_lastword", "--no-perplexity",
             "--limit", "4", "--no-progress", needle=needle)
+
+
+def test_task_class_that_is_no_code_is_refused_even_when_code_is_trusted(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("NORMSWAP_EVALS_DIR", str(_task_folder(tmp_path, lambda text: text + "class: os.system\n")))
+    refused(capsys, tmp_path, "eval", "normswap:austen-gpt2", "--tasks", "persuasion_lastword", "--no-perplexity",
+            "--limit", "4", "--no-progress", "--trust-remote-code", needle="'class' must be Python code (a !function tag)")
 
 
 def test_bundled_tasks_pass_the_schema():

@@ -6,8 +6,10 @@ these files say: a ``sampling_rate`` of 0 fails deep in scipy, a ViT processor a
 100000x100000 images allocates until the kernel kills the process, and a generation config that
 selects a decoding strategy transformers moved to the hub (contrastive search, DoLa, group or
 constrained beam search) asks to fetch and run code from there. Every JSON side file is read
-through ``bounded.read_json`` first; the processor and generation configs are then held to what the
-model's own config allows and to what normswap uses (greedy decoding, one beam).
+through ``bounded.read_json`` first; the processor and generation configs are then held to what
+the model's own config allows and to what normswap uses (greedy decoding, one beam), the
+tokenizer's ids to the model's vocabulary, and config.json to the keys that steer transformers
+(``check_steering_keys``: attention kernels, quantisation, output shape).
 """
 
 from __future__ import annotations

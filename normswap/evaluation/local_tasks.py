@@ -85,14 +85,14 @@ def _absolutise_data_files(config: dict[str, Any], base: Path) -> dict[str, Any]
 def _runnable(source: Path, trust_remote_code: bool) -> dict[str, Any]:
     """The YAML to run for the local task file ``source`` (see the module docstring)."""
     config = _read_yaml(source)
-    check_task(config, f"task file {source}")  # before lm-eval builds anything from it
     trusted = source.resolve().parent == BUNDLED_EVALS.resolve()
     found = code_in(config)
-    if found is None:
-        return _absolutise_data_files(config, source.parent)
-    if not (trusted or trust_remote_code):
+    if found is not None and not (trusted or trust_remote_code):
         raise NormswapError(f"task file {source} holds {found}: a task folder is code, and code from one outside "
                             "normswap runs only with --trust-remote-code")
+    check_task(config, f"task file {source}")  # before lm-eval builds anything from it
+    if found is None:
+        return _absolutise_data_files(config, source.parent)
     kwargs = config.get("dataset_kwargs")
     plain = {key: value for key, value in config.items() if key in ("task", "dataset_kwargs")}
     runnable = _absolutise_data_files(plain, source.parent) if isinstance(kwargs, dict) else plain
