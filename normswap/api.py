@@ -70,7 +70,7 @@ def load_model(src: str | Path, *, dtype: torch.dtype | str = torch.float32, tru
     config = read_config(path)
     if "normswap" not in config:
         validation.check_structure(path, config)
-    tokenizer = load_tokenizer(path)  # checked against the model's vocabulary before the model loads
+    tokenizer = load_tokenizer(path, config)  # checked against the model's vocabulary before the model loads
     if "normswap" in config:
         model = load(path, dtype=dtype, **from_pretrained_kwargs)
     else:

@@ -156,11 +156,11 @@ def calibration_moments(source_dir: Path, architecture: Architecture, norm_names
         return whole_moments(source_dir, architecture, norm_names, ids, window_limit, config)
 
 
-def calibration_ids(source_dir: Path, text: str, label: str) -> torch.Tensor:
+def calibration_ids(source_dir: Path, text: str, label: str, config: dict | None = None) -> torch.Tensor:
     """The calibration text as token ids, with the source's tokenizer."""
     from normswap.runtime.reference import load_tokenizer, tokenize_text
 
-    tokenizer = load_tokenizer(source_dir)
+    tokenizer = load_tokenizer(source_dir, config)
     if tokenizer is None:
         raise NormswapError(f"{source_dir} has no tokenizer to read the calibration text with")
     ids = tokenize_text(tokenizer, text)
@@ -174,7 +174,7 @@ def calibrate(source_dir: Path, rotation_plan: RotationPlan, text_path: str | Pa
     """The pca rotation (``make``: the free form's or the commuting form's) of the source's stream
     on the calibration text: Σ over every norm of its input's second moment, measured block by block."""
     text = read_calibration(text_path)
-    ids = calibration_ids(source_dir, text, str(text_path))[:max_tokens]
+    ids = calibration_ids(source_dir, text, str(text_path), config)[:max_tokens]
     norms = [norm.name for norm in rotation_plan.plan.norms if norm.baked_into is None]
     measured = calibration_moments(source_dir, rotation_plan.architecture, norms, ids, CALIBRATION_WINDOW, config)
     moment = sum(measured.moments[name] for name in norms)
