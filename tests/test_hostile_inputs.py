@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import make_hard, save
-from transformers import GPT2Config, GPT2LMHeadModel
+from helpers import tiny_gpt2
 
 from normswap import cli
 from normswap.checkpoint import bounded
@@ -36,9 +35,7 @@ EXAMPLE = ROOT / "normswap" / "data" / "austen-gpt2"
 @pytest.fixture(scope="module")
 def source(tmp_path_factory) -> Path:
     """A tiny two-layer GPT-2 (safetensors, tied head, vocabulary of 50), never modified."""
-    torch.manual_seed(0)
-    config = GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=50, n_positions=16, bos_token_id=0, eos_token_id=0)
-    return save(make_hard(GPT2LMHeadModel(config)), tmp_path_factory.mktemp("inputs") / "gpt2")
+    return tiny_gpt2(tmp_path_factory.mktemp("inputs") / "gpt2")
 
 
 @pytest.fixture(scope="module")
