@@ -256,9 +256,6 @@ def _weight_map(index: Path) -> dict[str, str]:
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict):
         raise NormswapError(f"{index}: 'weight_map' must be a mapping of tensor names to shard files")
-    if not isinstance(data.get("metadata"), dict):  # transformers' loader reads index["metadata"]
-        raise NormswapError(f"{index}: 'metadata' must be a mapping (got {data.get('metadata')!r:.40}); "
-                            "transformers cannot load an index without one (an empty {} will do)")
     for name, shard in weight_map.items():
         if not isinstance(shard, str):
             raise NormswapError(f"{index}: the shard of {name} must be a file name (got {shard!r:.40})")
@@ -286,6 +283,10 @@ def _weight_shards(path: Path) -> list[str]:
             missing = [shard for shard in shards if inside_file(path, shard) is None]
             if missing:
                 raise NormswapError(f"{path} is missing weight file {quoted(missing[0])} named in {index_name}")
+            metadata = read_json(index).get("metadata")  # transformers' loader reads index["metadata"]
+            if not isinstance(metadata, dict):
+                raise NormswapError(f"{index}: 'metadata' must be a mapping (got {metadata!r:.40}); transformers "
+                                    "cannot load an index without one (an empty {} will do)")
             return shards
     raise NormswapError(
         f"{path} has no weights: expected {SAFETENSORS_FILE}, a sharded {SAFETENSORS_INDEX}, or {PICKLE_FILE}"
