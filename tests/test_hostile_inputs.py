@@ -200,8 +200,7 @@ def test_index_metadata_is_a_mapping(source, tmp_path, capsys, index_name, metad
     else:
         index["metadata"] = [] if metadata == "list" else "x"
     (src / index_name).write_text(json.dumps(index))
-    refused(capsys, tmp_path, "convert", src, "--out", tmp_path / "out", "--verify", "none",
-            needle="'metadata' must be a mapping")
+    refused(capsys, tmp_path, "eval", src, "--no-progress", needle="'metadata' must be a mapping")
 
 
 @pytest.mark.parametrize("index", ['{"weight_map": ' + DEEP + "}", '{"metadata": {"total_size": ' + "9" * 5000 + "}}"])

@@ -283,10 +283,6 @@ def _weight_shards(path: Path) -> list[str]:
             missing = [shard for shard in shards if inside_file(path, shard) is None]
             if missing:
                 raise NormswapError(f"{path} is missing weight file {quoted(missing[0])} named in {index_name}")
-            metadata = read_json(index).get("metadata")  # transformers' loader reads index["metadata"]
-            if not isinstance(metadata, dict):
-                raise NormswapError(f"{index}: 'metadata' must be a mapping (got {metadata!r:.40}); transformers "
-                                    "cannot load an index without one (an empty {} will do)")
             return shards
     raise NormswapError(
         f"{path} has no weights: expected {SAFETENSORS_FILE}, a sharded {SAFETENSORS_INDEX}, or {PICKLE_FILE}"

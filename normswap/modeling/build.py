@@ -143,6 +143,7 @@ def load_pretrained(cls: type, path: Path | str, **kwargs) -> nn.Module:
     """
     from transformers.utils import logging as hf_logging
 
+    _check_index_metadata(Path(path))
     config_class = getattr(cls, "config_class", None)
     if isinstance(config_class, type) and "config" not in kwargs:
         kwargs["config"] = _built_config(config_class, path)
@@ -167,6 +168,17 @@ def load_pretrained(cls: type, path: Path | str, **kwargs) -> nn.Module:
         raise NormswapError(f"{path}: the weights hold no tensor {missing[0]}{more}, which the model that config.json "
                             "describes needs; it would start from random values")
     return model.eval()
+
+
+def _check_index_metadata(folder: Path) -> None:
+    """transformers' loader reads an index's ``metadata`` as a mapping (normswap's own reader does not
+    need it): refuse, before loading, an index that has none."""
+    from normswap.checkpoint.bounded import read_json
+
+    for name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        if (folder / name).is_file() and not isinstance(read_json(folder / name).get("metadata"), dict):
+            raise NormswapError(f"{folder / name}: 'metadata' must be a mapping; transformers cannot load an index "
+                                "without one (an empty {} will do)")
 
 
 def _built_config(config_class: type, path: Path | str) -> transformers.PretrainedConfig:
