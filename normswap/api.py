@@ -70,6 +70,7 @@ def load_model(src: str | Path, *, dtype: torch.dtype | str = torch.float32, tru
     config = read_config(path)
     if "normswap" not in config:
         validation.check_structure(path, config)
+    tokenizer = load_tokenizer(path, config)  # checked against the model's vocabulary before the model loads
     if "normswap" in config:
         model = load(path, dtype=dtype, **from_pretrained_kwargs)
     else:
@@ -81,7 +82,16 @@ def load_model(src: str | Path, *, dtype: torch.dtype | str = torch.float32, tru
                                           **from_pretrained_kwargs)
         except (OSError, ValueError) as error:
             raise NormswapError(f"cannot load {src}: {str(error).splitlines()[0]}") from None
-    return model, load_tokenizer(path)
+    _refuse_non_finite(model, path)
+    return model, tokenizer
+
+
+def _refuse_non_finite(model: nn.Module, path: Path) -> None:
+    """A model with a NaN or infinite weight gives no figure that means anything: name the weight."""
+    for name, tensor in model.named_parameters():  # buffers may hold -inf masks on purpose
+        if tensor.is_floating_point() and not tensor.is_meta and not bool(torch.isfinite(tensor).all()):
+            raise NormswapError(f"{path}: weight {name} holds NaN or infinite values; no figure of this model "
+                                "would mean anything")
 
 
 def _check_model(model: nn.Module, method: str) -> None:

@@ -4,7 +4,9 @@ Each subcommand lives beside the code it drives, in a module that offers two fun
 ``configure(parser)`` adds its arguments and ``run(args) -> int`` does the work. This file only
 dispatches, and is the one boundary that turns a ``NormswapError`` (bad input, exit 2; failed
 verification, exit 3) or an ``OSError`` (exit 2) into one line on stderr. Anything else is a bug
-in normswap and keeps its traceback.
+in normswap: one line names its type and message and the temporary file that holds its full
+traceback, and the exit status is 70. Outputs are installed only after a command succeeds, so
+nothing is left behind.
 
 Interrupts are handled from ``main``'s first line: the first SIGINT (or SIGTERM) before anything
 is installed raises ``KeyboardInterrupt``, whose clean-up leaves nothing and ends in one line and
@@ -171,6 +173,31 @@ def _run(argv: list[str], interrupts: _Interrupts) -> int:
         where = f": {error.filename}" if error.filename else ""
         print(f"normswap {args.command}: error: {reason}{where}", file=sys.stderr)
         return 2
+    except Exception as error:  # the last line of defence: a bug in normswap, reported in one line
+        if interrupts.count:
+            raise KeyboardInterrupt from None  # a library turned the interrupt into an error of its own
+        print(f"normswap {args.command}: {INTERNAL_ERROR} {type(error).__name__}: {_one_line(str(error))[:300]} "
+              f"(full traceback in {_save_traceback()}; outputs were not installed)", file=sys.stderr)
+        return INTERNAL_EXIT
+
+
+# what the last line of defence prints: every refusal normswap expects has a line of its own
+INTERNAL_ERROR = "internal error:"
+INTERNAL_EXIT = 70  # EX_SOFTWARE (sysexits.h)
+
+
+def _save_traceback() -> str:
+    """Write the exception being handled, traceback and all, to a new temporary file; its path."""
+    import tempfile
+    import traceback
+
+    try:
+        fd, name = tempfile.mkstemp(prefix="normswap-traceback-", suffix=".txt")
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(traceback.format_exc())
+        return name
+    except OSError:
+        return "nowhere: the temporary folder is not writable"
 
 
 def _one_line(text: str) -> str:

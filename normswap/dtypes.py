@@ -7,6 +7,7 @@ any heavy import.
 from __future__ import annotations
 
 import functools
+import re
 from typing import TYPE_CHECKING
 
 from normswap.errors import NormswapError
@@ -90,3 +91,28 @@ def torch_dtype(name: str) -> torch.dtype:
     import torch
 
     return getattr(torch, name)
+
+
+# the policy on what a checkpoint's tensors may be, checked as each weight file's header is read
+WEIGHT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+BUFFER_DTYPES = ("bool", "uint8", "int8", "int16", "int32", "int64")
+# the integer and boolean tensors checkpoints carry: causal masks, position ids, rotary tables
+_BUFFER_NAME = re.compile(r"(?:^|\.)(?:masked_bias|causal_mask|position_ids|inv_freq|(?:attn|attention|transformer)\.bias)$")
+
+
+def check_tensor_dtype(name: str, dtype: str, where: str) -> None:
+    """Refuse, naming the tensor and its dtype, a tensor a LayerNorm checkpoint cannot hold.
+
+    Weights are float16, bfloat16, float32 or float64 (conversion computes in float64 and writes
+    a floating dtype). Integer and boolean tensors are accepted only as the buffers named above;
+    float8 is a quantised storage format, refused like every other dtype (complex, quantised).
+    """
+    if dtype in WEIGHT_DTYPES or (dtype in BUFFER_DTYPES and _BUFFER_NAME.search(name)):
+        return
+    if dtype.startswith("float8") or dtype.startswith("q") or dtype.startswith("float4"):
+        why = "quantised weights are not converted; dequantise the checkpoint to float16, bfloat16 or float32 first"
+    elif dtype in BUFFER_DTYPES:
+        why = "a LayerNorm model's weights are floating point (float16, bfloat16, float32 or float64)"
+    else:
+        why = "normswap reads dense float16, bfloat16, float32 and float64 weights"
+    raise NormswapError(f"{where}: tensor {name} has dtype {dtype}; {why}")

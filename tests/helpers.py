@@ -157,3 +157,11 @@ def check_exact(
             errors[(name, how)] = error
             assert error <= tolerance * scale, f"{name} {how}: max |Δ| = {error:.3g} > {tolerance * scale:.3g}"
     return errors
+
+
+def tiny_gpt2(path: Path) -> Path:
+    """A tiny two-layer GPT-2 saved at ``path`` (safetensors, tied head, a vocabulary of 50)."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=50, n_positions=16, bos_token_id=0,
+                                     eos_token_id=0)
+    return save(make_hard(transformers.GPT2LMHeadModel(config)), path)

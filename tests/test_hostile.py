@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import leftovers, make_hard, quick_first, save
-from transformers import GPT2Config, GPT2LMHeadModel
+from helpers import leftovers, quick_first, tiny_gpt2
+from transformers import GPT2LMHeadModel
 
 from normswap.checkpoint import output, temporaries
 from normswap.cli import main
@@ -42,9 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def source(tmp_path_factory) -> Path:
     """A tiny two-layer GPT-2 (safetensors, tied head), never modified by any test."""
-    torch.manual_seed(0)
-    config = GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=50, n_positions=16, bos_token_id=0, eos_token_id=0)
-    return save(make_hard(GPT2LMHeadModel(config)), tmp_path_factory.mktemp("hostile") / "gpt2")
+    return tiny_gpt2(tmp_path_factory.mktemp("hostile") / "gpt2")
 
 
 @pytest.fixture(scope="module")
@@ -377,7 +375,7 @@ INDEX_CASES = {
     "weight_map-list": (_index_change(lambda index: index.update(weight_map=[1, 2])), "must be a mapping"),
     "weight_map-string": (_index_change(lambda index: index.update(weight_map="x")), "must be a mapping"),
     "weight_map-missing": (_index_change(lambda index: index.pop("weight_map")), "must be a mapping"),
-    "index-list": (_index_change(lambda index: [index]), "must be a mapping"),
+    "index-list": (_index_change(lambda index: [index]), "must hold a JSON object"),
     "shard-number": (_index_change(_first_shard(3)), "must be a file name"),
     "shard-parent": (_index_change(_first_shard("../model-00001-of-00002.safetensors")), "not a file name"),
     "shard-absolute": (_index_change(_first_shard("/etc/hostname")), "not a file name"),

@@ -91,7 +91,8 @@ def test_manifest(tmp_path):
     ("empty", "no audio files"),
     ("no-transcript", "transcript missing"),
     ("unreadable", "cannot read audio file"),
-    ("bad-json", "line 1 is not JSON"),
+    ("bad-json", "line 1: not valid JSON"),
+    ("deep-json", "line 1: nested more than"),
     ("manifest-missing-file", "audio file not found"),
     ("manifest-no-text", '"audio" and "text"'),
 ])
@@ -105,9 +106,9 @@ def test_audio_errors(tmp_path, case, needle):
     elif case == "unreadable":
         (spec / "broken.wav").write_bytes(b"RIFF not really a wave file")
         (spec / "broken.txt").write_text("words")
-    elif case.startswith(("bad-json", "manifest")):
+    elif case.startswith(("bad-json", "deep-json", "manifest")):
         spec = tmp_path / "m.jsonl"
-        line = {"bad-json": "{nope", "manifest-missing-file": json.dumps({"audio": "gone.wav", "text": "t"}),
+        line = {"bad-json": "{nope", "deep-json": "[" * 5000 + "]" * 5000, "manifest-missing-file": json.dumps({"audio": "gone.wav", "text": "t"}),
                 "manifest-no-text": json.dumps({"audio": "gone.wav"})}[case]
         spec.write_text(line + "\n")
     with pytest.raises(NormswapError, match=needle):

@@ -88,7 +88,7 @@ def test_eval_fails_when_models_differ(capsys, tmp_path):
 
 
 BAD_RECIPES = [
-    ("source: [unclosed", "is not valid YAML"),
+    ("source: [unclosed", "not valid YAML"),
     ("- just\n- a list\n", "must be a YAML mapping"),
     ("eval:\n  tasks: [local]\n", "'source' (the model to convert) is required"),
     ("source: gpt2\nevaluation: {}\n", "unknown section(s) evaluation"),

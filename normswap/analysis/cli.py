@@ -44,7 +44,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "'bundled'; the encoder reads the audio, the decoder its transcript")
     parser.add_argument("--images", metavar="PATH",
                         help="vision models (ViT, CLIP): image folder (class subfolders as labels) or 'bundled'")
-    parser.add_argument("--max-tokens", type=int, default=4096, help="number of tokens to measure (default 4096)")
+    parser.add_argument("--max-tokens", type=at_least(1, 10**8), default=4096,
+                        help="number of tokens to measure (default 4096)")
     parser.add_argument("--seq-len", type=at_least(2), default=None,
                         help="window length (default: the model's context length, at most 1024)")
     parser.add_argument("--batch-size", type=at_least(1), default=4, help="windows per forward pass (default 4)")
@@ -55,7 +56,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="load a model whose type transformers lacks with its own code (auto_map); "
                              "converted checkpoints always load with normswap's classes, never their code")
     parser.add_argument("--top-dims", type=at_least(1), default=5, help="dimensions listed per norm as carrying the mean")
-    parser.add_argument("--seed", type=int, default=0, help="seed for --random-tokens")
+    parser.add_argument("--seed", type=at_least(0, 2**63 - 1), default=0, help="seed for --random-tokens")
     add_report_options(parser)
     add_progress_option(parser)
     parser.add_argument("--outliers", action="store_true",

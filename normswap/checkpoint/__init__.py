@@ -2,6 +2,9 @@
 
 - ``source``: resolve a source (directory, bundled example, hub id) and read its config and tensors.
 - ``hub``: downloads from the Hugging Face Hub.
+- ``pickle_io``: ``.bin`` state dicts read with ``weights_only`` and held to the dtype policy.
+- ``bounded``: the one bounded reader of JSON, YAML and text files (size, depth, digits, aliases, shape).
+- ``side_files``: a checkpoint's processor, generation and other JSON files checked against its config.
 - ``safetensors_io``: the safetensors format: headers, positioned reads, the streaming writer's pieces.
 - ``provenance``: a typed view of the ``normswap`` block of a config, read once and passed down.
 - ``validation``: config.json checked against itself and its weight headers, before any work.

@@ -23,7 +23,8 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from normswap.dtypes import dtype_name, itemsize, torch_dtype
+from normswap.checkpoint.bounded import parse_json
+from normswap.dtypes import check_tensor_dtype, dtype_name, itemsize, torch_dtype
 from normswap.errors import NormswapError
 
 if TYPE_CHECKING:  # torch is imported where tensors are read: resolving a source stays light
@@ -90,9 +91,9 @@ class SafetensorsShard:
         if length > min(size - 8, self.MAX_HEADER_BYTES):
             raise self._corrupt(f"header length {length} does not fit in the file's {size} bytes")
         try:
-            header = json.loads(os.pread(self._fd, length, 8))
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise self._corrupt(f"unreadable header ({error})") from None
+            header = parse_json(os.pread(self._fd, length, 8), "header", mapping=False)
+        except NormswapError as error:
+            raise self._corrupt(f"unreadable header ({str(error).removeprefix('cannot read header: ')})") from None
         if not isinstance(header, dict):
             raise self._corrupt("the header is not a JSON object")
         self.data_start = 8 + length
@@ -108,9 +109,11 @@ class SafetensorsShard:
     def _check_entry(self, name: str, entry: object, data_bytes: int) -> tuple[str, tuple[int, ...], int, int]:
         if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= set(entry):
             raise self._corrupt(f"header entry {name} is not a mapping with dtype, shape and data_offsets")
-        dtype = _safetensors_dtypes().get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
-        if dtype is None:
-            raise self._corrupt(f"{name} has dtype {entry['dtype']!r:.40}, which normswap does not read")
+        code = entry["dtype"]
+        if not isinstance(code, str) or not code.replace("_", "").isalnum() or len(code) > 16:
+            raise self._corrupt(f"{name} has dtype {code!r:.40}, which is not a safetensors dtype")
+        dtype = _safetensors_dtypes().get(code)
+        check_tensor_dtype(name, dtype or code, f"weight file {self.file}")
         shape, offsets = entry["shape"], entry["data_offsets"]
         if not isinstance(shape, list) or not all(_natural(size) for size in shape):
             raise self._corrupt(f"{name} has shape {shape!r:.60}; dimensions must be non-negative integers")
@@ -288,6 +291,11 @@ def _safetensors_dtypes() -> dict[str, str]:
         "I8": "int8",
         "U8": "uint8",
         "BOOL": "bool",
+        "U16": "uint16",
+        "U32": "uint32",
+        "U64": "uint64",
+        "C64": "complex64",
+        "F8_E8M0": "float8_e8m0fnu",
         "F8_E4M3": "float8_e4m3fn",
         "F8_E5M2": "float8_e5m2",
     }

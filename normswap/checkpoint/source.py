@@ -8,8 +8,6 @@ conversion never holds more than the group of tensors it is working on.
 
 from __future__ import annotations
 
-import errno
-import json
 import os
 import re
 from collections.abc import Iterator
@@ -19,10 +17,13 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from normswap.checkpoint.bounded import read_json
 from normswap.checkpoint.files import check_files, inside_file
+from normswap.checkpoint.pickle_io import load_pickle_shard
 from normswap.checkpoint.reads import RecentReads as RecentReads  # re-exported for the writer
 from normswap.checkpoint.safetensors_io import SafetensorsShard, StoredTensor
-from normswap.dtypes import dtype_name
+from normswap.checkpoint.side_files import check_side_files
+from normswap.dtypes import dtype_name, is_floating
 from normswap.errors import NormswapError, first_line, quoted
 
 if TYPE_CHECKING:  # torch is imported where tensors are read: resolving a source stays light
@@ -57,6 +58,7 @@ def resolve_source(src: str | Path, *, trust_remote_code: bool = False, revision
             raise NormswapError(f"the bundled example model is missing from this install ({path})")
         if revision is not None:
             raise NormswapError("--revision applies to hub ids, not to the bundled example")
+        check_side_files(path)
         return path
     path = Path(src).expanduser()
     if path.exists():
@@ -68,6 +70,7 @@ def resolve_source(src: str | Path, *, trust_remote_code: bool = False, revision
         if revision is not None:
             raise NormswapError(f"--revision applies to hub ids, not to the local directory {src}")
         check_files(path)
+        check_side_files(path)
         return path
     if not _HUB_ID.match(str(src)):
         raise NormswapError(f"{src} does not exist and is not a Hugging Face hub id")
@@ -75,21 +78,14 @@ def resolve_source(src: str | Path, *, trust_remote_code: bool = False, revision
 
     path = download(str(src), trust_remote_code=trust_remote_code, revision=revision)
     check_files(path)
+    check_side_files(path)
     return path
 
 
 def read_config(path: Path) -> dict:
-    """The checkpoint's config.json as a dict."""
-    file = path / "config.json"
+    """The checkpoint's config.json as a dict (read within ``bounded.read_json``'s bounds)."""
     inside_file(path, "config.json")  # a link out of the checkpoint, or not a regular file: refused
-    try:
-        config = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise NormswapError(f"cannot read {file}: {first_line(error)}") from None
-    if not isinstance(config, dict):
-        kind = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean"}
-        raise NormswapError(f"{file} must hold a JSON object, not {kind.get(type(config), 'null')}")
-    return config
+    return read_json(path / "config.json")
 
 
 @dataclass(frozen=True)
@@ -131,6 +127,9 @@ class CheckpointReader:
                         raise NormswapError(f"{path}: tensor {info.name} is in both {self.tensors[info.name].shard} "
                                             f"and {shard}")
                     self.tensors[info.name] = info
+            if not any(is_floating(info.dtype_name) for info in self.tensors.values()):
+                raise NormswapError(f"{path} has no weights: its weight files ({', '.join(self.shards)}) name no "
+                                    "floating-point tensor")
         except BaseException:
             self.close()
             raise
@@ -164,7 +163,7 @@ class CheckpointReader:
                 else:
                     # bin shards are whole pickles; keep only one mapped at a time
                     self._open = {k: v for k, v in self._open.items() if k.endswith(".safetensors")}
-                    self._open[shard] = _load_pickle_shard(file)
+                    self._open[shard] = load_pickle_shard(file)
         return self._open[shard]
 
     def get(self, name: str) -> torch.Tensor:
@@ -239,46 +238,6 @@ def first_non_finite(path: Path) -> str | None:
     return None
 
 
-def _load_pickle_shard(file: Path) -> dict[str, torch.Tensor]:
-    """A ``.bin`` state dict, memory-mapped, with no code run (``weights_only``)."""
-    import pickle
-
-    import torch
-
-    try:
-        try:
-            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as error:
-            if "zip" not in str(error).lower() and "mmap" not in str(error).lower():
-                raise
-            # pickles from before torch 1.6 (not zip archives) cannot be mapped: load that shard whole
-            state = torch.load(file, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
-        with open(file, "rb") as stream:  # torch.save writes a zip archive, or a pickle (protocol 2 and up)
-            if stream.read(1) not in (b"P", b"\x80"):
-                raise NormswapError(f"{file} is not a PyTorch weight file (neither a zip archive nor a pickle)") from None
-        # torch's own message advises turning the safety off; normswap never does
-        raise NormswapError(f"{file} holds Python objects other than tensors; normswap reads only tensors from "
-                            ".bin files and runs no code from them") from None
-    except (RuntimeError, EOFError) as error:
-        # torch's own text goes on to paragraphs of advice; its first sentence says what failed
-        reason = str(error).split(". ")[0] or type(error).__name__
-        raise NormswapError(f"{file} is truncated or corrupt: {reason}") from None
-    except OSError as error:
-        if error.errno != errno.EINVAL:  # a file that cannot be opened keeps its OS error
-            raise
-        # the archive's directory points past the end of the file, so it cannot be mapped
-        raise NormswapError(f"{file} is truncated or corrupt: it cannot be mapped ({error.strerror})") from None
-    if not isinstance(state, dict):
-        raise NormswapError(f"{file} does not hold a state dict")
-    for name, value in state.items():
-        if not isinstance(name, str):
-            raise NormswapError(f"{file}: the key {quoted(name)} ({type(name).__name__}) is not a tensor name")
-        if not isinstance(value, torch.Tensor):
-            raise NormswapError(f"{file}: entry {quoted(name)} holds a {type(value).__name__}, not a tensor")
-    return state
-
-
 @contextmanager
 def _read_errors(what: str) -> Iterator[None]:
     """Any failure to read ``what`` (other than normswap's own refusals) as one line."""
@@ -293,10 +252,7 @@ def _read_errors(what: str) -> Iterator[None]:
 def _weight_map(index: Path) -> dict[str, str]:
     """An index's ``weight_map``: tensor name -> shard file name, a plain name in the checkpoint
     folder (the file itself may be a link, as in the hub cache)."""
-    try:
-        data = json.loads(index.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise NormswapError(f"cannot read {index}: {first_line(error)}") from None
+    data = read_json(index, mapping=False)
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict):
         raise NormswapError(f"{index}: 'weight_map' must be a mapping of tensor names to shard files")

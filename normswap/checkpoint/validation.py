@@ -15,6 +15,7 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
+from normswap.checkpoint.side_files import check_steering_keys
 from normswap.errors import NormswapError
 
 # counts and sizes: a positive integer (or null where the family computes a default)
@@ -52,6 +53,7 @@ def check_config(config: dict, where: str) -> None:
         not isinstance(architectures, list) or not all(isinstance(name, str) for name in architectures)
     ):
         raise NormswapError(f"{where}: 'architectures' must be a list of class names (got {_show(architectures)})")
+    check_steering_keys(config, where)  # also checked on every checkpoint folder a command reads
     _check_values(config, where, "")
 
 

@@ -67,8 +67,9 @@ def resolve_device(name: str | None) -> str:
     return name
 
 
-def at_least(low: int):
-    """An argparse type: an integer >= ``low`` (a batch size, a length, a count)."""
+def at_least(low: int, high: int | None = None):
+    """An argparse type: an integer >= ``low`` (a batch size, a length, a count), and <= ``high``
+    when given (a seed torch must fit in 64 bits, a count that must fit in memory)."""
 
     def parse(text: str) -> int:
         try:
@@ -77,6 +78,8 @@ def at_least(low: int):
             raise argparse.ArgumentTypeError(f"an integer, not {text!r:.30}") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"must be at least {low}, not {value}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"must be at most {high}, not {value:.3g}")
         return value
 
     return parse

@@ -119,6 +119,7 @@ def build_plan(
     for copy, table in architecture.shared:  # an untied checkpoint ties nothing: write every copy
         if copy in model_keys and copy not in plans and table in plans:
             plans[copy] = replace(plans[table], name=copy, steps=[])
+    _refuse_missing(model_keys, plans)
     structure = resolve_structure(architecture.structure(config), module_names)
     norms = _find_norms(architecture, plans, layer_norm_modules)
     norms += _bake(architecture, config, plans, dropped, structure)  # before centring the table
@@ -197,6 +198,16 @@ def _centre_writers(architecture: Architecture, plans: dict[str, TensorPlan]) ->
                 writers.append(name)
                 break
     return writers
+
+
+def _refuse_missing(model_keys: set[str], plans: dict[str, TensorPlan]) -> None:
+    """Refuse a checkpoint lacking a weight the model built from its config has: transformers would
+    start that weight from random values, and nothing after would mean anything."""
+    missing = sorted(model_keys - set(plans))
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise NormswapError(f"the weights hold no tensor {missing[0]}{more}, which the model that config.json "
+                            "describes needs; it would start from random values")
 
 
 def _untie(architecture: Architecture, config: dict, plans: dict[str, TensorPlan], model_keys: set[str]):

@@ -7,7 +7,6 @@ Exit status: 0 when the comparison passes (or there is none), 3 when a tolerance
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from pathlib import Path
@@ -80,14 +79,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def _limit(value: float | None) -> int | float | None:
-    # lm-eval reads a limit below 1 as a fraction of the task and 1 or more as a count.
-    if value is None:
-        return None
-    if not math.isfinite(value) or value <= 0:
-        raise NormswapError(f"--limit must be a positive number (a count, or a fraction below 1), not {value}")
-    if value >= 1 and value != int(value):
-        raise NormswapError(f"--limit {value:g} is neither a whole count nor a fraction below 1")
-    return int(value) if value >= 1 else value
+    from normswap.evaluation.lmeval import task_limit
+
+    return task_limit(value, "--limit")
 
 
 def settings_from_args(args: argparse.Namespace, **overrides: Any) -> EvalSettings:

@@ -268,6 +268,24 @@ def _versions_only_env_info() -> Iterator[None]:
         evaluator.add_env_info = original
 
 
+MAX_LIMIT = 10**9  # documents per task: more than any task holds, and within lm-eval's islice
+
+
+def task_limit(value: float | None, what: str) -> int | float | None:
+    """lm-eval's ``limit`` for ``value`` (``what`` names the option): a fraction of each task below
+    1, a count of documents from 1 up; anything else is one line."""
+    if value is None:
+        return None
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+        raise NormswapError(f"{what} must be a positive number (a count, or a fraction below 1), not {value!r:.40}")
+    if value >= 1 and value != int(value):
+        raise NormswapError(f"{what} {value:g} is neither a whole count nor a fraction below 1")
+    if value > MAX_LIMIT:
+        raise NormswapError(f"{what} {value:g} is more documents than any task holds; "
+                            f"give at most {MAX_LIMIT:g}, or leave it out to use every document")
+    return int(value) if value >= 1 else value
+
+
 def run_tasks(lm, task_manager, tasks: list, *, limit: int | float | None = None,
               sandboxed: bool = False) -> TaskResults:
     """Run ``tasks`` (names, or ``Task`` objects from ``load_tasks``) on an HFLM with lm-eval's

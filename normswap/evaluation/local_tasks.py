@@ -20,8 +20,10 @@ from typing import Any
 
 import yaml
 
+from normswap.checkpoint.bounded import read_yaml
 from normswap.errors import NormswapError
 from normswap.evaluation.task_code import TaskLoader, code_in
+from normswap.evaluation.task_schema import check_task
 from normswap.evaluation.text import TextSource
 
 # The task generated at run time over the --text documents (rolling loglikelihood).
@@ -42,10 +44,7 @@ def evals_dir() -> Path:
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
-    try:
-        data = yaml.load(path.read_text(encoding="utf-8"), Loader=TaskLoader)  # noqa: S506 (tags stay data)
-    except yaml.YAMLError as error:
-        raise NormswapError(f"task file {path} is not valid YAML: {str(error).splitlines()[0]}") from None
+    data = read_yaml(path, what=f"task file {path}", mapping=False, loader=TaskLoader)  # tags stay data
     if not isinstance(data, dict):
         raise NormswapError(f"task file {path} does not describe an lm-eval task")
     return data
@@ -88,11 +87,12 @@ def _runnable(source: Path, trust_remote_code: bool) -> dict[str, Any]:
     config = _read_yaml(source)
     trusted = source.resolve().parent == BUNDLED_EVALS.resolve()
     found = code_in(config)
-    if found is None:
-        return _absolutise_data_files(config, source.parent)
-    if not (trusted or trust_remote_code):
+    if found is not None and not (trusted or trust_remote_code):
         raise NormswapError(f"task file {source} holds {found}: a task folder is code, and code from one outside "
                             "normswap runs only with --trust-remote-code")
+    check_task(config, f"task file {source}")  # before lm-eval builds anything from it
+    if found is None:
+        return _absolutise_data_files(config, source.parent)
     kwargs = config.get("dataset_kwargs")
     plain = {key: value for key, value in config.items() if key in ("task", "dataset_kwargs")}
     runnable = _absolutise_data_files(plain, source.parent) if isinstance(kwargs, dict) else plain

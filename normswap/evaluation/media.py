@@ -15,12 +15,12 @@ Every problem is one ``NormswapError`` line, raised before any model is loaded.
 from __future__ import annotations
 
 import importlib
-import json
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from types import ModuleType
 
+from normswap.checkpoint.bounded import parse_json
 from normswap.checkpoint.provenance import original_model_type
 from normswap.errors import NormswapError
 from normswap.text import count
@@ -126,10 +126,9 @@ def _manifest(path: Path) -> list[tuple[Path, str]]:
         if not line.strip():
             continue
         try:
-            entry = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise NormswapError(f"audio manifest {path} line {number} is not JSON ({error.msg}); "
-                                'expected {"audio": FILE, "text": TRANSCRIPT} per line') from None
+            entry = parse_json(line, f"audio manifest {path} line {number}", mapping=False)
+        except NormswapError as error:
+            raise NormswapError(f'{error}; expected {{"audio": FILE, "text": TRANSCRIPT}} per line') from None
         if not isinstance(entry, dict) or not isinstance(entry.get("audio"), str) or not isinstance(entry.get("text"), str):
             raise NormswapError(f'audio manifest {path} line {number} needs string fields "audio" and "text"')
         if not entry["text"].strip():

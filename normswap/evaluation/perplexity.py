@@ -104,6 +104,11 @@ def _input_device(model: torch.nn.Module) -> torch.device:
 
 
 @torch.inference_mode()
+def exp_or_inf(value: float) -> float:
+    """``math.exp(value)``, inf where it overflows: a perplexity of text the model finds hopeless."""
+    return math.exp(value) if value < 709.0 else math.inf
+
+
 def strided_perplexity(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -150,7 +155,7 @@ def strided_perplexity(
         bar.close()
     nll_sum = math.fsum(window_nll)
     return StridedResult(
-        token_perplexity=math.exp(nll_sum / n_scored),
+        token_perplexity=exp_or_inf(nll_sum / n_scored),
         nll_sum=nll_sum,
         n_tokens=n_scored,
         n_windows=len(windows),

@@ -46,9 +46,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from normswap.checkpoint import output
+from normswap.checkpoint.bounded import read_yaml
 from normswap.checkpoint.removal import remove_tree
 from normswap.errors import NormswapError, quoted
 
@@ -143,12 +142,7 @@ def load_recipe(spec: str | Path) -> Recipe:
     """Read and validate a recipe; every problem is a one-line ``NormswapError``."""
     path = find_recipe(spec)
     origin = f"recipe {path}"
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as error:
-        raise NormswapError(f"{origin} is not valid YAML: {str(error).splitlines()[0]}") from None
-    except (OSError, UnicodeDecodeError) as error:
-        raise NormswapError(f"cannot read {origin}: {error}") from None
+    data = read_yaml(path, what=origin, mapping=False)
     if not isinstance(data, dict):
         raise NormswapError(f"{origin} must be a YAML mapping with at least 'source'")
     _mapping(data, "the top level", origin)
@@ -198,9 +192,9 @@ def _check_values(recipe: Recipe, origin: str) -> None:
     for where, value in limits.items():
         if value is not None and not (math.isfinite(value) and value >= 0):
             raise NormswapError(f"{origin}: {where} must be a finite number >= 0 (got {value!r})")
-    limit = recipe.eval.get("limit")
-    if limit is not None and not (math.isfinite(limit) and limit > 0):
-        raise NormswapError(f"{origin}: eval.limit must be a positive number (got {limit!r})")
+    from normswap.evaluation.lmeval import task_limit
+
+    task_limit(recipe.eval.get("limit"), f"{origin}: eval.limit")
     for where, value in (("eval.batch_size", recipe.eval.get("batch_size")),
                          ("eval.max_length", recipe.eval.get("max_length")), ("eval.stride", recipe.eval.get("stride"))):
         if value is not None and value < 1:

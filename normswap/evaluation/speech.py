@@ -14,7 +14,6 @@ The comparison adds the fraction of utterances whose decoded text is identical f
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ import torch
 
 from normswap.errors import NormswapError
 from normswap.evaluation.media import AudioSet, checkpoint_processor, read_audio
+from normswap.evaluation.perplexity import exp_or_inf
 from normswap.evaluation.runner import ModelEval
 
 TASK = "speech"
@@ -144,7 +144,7 @@ def score(model, tokenizer, data: SpeechData, result: ModelEval, batch_size: int
     total_tokens = sum(n for _, n in scores)
     decodes = greedy_transcripts(model, tokenizer, data, batch_size)
     references = [u.text for u in data.audio.utterances]
-    result.metrics[f"{TASK}/token_perplexity"] = math.exp(-total_ll / total_tokens)
+    result.metrics[f"{TASK}/token_perplexity"] = exp_or_inf(-total_ll / total_tokens)
     result.metrics[f"{TASK}/wer"] = word_error_rate(references, decodes)
     result.per_doc[TASK] = {i: [ll] for i, (ll, _) in enumerate(scores)}
     result.details[TASK] = {"utterances": len(scores), "tokens_scored": total_tokens,

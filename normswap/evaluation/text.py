@@ -81,11 +81,14 @@ def read_text_file(path: Path, max_chars: int | None = None) -> str:
     check_text_file(path)
     try:
         with path.open(encoding="utf-8", errors="strict") as handle:
-            return handle.read(-1 if max_chars is None else max_chars)
+            text = handle.read(-1 if max_chars is None else max_chars)
     except UnicodeDecodeError as error:
         raise NormswapError(f"text file {quoted(str(path))} is not UTF-8 ({error.reason})") from None
     except OSError as error:
         raise NormswapError(f"cannot read text file {quoted(str(path))}: {error.strerror or error}") from None
+    if "\0" in text:  # a binary file: no text holds NUL bytes
+        raise NormswapError(f"text file {quoted(str(path))} is not text: it holds NUL bytes (byte {text.index(chr(0))})")
+    return text
 
 
 def _from_paths(name: str, files: list[Path], doc_chars: int) -> TextSource:

@@ -135,9 +135,18 @@ def layer_norm_modules(model: nn.Module) -> list[str]:
 
 
 def load_pretrained(cls: type, path: Path | str, **kwargs) -> nn.Module:
-    """``cls.from_pretrained`` with transformers' load-time chatter silenced, in eval mode."""
+    """``cls.from_pretrained`` with transformers' load-time chatter silenced, in eval mode.
+
+    config.json is built first, so that a config transformers rejects is one line; and a
+    checkpoint lacking a weight the class has, or holding one of another shape, is refused
+    rather than run with those weights at random values.
+    """
     from transformers.utils import logging as hf_logging
 
+    _check_index_metadata(Path(path))
+    config_class = getattr(cls, "config_class", None)
+    if isinstance(config_class, type) and "config" not in kwargs:
+        kwargs["config"] = _built_config(config_class, path)
     verbosity = hf_logging.get_verbosity()
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
@@ -145,9 +154,38 @@ def load_pretrained(cls: type, path: Path | str, **kwargs) -> nn.Module:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model = cls.from_pretrained(str(path), **kwargs)
+            model, info = cls.from_pretrained(str(path), output_loading_info=True, ignore_mismatched_sizes=True, **kwargs)
     finally:
         hf_logging.set_verbosity(verbosity)
         if bars:
             hf_logging.enable_progress_bar()
+    for key, ours, theirs in sorted(info.get("mismatched_keys") or [])[:1]:
+        raise NormswapError(f"{path}: tensor {key} has shape {list(ours)}, but the model that config.json describes "
+                            f"needs {list(theirs)}")
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:  # transformers would run the model with these weights at random values
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise NormswapError(f"{path}: the weights hold no tensor {missing[0]}{more}, which the model that config.json "
+                            "describes needs; it would start from random values")
     return model.eval()
+
+
+def _check_index_metadata(folder: Path) -> None:
+    """transformers' loader reads an index's ``metadata`` as a mapping (normswap's own reader does not
+    need it): refuse, before loading, an index that has none."""
+    from normswap.checkpoint.bounded import read_json
+
+    for name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        if (folder / name).is_file() and not isinstance(read_json(folder / name).get("metadata"), dict):
+            raise NormswapError(f"{folder / name}: 'metadata' must be a mapping; transformers cannot load an index "
+                                "without one (an empty {} will do)")
+
+
+def _built_config(config_class: type, path: Path | str) -> transformers.PretrainedConfig:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return config_class.from_pretrained(str(path))
+    except Exception as error:  # transformers' validators raise many types for a value they reject
+        reason = " ".join(str(error).split())[:300] or type(error).__name__
+        raise NormswapError(f"{Path(path) / 'config.json'}: transformers rejects it: {reason}") from None

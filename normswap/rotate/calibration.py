@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from normswap.architectures import Architecture
+from normswap.checkpoint.bounded import read_text_file
 from normswap.checkpoint.source import read_config
 from normswap.errors import NormswapError
 from normswap.rotate.matrices import Rotation, pca_rotation
@@ -39,18 +40,7 @@ BATCH_WINDOWS = 8
 
 
 def read_calibration(path: str | Path) -> str:
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise NormswapError(f"calibration text not found: {path}")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as error:
-        raise NormswapError(f"cannot read calibration text {path}: {error.strerror or error}") from None
-    except UnicodeDecodeError as error:
-        raise NormswapError(f"calibration text {path} is not UTF-8 (byte {error.start}: {error.reason})") from None
-    if not text.strip():
-        raise NormswapError(f"calibration text is empty: {path}")
-    return text
+    return read_text_file(Path(path), "calibration text")
 
 
 @dataclass
@@ -166,11 +156,11 @@ def calibration_moments(source_dir: Path, architecture: Architecture, norm_names
         return whole_moments(source_dir, architecture, norm_names, ids, window_limit, config)
 
 
-def calibration_ids(source_dir: Path, text: str, label: str) -> torch.Tensor:
+def calibration_ids(source_dir: Path, text: str, label: str, config: dict | None = None) -> torch.Tensor:
     """The calibration text as token ids, with the source's tokenizer."""
     from normswap.runtime.reference import load_tokenizer, tokenize_text
 
-    tokenizer = load_tokenizer(source_dir)
+    tokenizer = load_tokenizer(source_dir, config)
     if tokenizer is None:
         raise NormswapError(f"{source_dir} has no tokenizer to read the calibration text with")
     ids = tokenize_text(tokenizer, text)
@@ -184,7 +174,7 @@ def calibrate(source_dir: Path, rotation_plan: RotationPlan, text_path: str | Pa
     """The pca rotation (``make``: the free form's or the commuting form's) of the source's stream
     on the calibration text: Σ over every norm of its input's second moment, measured block by block."""
     text = read_calibration(text_path)
-    ids = calibration_ids(source_dir, text, str(text_path))[:max_tokens]
+    ids = calibration_ids(source_dir, text, str(text_path), config)[:max_tokens]
     norms = [norm.name for norm in rotation_plan.plan.norms if norm.baked_into is None]
     measured = calibration_moments(source_dir, rotation_plan.architecture, norms, ids, CALIBRATION_WINDOW, config)
     moment = sum(measured.moments[name] for name in norms)

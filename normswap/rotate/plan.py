@@ -165,7 +165,8 @@ def plan_rotation(source_dir: Path, config: dict, reader: CheckpointReader, *,
         # but the rotation, and describe it with the structure it was written with
         plan = build_plan(
             replace(architecture, bake=(), structure=lambda _config: {}), family_config, reader.tensors,
-            model_keys=set(meta.state_dict().keys()),
+            # the modules the conversion made identities hold no weights in the folded checkpoint
+            model_keys={key for key in meta.state_dict() if not any(key.startswith(f"{module}.") for module in removed)},
             layer_norm_modules=[name for name in build.layer_norm_modules(meta) if name not in removed],
             base_prefix=meta.base_model_prefix, method="naive", fold_gains=False, dtype=dtype,
             rename=build.checkpoint_renamer(meta),

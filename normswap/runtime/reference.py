@@ -12,21 +12,30 @@ import torch
 from torch import nn
 
 from normswap.architectures import Architecture
+from normswap.checkpoint.side_files import check_token_ids, vocab_size
 from normswap.checkpoint.source import read_config
 from normswap.modeling import build
 from normswap.runtime.loaders import load_converted
 
 
-def load_tokenizer(path: Path) -> Any:
-    """The checkpoint's tokenizer, or None when it has none or it cannot be built offline."""
+def load_tokenizer(path: Path, config: dict | None = None) -> Any:
+    """The checkpoint's tokenizer, or None when it has none or it cannot be built offline.
+
+    A tokenizer whose ids run past the model's vocabulary (from ``config``, the checkpoint's
+    config.json when the caller has read it) is refused: each such token would index past the end
+    of the embedding table.
+    """
     if not any((path / name).is_file() for name in ("tokenizer.json", "vocab.json", "tokenizer.model")):
         return None
     try:
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(str(path))
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        ids = max([len(tokenizer), *(index + 1 for index in tokenizer.get_vocab().values())])
     except Exception:  # a broken tokenizer must not stop verification: random ids still work
         return None
+    check_token_ids(ids, vocab_size(config if config is not None else read_config(path)), f"{path}")
+    return tokenizer
 
 
 def tokenize_text(tokenizer, text: str) -> torch.Tensor:

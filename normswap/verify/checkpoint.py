@@ -21,6 +21,7 @@ from normswap.architectures import Architecture, architecture_for
 from normswap.arguments import checked
 from normswap.checkpoint import validation
 from normswap.checkpoint.provenance import Provenance
+from normswap.checkpoint.side_files import check_side_files
 from normswap.checkpoint.source import CheckpointReader, first_non_finite, read_config, resolve_source
 from normswap.convert.plan import ConversionPlan
 from normswap.dtypes import default_tolerance, parse_dtype
@@ -146,6 +147,7 @@ def _check_pair(original_dir: Path, converted_dir: Path,
     here and passed down), once the pair is known to belong together."""
     if not (converted_dir / "config.json").is_file():
         raise NormswapError(f"{converted} is not a checkpoint folder (it has no config.json)")
+    check_side_files(converted_dir)  # as resolve_source does for the original
     original_config, converted_config = read_config(original_dir), read_config(converted_dir)
     block = converted_config.get("normswap")
     if "normswap" in original_config:

@@ -10,11 +10,10 @@ compared output is the family's pooled or last hidden state and only max |Δ| ap
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from normswap.errors import NormswapError
+from normswap.evaluation.perplexity import exp_or_inf
 from normswap.verify.probes import LOGIT_PROBES, Probe
 
 
@@ -114,8 +113,8 @@ def compare_by_sequence(reference: torch.Tensor, candidate: torch.Tensor, labels
                "top1_agreement": totals["top1"] / (batch * length)}
     if labels is not None:
         terms = batch * (length - 1)
-        figures["perplexity_reference"] = math.exp(totals["nll_reference"] / terms)
-        figures["perplexity_candidate"] = math.exp(totals["nll_candidate"] / terms)
+        figures["perplexity_reference"] = exp_or_inf(totals["nll_reference"] / terms)
+        figures["perplexity_candidate"] = exp_or_inf(totals["nll_candidate"] / terms)
     return figures
 
 
@@ -134,7 +133,7 @@ def _chunk_figures(reference: torch.Tensor, candidate: torch.Tensor, largest: di
 def _perplexity(log_probs: torch.Tensor, ids: torch.Tensor) -> float:
     """exp of the mean next-token negative log-likelihood."""
     picked = log_probs[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
-    return float(math.exp(-picked.mean()))
+    return exp_or_inf(float(-picked.mean()))
 
 
 def within_tolerance(figures: dict, atol: float, rtol: float) -> bool:

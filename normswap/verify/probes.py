@@ -128,4 +128,4 @@ LOGIT_PROBES = ("causal_lm", "seq2seq_speech", "seq2seq_text")
 
 def build_probe(kind: str, config: Any, checkpoint: Path) -> Probe:
     """The probe of ``kind`` for a model of ``config``, with the tokenizer of ``checkpoint``."""
-    return PROBES[kind](config, load_tokenizer(checkpoint))
+    return PROBES[kind](config, load_tokenizer(checkpoint, config.to_dict()))
