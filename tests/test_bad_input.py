@@ -77,9 +77,12 @@ def test_out_not_empty_needs_overwrite(gpt2_dir, tmp_path, capsys):
     assert (out / "keep.txt").read_text() == "precious"
     mine = tmp_path / "mine"
     assert main(["convert", str(gpt2_dir), "--out", str(mine), "--quiet"]) == 0
-    (mine / "extra.txt").write_text("added later")
     assert main(["convert", str(gpt2_dir), "--out", str(mine), "--overwrite", "--quiet"]) == 0
-    assert not (mine / "extra.txt").exists() and (mine / "model.safetensors").is_file()
+    # a file the user added to a normswap output is theirs: --overwrite refuses and keeps it
+    (mine / "extra.txt").write_text("added later")
+    code, err = run_cli(capsys, "convert", str(gpt2_dir), "--out", str(mine), "--overwrite", "--quiet")
+    assert_one_line_error(code, err, "extra.txt")
+    assert (mine / "extra.txt").read_text() == "added later" and (mine / "model.safetensors").is_file()
     assert leftovers(tmp_path) == []
 
 

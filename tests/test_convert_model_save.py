@@ -58,7 +58,10 @@ def test_save_refuses_other_models_and_foreign_folders(tmp_path):
         converted.save_pretrained(tmp_path / "mine")
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
     converted.save_pretrained(tmp_path / "out")
-    (tmp_path / "out" / "tokenizer.json").write_text("{}")
     converted.save_pretrained(tmp_path / "out")  # its own earlier output is replaced, whole
     assert (tmp_path / "out" / "model.safetensors").is_file()
-    assert not (tmp_path / "out" / "tokenizer.json").exists()
+    # a file added to it since is the user's: saving again refuses and keeps it
+    (tmp_path / "out" / "tokenizer.json").write_text("{}")
+    with pytest.raises(NormswapError, match="tokenizer.json"):
+        converted.save_pretrained(tmp_path / "out")
+    assert (tmp_path / "out" / "tokenizer.json").read_text() == "{}"

@@ -203,7 +203,8 @@ def test_index_metadata_is_a_mapping(source, tmp_path, capsys, index_name, metad
     refused(capsys, tmp_path, "eval", src, "--no-progress", needle="'metadata' must be a mapping")
 
 
-@pytest.mark.parametrize("index", ['{"weight_map": ' + DEEP + "}", '{"metadata": {"total_size": ' + "9" * 5000 + "}}"])
+@pytest.mark.parametrize("index", ['{"weight_map": ' + DEEP + "}", '{"metadata": {"total_size": ' + "9" * 5000 + "}}",
+                                   '{"metadata": {}, "weight_map": {}}'])
 def test_index_read_within_bounds(source, tmp_path, capsys, index):
     src = _sharded(source, tmp_path, "model.safetensors.index.json")
     (src / "model.safetensors.index.json").write_text(index)
