@@ -254,8 +254,10 @@ def _weight_map(index: Path) -> dict[str, str]:
     folder (the file itself may be a link, as in the hub cache)."""
     data = read_json(index, mapping=False)
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise NormswapError(f"{index}: 'weight_map' must be a non-empty mapping of tensor names to shard files")
+    if not isinstance(weight_map, dict):
+        raise NormswapError(f"{index}: 'weight_map' must be a mapping of tensor names to shard files")
+    if not weight_map:
+        raise NormswapError(f"{index}: 'weight_map' names no tensor")
     for name, shard in weight_map.items():
         if not isinstance(shard, str):
             raise NormswapError(f"{index}: the shard of {name} must be a file name (got {shard!r:.40})")
