@@ -62,7 +62,7 @@ def hash_family(family: str, work: Path, calibration: Path) -> dict:
     from test_every_command import build
 
     torch.manual_seed(0)
-    src = build(family, work / family)
+    src, _ = build(family, work / family)  # the second item names eval's inputs, which no command here takes
     results = {}
     for name, argv in commands(src, work / f"{family}-out", calibration).items():
         torch.manual_seed(0)
