@@ -14,16 +14,8 @@ reads differently), and the other classes, whose ``last_hidden_state`` is the ra
 
 from __future__ import annotations
 
-from normswap.architectures.spec import (
-    LayerScale,
-    Norm,
-    Writer,
-    assemble,
-    attention_readers,
-    linear_reader,
-    only_classes,
-    pre_ln_blocks,
-)
+from normswap.architectures.layouts import vit_encoder
+from normswap.architectures.spec import LayerScale, Norm, assemble, linear_reader, only_classes
 
 H = "beit.layers.{layer}"
 _ONLY = only_classes("BeitForImageClassification")
@@ -37,11 +29,7 @@ def _refuse(config: dict) -> str | None:
 
 BEIT = assemble(
     "beit", "AutoModelForImageClassification",
-    Writer("beit.embeddings.{cls_token|mask_token|position_embeddings}", hidden_axis=2),
-    Writer("beit.embeddings.patch_embeddings.projection.{weight|bias}", hidden_axis=0),
-    pre_ln_blocks("beit.layers", writes="{attention.o_proj|mlp.fc2}",
-                  layernorm_before=attention_readers("attention", key_bias=False),
-                  layernorm_after=linear_reader("mlp.fc1")),
+    vit_encoder("beit.embeddings", "beit.layers", tokens="{cls_token|mask_token|position_embeddings}", key_bias=False),
     Norm("beit.pooler.layernorm", (linear_reader("classifier"),)),
     layer_scales=(LayerScale(H + ".lambda_1", H + ".attention.o_proj"), LayerScale(H + ".lambda_2", H + ".mlp.fc2")),
     refuse=_refuse,

@@ -8,21 +8,13 @@ classification heads read the final stream at one token in their own way.
 
 from __future__ import annotations
 
-from normswap.architectures.spec import (
-    assemble,
-    attention_readers,
-    embeddings,
-    linear_reader,
-    lm_head,
-    only_classes,
-    pre_ln_blocks,
-)
+from normswap.architectures.layouts import bart_blocks
+from normswap.architectures.spec import assemble, embeddings, lm_head, only_classes
 
 BIOGPT = assemble(
     "biogpt", "AutoModelForCausalLM",
     embeddings("biogpt.{embed_tokens|embed_positions}.weight"),
-    pre_ln_blocks("biogpt.layers", writes="{self_attn.out_proj|fc2}",
-                  self_attn_layer_norm=attention_readers("self_attn"), final_layer_norm=linear_reader("fc1")),
+    bart_blocks("biogpt.layers"),
     lm_head("biogpt.layer_norm", head="output_projection", tied_to="biogpt.embed_tokens.weight"),
     refuse=only_classes("BioGptForCausalLM"),
     blocks="biogpt.layers",

@@ -15,16 +15,9 @@ are writers) and is refused.
 
 from __future__ import annotations
 
-from normswap.architectures.facts import ModelFacts, StateDict, stated
-from normswap.architectures.spec import (
-    EmbeddingNormBake,
-    assemble,
-    embeddings,
-    linear_reader,
-    lm_head,
-    pre_ln_blocks,
-    refuse_if,
-)
+from normswap.architectures.facts import ModelFacts, StateDict, sole_class, stated
+from normswap.architectures.layouts import decoder, megatron_block
+from normswap.architectures.spec import EmbeddingNormBake, assemble, refuse_if
 
 
 def _facts(config: dict) -> ModelFacts:
@@ -45,21 +38,17 @@ def _facts(config: dict) -> ModelFacts:
 
 BLOOM = assemble(
     "bloom", "AutoModelForCausalLM",
-    embeddings("transformer.word_embeddings.weight"),
-    pre_ln_blocks("transformer.h", writes="{self_attention.dense|mlp.dense_4h_to_h}",
-                  input_layernorm=linear_reader("self_attention.query_key_value"),
-                  post_attention_layernorm=linear_reader("mlp.dense_h_to_4h")),
-    lm_head("transformer.ln_f", tied_to="transformer.word_embeddings.weight"),
+    decoder("transformer.word_embeddings.weight", "transformer.h", "transformer.ln_f",
+            tied_to="transformer.word_embeddings.weight", **megatron_block("self_attention")),
     bake=(EmbeddingNormBake("transformer.word_embeddings.weight", "transformer.word_embeddings_layernorm"),),
     refuse=refuse_if(apply_residual_connection_post_layernorm=(
         "apply_residual_connection_post_layernorm makes each norm's output the residual, so the norms "
         "write the stream and their mean removal cannot be moved into the weights")),
     blocks="transformer.h",
-    classes={"BloomForCausalLM": _facts},
+    **sole_class("BloomForCausalLM", _facts),
     # the stream starts as word_embeddings_layernorm's output γ ⊙ LN(E[i]) + β: no γ' makes
     # γ' ⊙ LN(e') equal (γ ⊙ LN(e))·Q, so the stock class cannot start the stream rotated
     fixed_streams=lambda config: {"": "the stream starts as word_embeddings_layernorm's output γ ⊙ LN(e) + β, and "
                                       "diag(γ) does not commute with Q"},
-    default_class="BloomForCausalLM",
     tie_default=True,
 )

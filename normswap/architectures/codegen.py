@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from normswap.architectures.facts import StateDict
+from normswap.architectures.facts import StateDict, sole_class
 from normswap.architectures.gptj import GPTJ, H, parallel_block_facts, parallel_block_norms
 from normswap.architectures.spec import linear_reader, pattern
 
@@ -23,7 +23,6 @@ CODEGEN = replace(
     model_types=("codegen",),
     norms=parallel_block_norms(linear_reader(H + ".attn.qkv_proj", bias=False)),
     ignore=(pattern(H + ".attn.{causal_mask|masked_bias}"),),
-    classes={"CodeGenForCausalLM": parallel_block_facts(_attention)},
-    default_class="CodeGenForCausalLM",
+    **sole_class("CodeGenForCausalLM", parallel_block_facts(_attention)),
     tie_default=False,
 )

@@ -11,17 +11,15 @@ k_proj makes those inputs zero-mean, so they become RMSNorms exactly (``HeadNorm
 
 from __future__ import annotations
 
-from normswap.architectures.spec import HeadNorm, assemble, embeddings, linear_reader, lm_head, pre_ln_blocks
+from normswap.architectures.layouts import gated_mlp_readers, llama_layout
+from normswap.architectures.spec import HeadNorm, assemble, attention_readers
 
 H = "model.layers.{layer}"
 
 COHERE = assemble(
     "cohere", "AutoModelForCausalLM",
-    embeddings("model.embed_tokens.weight"),
-    pre_ln_blocks("model.layers", writes="{self_attn.o_proj|mlp.down_proj}", input_layernorm=(
-        *(linear_reader(f"self_attn.{p}_proj") for p in "qkv"),
-        *(linear_reader(f"mlp.{p}_proj", bias=False) for p in ("gate", "up")))),
-    lm_head("model.norm", tied_to="model.embed_tokens.weight"),
+    llama_layout(writes="{self_attn.o_proj|mlp.down_proj}",
+                 input_layernorm=(*attention_readers("self_attn", rotary=True), *gated_mlp_readers("mlp"))),
     head_norms=tuple(HeadNorm(f"{H}.self_attn.{p}_norm", f"{H}.self_attn.{p}_proj") for p in "qk"),
     blocks="model.layers",
 )

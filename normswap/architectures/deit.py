@@ -10,15 +10,8 @@ biases, so γ and β fold there.
 
 from __future__ import annotations
 
-from normswap.architectures.spec import (
-    Norm,
-    Writer,
-    assemble,
-    attention_readers,
-    linear_reader,
-    only_classes,
-    pre_ln_blocks,
-)
+from normswap.architectures.layouts import vit_encoder
+from normswap.architectures.spec import Norm, assemble, linear_reader, only_classes
 
 P = "{base=deit.|}"
 TEACHER = "DeiTForImageClassificationWithTeacher"
@@ -33,10 +26,7 @@ def _variant(config: dict) -> dict:
 
 DEIT = assemble(
     "deit", "AutoModel",
-    Writer(P + "embeddings.{cls_token|distillation_token|mask_token|position_embeddings}", hidden_axis=2),
-    Writer(P + "embeddings.patch_embeddings.projection.{weight|bias}", hidden_axis=0),
-    pre_ln_blocks(P + "layers", writes="{attention.o_proj|mlp.fc2}",
-                  layernorm_before=attention_readers("attention"), layernorm_after=linear_reader("mlp.fc1")),
+    vit_encoder(P + "embeddings", P + "layers", tokens="{cls_token|distillation_token|mask_token|position_embeddings}"),
     Norm("layernorm", output_is_model_output=True),
     Norm("deit.layernorm", (linear_reader("classifier"),)),
     refuse=only_classes("DeiTModel", "DeiTForImageClassification", TEACHER),

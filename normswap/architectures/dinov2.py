@@ -12,16 +12,8 @@ refused: checkpoints store it fused, and transformers splits it on load (a split
 
 from __future__ import annotations
 
-from normswap.architectures.spec import (
-    LayerScale,
-    Norm,
-    Writer,
-    assemble,
-    attention_readers,
-    linear_reader,
-    only_classes,
-    pre_ln_blocks,
-)
+from normswap.architectures.layouts import vit_encoder
+from normswap.architectures.spec import LayerScale, Norm, Writer, assemble, only_classes
 
 H = "encoder.layer.{layer}"
 
@@ -38,11 +30,8 @@ def _refuse(config: dict) -> str | None:
 
 DINOV2 = assemble(
     "dinov2", "AutoModel",
-    Writer("embeddings.{cls_token|position_embeddings}", hidden_axis=2),
     Writer("embeddings.mask_token", hidden_axis=1),
-    Writer("embeddings.patch_embeddings.projection.{weight|bias}", hidden_axis=0),
-    pre_ln_blocks("encoder.layer", writes="{attention.o_proj|mlp.fc2}",
-                  norm1=attention_readers("attention"), norm2=linear_reader("mlp.fc1")),
+    vit_encoder("embeddings", "encoder.layer", tokens="{cls_token|position_embeddings}", norms=("norm1", "norm2")),
     Norm("layernorm", output_is_model_output=True),
     # the MLP's writer is fc2 or, with the SwiGLU MLP, weights_out (as checkpoints store it): whichever the checkpoint has
     layer_scales=(LayerScale(H + ".layer_scale1.lambda1", H + ".attention.o_proj"),

@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from torch import nn
@@ -100,6 +100,12 @@ class StateDict:
 
 # config -> facts, per class name an adapter knows
 FactsByClass = dict[str, Callable[[dict], ModelFacts]]
+
+
+def sole_class(name: str, facts: Callable[[dict], ModelFacts]) -> dict[str, Any]:
+    """An ``Architecture``'s ``classes`` and ``default_class`` for a family whose Auto class
+    builds the one class ``name``, whose facts ``facts`` declares."""
+    return {"classes": {name: facts}, "default_class": name}
 
 
 def declared_facts(classes: FactsByClass, default_class: str | None, config: dict) -> ModelFacts | None:

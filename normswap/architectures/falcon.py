@@ -19,7 +19,7 @@ slot, so every norm keeps β/γ when γ is folded.
 
 from __future__ import annotations
 
-from normswap.architectures.facts import ModelFacts, StateDict, stated
+from normswap.architectures.facts import ModelFacts, StateDict, sole_class, stated
 from normswap.architectures.spec import Architecture, Norm, Writer, linear_reader, linear_writers
 
 H = "transformer.h.{layer}"
@@ -84,7 +84,6 @@ FALCON = Architecture(
     tied=(("lm_head.weight", "transformer.word_embeddings.weight"),),
     variant=_variant,
     blocks="transformer.h",
-    classes={"FalconForCausalLM": _facts},
-    default_class="FalconForCausalLM",
+    **sole_class("FalconForCausalLM", _facts),
     tie_default=True,
 )

@@ -8,9 +8,10 @@ biases); cross-attention (when configured) reads the stream through ``q_attn`` o
 
 from __future__ import annotations
 
-from normswap.architectures.facts import ModelFacts, StateDict, Unstated, stated
+from normswap.architectures.facts import ModelFacts, StateDict, Unstated, sole_class, stated
 from normswap.architectures.gpt2 import gpt2_sizes
-from normswap.architectures.spec import assemble, embeddings, linear_reader, lm_head, pattern, pre_ln_blocks
+from normswap.architectures.layouts import gpt2_layout
+from normswap.architectures.spec import assemble, linear_reader, pattern
 
 
 def _facts(config: dict) -> ModelFacts:
@@ -30,13 +31,10 @@ def _facts(config: dict) -> ModelFacts:
 
 GPT_BIGCODE = assemble(
     "gpt_bigcode", "AutoModelForCausalLM",
-    embeddings("transformer.{wte|wpe}.weight"),
-    pre_ln_blocks("transformer.h", writes="{attn|crossattention|mlp}.c_proj", ln_1=linear_reader("attn.c_attn"),
-                  ln_cross_attn=linear_reader("crossattention.q_attn"), ln_2=linear_reader("mlp.c_fc")),
-    lm_head("transformer.ln_f", tied_to="transformer.wte.weight"),
+    gpt2_layout(writes="{attn|crossattention|mlp}.c_proj", ln_1=linear_reader("attn.c_attn"),
+                ln_cross_attn=linear_reader("crossattention.q_attn"), ln_2=linear_reader("mlp.c_fc")),
     blocks="transformer.h",
     ignore=(pattern("transformer.bias"), pattern("transformer.h.{layer}.attn.{bias|masked_bias}")),
-    classes={"GPTBigCodeForCausalLM": _facts},
-    default_class="GPTBigCodeForCausalLM",
+    **sole_class("GPTBigCodeForCausalLM", _facts),
     tie_default=True,
 )

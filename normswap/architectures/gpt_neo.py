@@ -8,8 +8,9 @@ slot). The local attention window changes which positions are mixed, not what is
 
 from __future__ import annotations
 
-from normswap.architectures.facts import ModelFacts, StateDict, stated
-from normswap.architectures.spec import assemble, embeddings, linear_reader, lm_head, pattern, pre_ln_blocks
+from normswap.architectures.facts import ModelFacts, StateDict, sole_class, stated
+from normswap.architectures.layouts import gpt2_layout
+from normswap.architectures.spec import assemble, linear_reader, pattern
 
 
 def _facts(config: dict) -> ModelFacts:
@@ -33,17 +34,12 @@ def _facts(config: dict) -> ModelFacts:
 
 GPT_NEO = assemble(
     "gpt_neo", "AutoModelForCausalLM",
-    embeddings("transformer.{wte|wpe}.weight"),
-    pre_ln_blocks(
-        "transformer.h", writes="{attn.attention.out_proj|mlp.c_proj}",
-        ln_1=tuple(linear_reader(f"attn.attention.{p}_proj", bias=False) for p in "qkv"),
-        ln_2=linear_reader("mlp.c_fc"),
-    ),
-    lm_head("transformer.ln_f", tied_to="transformer.wte.weight"),
+    gpt2_layout(writes="{attn.attention.out_proj|mlp.c_proj}",
+                ln_1=tuple(linear_reader(f"attn.attention.{p}_proj", bias=False) for p in "qkv"),
+                ln_2=linear_reader("mlp.c_fc")),
     blocks="transformer.h",
     # causal-mask buffers that old checkpoints carry; the current class rebuilds them
     ignore=(pattern("transformer.h.{layer}.attn.attention.{bias|masked_bias}"),),
-    classes={"GPTNeoForCausalLM": _facts},
-    default_class="GPTNeoForCausalLM",
+    **sole_class("GPTNeoForCausalLM", _facts),
     tie_default=True,
 )

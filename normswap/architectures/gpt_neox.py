@@ -10,8 +10,9 @@ With ``attention_bias=False`` the input norm keeps β/γ (``query_key_value`` ha
 
 from __future__ import annotations
 
-from normswap.architectures.facts import COMMON_RENAMES, ModelFacts, StateDict, stated
-from normswap.architectures.spec import assemble, embeddings, linear_reader, lm_head, pattern, pre_ln_blocks
+from normswap.architectures.facts import COMMON_RENAMES, ModelFacts, StateDict, sole_class, stated
+from normswap.architectures.layouts import decoder, megatron_block
+from normswap.architectures.spec import assemble, pattern
 
 
 def _facts(config: dict) -> ModelFacts:
@@ -34,16 +35,10 @@ def _facts(config: dict) -> ModelFacts:
 
 GPT_NEOX = assemble(
     "gpt_neox", "AutoModelForCausalLM",
-    embeddings("gpt_neox.embed_in.weight"),
-    pre_ln_blocks(
-        "gpt_neox.layers", writes="{attention.dense|mlp.dense_4h_to_h}",
-        input_layernorm=linear_reader("attention.query_key_value"),
-        post_attention_layernorm=linear_reader("mlp.dense_h_to_4h"),
-    ),
-    lm_head("gpt_neox.final_layer_norm", tied_to="gpt_neox.embed_in.weight"),
+    decoder("gpt_neox.embed_in.weight", "gpt_neox.layers", "gpt_neox.final_layer_norm",
+            tied_to="gpt_neox.embed_in.weight", **megatron_block("attention")),
     blocks="gpt_neox.layers",
     ignore=(pattern("gpt_neox.layers.{layer}.attention.{bias|masked_bias|rotary_emb.inv_freq}"),),
-    classes={"GPTNeoXForCausalLM": _facts},
-    default_class="GPTNeoXForCausalLM",
+    **sole_class("GPTNeoXForCausalLM", _facts),
     tie_default=False,
 )

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from normswap.architectures.facts import ModelFacts, StateDict, stated
+from normswap.architectures.facts import ModelFacts, StateDict, sole_class, stated
 from normswap.architectures.spec import (
     Architecture,
     Norm,
@@ -72,7 +72,6 @@ GPTJ = Architecture(
     tied=(("lm_head.weight", "transformer.wte.weight"),),
     blocks="transformer.h",
     ignore=(pattern(H + ".attn.{bias|masked_bias}"),),
-    classes={"GPTJForCausalLM": parallel_block_facts(_attention)},
-    default_class="GPTJForCausalLM",
+    **sole_class("GPTJForCausalLM", parallel_block_facts(_attention)),
     tie_default=False,
 )

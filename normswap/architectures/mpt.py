@@ -8,13 +8,13 @@ Wqkv's output, which folding leaves unchanged.
 
 from __future__ import annotations
 
-from normswap.architectures.spec import assemble, embeddings, linear_reader, lm_head, pre_ln_blocks
+from normswap.architectures.layouts import decoder
+from normswap.architectures.spec import assemble, linear_reader
 
 MPT = assemble(
     "mpt", "AutoModelForCausalLM",
-    embeddings("transformer.wte.weight"),
-    pre_ln_blocks("transformer.blocks", writes="{attn.out_proj|ffn.down_proj}",
-                  norm_1=linear_reader("attn.Wqkv", bias=False), norm_2=linear_reader("ffn.up_proj", bias=False)),
-    lm_head("transformer.norm_f", tied_to="transformer.wte.weight"),
+    decoder("transformer.wte.weight", "transformer.blocks", "transformer.norm_f", tied_to="transformer.wte.weight",
+            writes="{attn.out_proj|ffn.down_proj}",
+            norm_1=linear_reader("attn.Wqkv", bias=False), norm_2=linear_reader("ffn.up_proj", bias=False)),
     blocks="transformer.blocks",
 )

@@ -11,15 +11,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from normswap.architectures.spec import assemble, embeddings, linear_reader, lm_head, pre_ln_blocks
+from normswap.architectures.layouts import llama_layout
+from normswap.architectures.spec import assemble, attention_readers, linear_reader
 
 _NEMOTRON = assemble(
     "nemotron", "AutoModelForCausalLM",
-    embeddings("model.embed_tokens.weight"),
-    pre_ln_blocks("model.layers", writes="{self_attn.o_proj|mlp.down_proj}",
-                  input_layernorm=tuple(linear_reader(f"self_attn.{p}_proj") for p in "qkv"),
-                  post_attention_layernorm=linear_reader("mlp.up_proj")),
-    lm_head("model.norm", tied_to="model.embed_tokens.weight"),
+    llama_layout(writes="{self_attn.o_proj|mlp.down_proj}", input_layernorm=attention_readers("self_attn", rotary=True),
+                 post_attention_layernorm=linear_reader("mlp.up_proj")),
     blocks="model.layers",
 )
 NEMOTRON = replace(_NEMOTRON, norms=tuple(replace(norm, gain_offset=1.0) for norm in _NEMOTRON.norms))

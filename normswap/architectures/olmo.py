@@ -9,14 +9,13 @@ norms' outputs are unchanged) leaves unchanged.
 
 from __future__ import annotations
 
-from normswap.architectures.spec import assemble, embeddings, linear_reader, lm_head, pre_ln_blocks
+from normswap.architectures.layouts import gated_mlp_readers, llama_layout
+from normswap.architectures.spec import assemble, attention_readers
 
 OLMO = assemble(
     "olmo", "AutoModelForCausalLM",
-    embeddings("model.embed_tokens.weight"),
-    pre_ln_blocks("model.layers", writes="{self_attn.o_proj|mlp.down_proj}",
-                  input_layernorm=tuple(linear_reader(f"self_attn.{p}_proj", bias=False) for p in "qkv"),
-                  post_attention_layernorm=tuple(linear_reader(f"mlp.{p}_proj", bias=False) for p in ("gate", "up"))),
-    lm_head("model.norm", tied_to="model.embed_tokens.weight"),
+    llama_layout(writes="{self_attn.o_proj|mlp.down_proj}",
+                 input_layernorm=attention_readers("self_attn", bias=False, rotary=True),
+                 post_attention_layernorm=gated_mlp_readers("mlp")),
     blocks="model.layers",
 )

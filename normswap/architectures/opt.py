@@ -15,7 +15,7 @@ whose head reads the raw stream, so centring the stream would change the logits.
 
 from __future__ import annotations
 
-from normswap.architectures.facts import ModelFacts, StateDict, Unstated, stated
+from normswap.architectures.facts import ModelFacts, StateDict, Unstated, sole_class, stated
 from normswap.architectures.spec import (
     LINEAR_OUT_AXIS,
     Architecture,
@@ -98,7 +98,6 @@ OPT = Architecture(
     refuse=_refuse,
     variant=_variant,
     blocks="model.decoder.layers",
-    classes={"OPTForCausalLM": _facts},
-    default_class="OPTForCausalLM",
+    **sole_class("OPTForCausalLM", _facts),
     tie_default=True,
 )

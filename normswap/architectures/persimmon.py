@@ -12,17 +12,14 @@ norms' inputs are then zero-mean and they become RMSNorms exactly (``HeadNorm``)
 
 from __future__ import annotations
 
-from normswap.architectures.spec import HeadNorm, assemble, embeddings, linear_reader, lm_head, pre_ln_blocks
+from normswap.architectures.layouts import llama_layout, megatron_block
+from normswap.architectures.spec import HeadNorm, assemble
 
 H = "model.layers.{layer}"
 
 PERSIMMON = assemble(
     "persimmon", "AutoModelForCausalLM",
-    embeddings("model.embed_tokens.weight"),
-    pre_ln_blocks("model.layers", writes="{self_attn.dense|mlp.dense_4h_to_h}",
-                  input_layernorm=linear_reader("self_attn.query_key_value"),
-                  post_attention_layernorm=linear_reader("mlp.dense_h_to_4h")),
-    lm_head("model.final_layernorm", tied_to="model.embed_tokens.weight"),
+    llama_layout(final_norm="model.final_layernorm", **megatron_block("self_attn")),
     head_norms=(HeadNorm(H + ".self_attn.q_layernorm", H + ".self_attn.query_key_value", period=3, members=(0,)),
                 HeadNorm(H + ".self_attn.k_layernorm", H + ".self_attn.query_key_value", period=3, members=(1,))),
     blocks="model.layers",

@@ -12,8 +12,9 @@ the stream, so such checkpoints are refused.
 
 from __future__ import annotations
 
-from normswap.architectures.facts import ModelFacts, StateDict, Unstated, stated
-from normswap.architectures.spec import assemble, embeddings, linear_reader, lm_head, pre_ln_blocks, refuse_if
+from normswap.architectures.facts import ModelFacts, StateDict, Unstated, sole_class, stated
+from normswap.architectures.layouts import llama_layout
+from normswap.architectures.spec import assemble, attention_readers, linear_reader, refuse_if
 
 
 def _facts(config: dict) -> ModelFacts:
@@ -41,15 +42,12 @@ def _facts(config: dict) -> ModelFacts:
 
 PHI = assemble(
     "phi", "AutoModelForCausalLM",
-    embeddings("model.embed_tokens.weight"),
     # one norm feeds the attention and the MLP, which run side by side
-    pre_ln_blocks("model.layers", writes="{self_attn.dense|mlp.fc2}", input_layernorm=(
-        *(linear_reader(f"self_attn.{p}_proj") for p in "qkv"), linear_reader("mlp.fc1"))),
-    lm_head("model.final_layernorm", bias=True, tied_to="model.embed_tokens.weight"),
+    llama_layout(writes="{self_attn.dense|mlp.fc2}", final_norm="model.final_layernorm", head_bias=True,
+                 input_layernorm=(*attention_readers("self_attn", rotary=True), linear_reader("mlp.fc1"))),
     refuse=refuse_if(qk_layernorm="qk_layernorm normalises per-head queries and keys, which are not centred "
                      "by centring the residual stream; those LayerNorms cannot become RMSNorms exactly"),
     blocks="model.layers",
-    classes={"PhiForCausalLM": _facts},
-    default_class="PhiForCausalLM",
+    **sole_class("PhiForCausalLM", _facts),
     tie_default=False,
 )

@@ -16,23 +16,20 @@ stream, so the RMSNorm class centres that output (``centre_output``, as CLIP's `
 
 from __future__ import annotations
 
+from normswap.architectures.layouts import bart_blocks
 from normswap.architectures.spec import (
     CENTRE_INPUT,
     CENTRE_OUTPUT,
     Architecture,
     Norm,
     assemble,
-    attention_readers,
     embeddings,
-    linear_reader,
     lm_head,
     only_classes,
     pattern,
-    pre_ln_blocks,
 )
 
 M = "{base=model.|}"
-SELF_ATTENTION = attention_readers("self_attn")
 
 
 def encoder_decoder(model_type: str, class_name: str, *, learned_positions: bool,
@@ -48,12 +45,9 @@ def encoder_decoder(model_type: str, class_name: str, *, learned_positions: bool
         embeddings(f"model.{tables}.weight"),
         # its output is the stream: no reader to fold into; centred in the RMSNorm class
         Norm(M + "{encoder|decoder}.layernorm_embedding"),
-        pre_ln_blocks(M + "encoder.layers", writes="{self_attn.out_proj|fc2}",
-                      self_attn_layer_norm=SELF_ATTENTION, final_layer_norm=linear_reader("fc1")),
+        bart_blocks(M + "encoder.layers"),
         Norm(M + "encoder.layer_norm", output_is_model_output=True),
-        pre_ln_blocks(M + "decoder.layers", writes="{self_attn.out_proj|encoder_attn.out_proj|fc2}",
-                      self_attn_layer_norm=SELF_ATTENTION, encoder_attn_layer_norm=linear_reader("encoder_attn.q_proj"),
-                      final_layer_norm=linear_reader("fc1")),
+        bart_blocks(M + "decoder.layers", cross_attention=True),
         lm_head(M + "decoder.layer_norm", tied_to="model.shared.weight"),
         refuse=only_classes(class_name),
         structure=lambda config: structure,

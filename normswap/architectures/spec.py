@@ -186,15 +186,18 @@ def conv1d_reader(module: str) -> Reader:
     return Reader(module, CONV1D_IN_AXIS)
 
 
-def attention_readers(attention: str, *, key_bias: bool = True) -> tuple[Reader, Reader, Reader]:
-    """``q_proj``, ``k_proj`` and ``v_proj`` of an ``attention`` module reading a norm's output.
+def attention_readers(attention: str, *, bias: bool = True, key_bias: bool | None = None,
+                      rotary: bool = False) -> tuple[Reader, Reader, Reader]:
+    """``q_proj``, ``k_proj`` and ``v_proj`` of an ``attention`` module reading a norm's output;
+    ``bias`` says whether they have bias slots, ``key_bias`` (if given) whether ``k_proj`` has one.
 
-    Keys are marked ``constant_cancels``: the softmax cancels a constant added to every key.
+    Keys are marked ``constant_cancels``: the softmax cancels a constant added to every key. Not
+    with ``rotary`` positions, which turn that constant by position before the scores see it.
     """
     return (
-        linear_reader(f"{attention}.q_proj"),
-        linear_reader(f"{attention}.k_proj", bias=key_bias, constant_cancels=True),
-        linear_reader(f"{attention}.v_proj"),
+        linear_reader(f"{attention}.q_proj", bias=bias),
+        linear_reader(f"{attention}.k_proj", bias=bias if key_bias is None else key_bias, constant_cancels=not rotary),
+        linear_reader(f"{attention}.v_proj", bias=bias),
     )
 
 
@@ -242,24 +245,23 @@ def lm_head(final_norm: str, *, head: str = "lm_head", bias: bool = False, tied_
                   tied=((f"{head}.weight", tied_to),) if tied_to else ())
 
 
+def join(*parts: Wiring | Writer | Norm) -> Wiring:
+    """The piece whose writers, norms and tied pairs are those of ``parts`` in order (a bare
+    ``Writer`` or ``Norm`` is a part of its own)."""
+    pieces = [Wiring(writers=(part,)) if isinstance(part, Writer) else Wiring(norms=(part,))
+              if isinstance(part, Norm) else part for part in parts]
+    return Wiring(writers=tuple(writer for piece in pieces for writer in piece.writers),
+                  norms=tuple(norm for piece in pieces for norm in piece.norms),
+                  tied=tuple(pair for piece in pieces for pair in piece.tied))
+
+
 def assemble(model_types: str | tuple[str, ...], auto_class: str, *parts: Wiring | Writer | Norm,
              **fields: Any) -> Architecture:
-    """The ``Architecture`` whose writers, norms and tied pairs are those of ``parts`` in order (a
-    bare ``Writer`` or ``Norm`` is a part of its own); ``fields`` sets the other fields."""
-    writers: list[Writer] = []
-    norms: list[Norm] = []
-    tied: list[tuple[str, str]] = []
-    for part in parts:
-        if isinstance(part, Writer):
-            part = Wiring(writers=(part,))
-        elif isinstance(part, Norm):
-            part = Wiring(norms=(part,))
-        writers += part.writers
-        norms += part.norms
-        tied += part.tied
+    """The ``Architecture`` made of ``parts`` in order (see ``join``); ``fields`` sets the others."""
+    whole = join(*parts)
     model_types = (model_types,) if isinstance(model_types, str) else model_types
-    return Architecture(model_types=model_types, auto_class=auto_class, writers=tuple(writers),
-                        norms=tuple(norms), tied=tuple(tied), **fields)
+    return Architecture(model_types=model_types, auto_class=auto_class, writers=whole.writers,
+                        norms=whole.norms, tied=whole.tied, **fields)
 
 
 @dataclass(frozen=True)

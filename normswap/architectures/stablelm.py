@@ -11,35 +11,24 @@ RMSNorms exactly (``HeadNorm``); their gains stay.
 
 from __future__ import annotations
 
-from normswap.architectures.spec import (
-    HeadNorm,
-    assemble,
-    embeddings,
-    linear_reader,
-    lm_head,
-    pre_ln_blocks,
-)
+from normswap.architectures.layouts import gated_mlp_readers, llama_layout
+from normswap.architectures.spec import HeadNorm, assemble, attention_readers
 
 H = "model.layers.{layer}"
-_ATTENTION = tuple(linear_reader(f"self_attn.{p}_proj") for p in "qkv")
-_MLP = tuple(linear_reader(f"mlp.{p}_proj", bias=False) for p in ("gate", "up"))
-_HEAD = lm_head("model.norm", tied_to="model.embed_tokens.weight")
+_ATTENTION = attention_readers("self_attn", rotary=True)
+_MLP = gated_mlp_readers("mlp")
+_WRITES = "{self_attn.o_proj|mlp.down_proj}"
 
 
 def _variant(config: dict) -> dict:
     if not config.get("use_parallel_residual", False):
         return {}
-    blocks = pre_ln_blocks("model.layers", writes="{self_attn.o_proj|mlp.down_proj}",
-                           input_layernorm=(*_ATTENTION, *_MLP))
-    return {"norms": (*blocks.norms, *_HEAD.norms)}
+    return {"norms": llama_layout(writes=_WRITES, input_layernorm=(*_ATTENTION, *_MLP)).norms}
 
 
 STABLELM = assemble(
     "stablelm", "AutoModelForCausalLM",
-    embeddings("model.embed_tokens.weight"),
-    pre_ln_blocks("model.layers", writes="{self_attn.o_proj|mlp.down_proj}",
-                  input_layernorm=_ATTENTION, post_attention_layernorm=_MLP),
-    _HEAD,
+    llama_layout(writes=_WRITES, input_layernorm=_ATTENTION, post_attention_layernorm=_MLP),
     head_norms=tuple(HeadNorm(f"{H}.self_attn.{p}_layernorm.norms.{{head}}", f"{H}.self_attn.{p}_proj") for p in "qk"),
     variant=_variant,
     blocks="model.layers",

@@ -7,14 +7,12 @@ writers are the token table, ``self_attn.o_proj`` and ``mlp.c_proj``. Keys are n
 
 from __future__ import annotations
 
-from normswap.architectures.spec import assemble, embeddings, linear_reader, lm_head, pre_ln_blocks
+from normswap.architectures.layouts import llama_layout
+from normswap.architectures.spec import assemble, attention_readers, linear_reader
 
 STARCODER2 = assemble(
     "starcoder2", "AutoModelForCausalLM",
-    embeddings("model.embed_tokens.weight"),
-    pre_ln_blocks("model.layers", writes="{self_attn.o_proj|mlp.c_proj}",
-                  input_layernorm=tuple(linear_reader(f"self_attn.{p}_proj") for p in "qkv"),
-                  post_attention_layernorm=linear_reader("mlp.c_fc")),
-    lm_head("model.norm", tied_to="model.embed_tokens.weight"),
+    llama_layout(writes="{self_attn.o_proj|mlp.c_proj}", input_layernorm=attention_readers("self_attn", rotary=True),
+                 post_attention_layernorm=linear_reader("mlp.c_fc")),
     blocks="model.layers",
 )

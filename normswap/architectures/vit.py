@@ -20,15 +20,8 @@ and β fold into ``pooler.dense`` (which reads the class token), so ``pooler_out
 from __future__ import annotations
 
 from normswap.architectures.facts import COMMON_RENAMES, ModelFacts, StateDict, Unstated, stated
-from normswap.architectures.spec import (
-    Norm,
-    Writer,
-    assemble,
-    attention_readers,
-    linear_reader,
-    only_classes,
-    pre_ln_blocks,
-)
+from normswap.architectures.layouts import vit_encoder
+from normswap.architectures.spec import Norm, assemble, linear_reader, only_classes
 
 P = "{base=vit.|}"  # ViTForImageClassification nests the encoder under ``vit.``
 SUPPORTED_CLASSES = ("ViTModel", "ViTForImageClassification")
@@ -66,10 +59,7 @@ def _facts(config: dict, *, classifier: bool) -> ModelFacts:
 
 VIT = assemble(
     "vit", "AutoModel",
-    Writer(P + "embeddings.{cls_token|mask_token|position_embeddings}", hidden_axis=2),
-    Writer(P + "embeddings.patch_embeddings.projection.{weight|bias}", hidden_axis=0),
-    pre_ln_blocks(P + "layers", writes="{attention.o_proj|mlp.fc2}",
-                  layernorm_before=attention_readers("attention"), layernorm_after=linear_reader("mlp.fc1")),
+    vit_encoder(P + "embeddings", P + "layers", tokens="{cls_token|mask_token|position_embeddings}"),
     # ViTModel: last_hidden_state itself, and the pooler's input (folded by the commuting rotation only)
     Norm("layernorm", (linear_reader("pooler.dense"),), output_is_model_output=True),
     # ViTForImageClassification: read only by the classifier (on the class token)

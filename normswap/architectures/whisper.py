@@ -39,22 +39,19 @@ encoder-only and decoder-only classes read these norms differently.
 from __future__ import annotations
 
 from normswap.architectures.facts import ModelFacts, StateDict, stated
+from normswap.architectures.layouts import bart_blocks
 from normswap.architectures.spec import (
     CENTRE_INPUT,
     Norm,
     assemble,
-    attention_readers,
     embeddings,
-    linear_reader,
     lm_head,
     only_classes,
     pattern,
-    pre_ln_blocks,
 )
 
 M = "{base=model.|}"  # WhisperForConditionalGeneration nests the encoder-decoder under ``model.``
 SUPPORTED_CLASSES = ("WhisperForConditionalGeneration",)
-SELF_ATTENTION = attention_readers("self_attn", key_bias=False)
 ENCODER_FIXED = ("the encoder stream starts as GELU(conv2(...)) + positions, and no stock tensor can rotate a GELU "
                  "output")
 
@@ -92,14 +89,11 @@ def _facts(config: dict) -> ModelFacts:
 
 WHISPER = assemble(
     "whisper", "AutoModelForSpeechSeq2Seq",
-    pre_ln_blocks(M + "encoder.layers", writes="{self_attn.out_proj|fc2}",
-                  self_attn_layer_norm=SELF_ATTENTION, final_layer_norm=linear_reader("fc1")),
+    bart_blocks(M + "encoder.layers", key_bias=False),
     # read by k_proj/v_proj of every decoder layer's encoder_attn, and returned to the user
     Norm(M + "encoder.layer_norm", output_is_model_output=True),
     embeddings(M + "decoder.{embed_tokens|embed_positions}.weight"),
-    pre_ln_blocks(M + "decoder.layers", writes="{self_attn.out_proj|encoder_attn.out_proj|fc2}",
-                  self_attn_layer_norm=SELF_ATTENTION, encoder_attn_layer_norm=linear_reader("encoder_attn.q_proj"),
-                  final_layer_norm=linear_reader("fc1")),
+    bart_blocks(M + "decoder.layers", cross_attention=True, key_bias=False),
     lm_head(M + "decoder.layer_norm", head="proj_out", tied_to="model.decoder.embed_tokens.weight"),
     refuse=only_classes(*SUPPORTED_CLASSES),
     # the encoder stream starts as gelu(conv(...)) + positions: centre it once, explicitly

@@ -9,24 +9,13 @@ needs no such step: every LayerNorm removes the positions' per-token mean.
 
 from __future__ import annotations
 
-from normswap.architectures.spec import (
-    CENTRE_INPUT,
-    assemble,
-    attention_readers,
-    embeddings,
-    linear_reader,
-    lm_head,
-    pattern,
-    pre_ln_blocks,
-)
+from normswap.architectures.layouts import bart_blocks
+from normswap.architectures.spec import CENTRE_INPUT, assemble, embeddings, lm_head, pattern
 
 XGLM = assemble(
     "xglm", "AutoModelForCausalLM",
     embeddings("model.embed_tokens.weight"),
-    pre_ln_blocks("model.layers", writes="{self_attn.out_proj|encoder_attn.out_proj|fc2}",
-                  self_attn_layer_norm=attention_readers("self_attn"),
-                  encoder_attn_layer_norm=linear_reader("encoder_attn.q_proj"),
-                  final_layer_norm=linear_reader("fc1")),
+    bart_blocks("model.layers", cross_attention=True),
     lm_head("model.layer_norm", tied_to="model.embed_tokens.weight"),
     # the stream starts as E[token] + sinusoid(position): centre it once, explicitly
     structure=lambda config: {CENTRE_INPUT: [pattern("model.layers.0")]},

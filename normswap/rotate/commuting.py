@@ -31,8 +31,7 @@ import math
 
 import torch
 
-from normswap.errors import NormswapError
-from normswap.rotate import hadamard, matrices
+from normswap.rotate import matrices
 from normswap.rotate.matrices import Rotation
 from normswap.rotate.options import DEFAULT_FORM, FORMS  # noqa: F401  (re-exported: the forms and the default)
 
@@ -68,13 +67,8 @@ def fixing_one(inner: torch.Tensor) -> torch.Tensor:
 
 def hadamard_rotation(d: int, seed: int) -> Rotation:
     """Q = H·diag(s)·Hᵀ/d with H's first column all ones and seeded signs s, s₁ = +1."""
-    construction = hadamard.describe(d)
-    if construction is None:
-        raise NormswapError(
-            f"no Hadamard matrix of order {d} is constructible here (Sylvester, prime-order Paley and their "
-            "Kronecker products); use --method orthogonal"
-        )
-    h = normalised_hadamard(hadamard.hadamard_matrix(d))
+    h, construction = matrices.constructible_hadamard(d)
+    h = normalised_hadamard(h)
     signs = matrices.random_signs(d, seed)
     signs[0] = 1.0
     matrix = (h * signs) @ h.T / d

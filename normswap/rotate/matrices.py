@@ -101,16 +101,21 @@ def principal_rotation(second_moment: torch.Tensor) -> tuple[torch.Tensor, torch
     return vectors * signs, values
 
 
-def hadamard_rotation(d: int, seed: int) -> Rotation:
-    """Q = diag(s)·H/√d with a Hadamard H of order d and seeded signs s (``randomised_hadamard``)."""
+def constructible_hadamard(d: int) -> tuple[torch.Tensor, str]:
+    """A Hadamard matrix of order ``d`` and how it is constructed; a one-line error when none is."""
     construction = hadamard.describe(d)
     if construction is None:
         raise NormswapError(
             f"no Hadamard matrix of order {d} is constructible here (Sylvester, prime-order Paley and their "
             "Kronecker products); use --method orthogonal"
         )
-    matrix = randomised_hadamard(hadamard.hadamard_matrix(d), seed)
-    return Rotation("hadamard", seed, matrix, f"diag(±1)·H/√d, H = {construction}")
+    return hadamard.hadamard_matrix(d), construction
+
+
+def hadamard_rotation(d: int, seed: int) -> Rotation:
+    """Q = diag(s)·H/√d with a Hadamard H of order d and seeded signs s (``randomised_hadamard``)."""
+    h, construction = constructible_hadamard(d)
+    return Rotation("hadamard", seed, randomised_hadamard(h, seed), f"diag(±1)·H/√d, H = {construction}")
 
 
 def orthogonal_rotation(d: int, seed: int) -> Rotation:
