@@ -16,6 +16,7 @@ import contextlib
 import hashlib
 import io
 import json
+import re
 import shutil
 import sys
 import tempfile
@@ -75,6 +76,11 @@ def hash_family(family: str, work: Path, calibration: Path) -> dict:
     return results
 
 
+def outcome(result: dict) -> tuple[int, str]:
+    """A command's exit code and error line, less the name of the temporary traceback file."""
+    return result["exit"], re.sub(r"normswap-traceback-\w+\.txt", "normswap-traceback-*.txt", result["error"])
+
+
 def compare(before: Path, after: Path) -> int:
     a, b = json.loads(before.read_text()), json.loads(after.read_text())
     compared = identical = 0
@@ -82,7 +88,7 @@ def compare(before: Path, after: Path) -> int:
     for family in sorted(set(a) | set(b)):
         for command in sorted(set(a.get(family, {})) | set(b.get(family, {}))):
             x, y = a.get(family, {}).get(command), b.get(family, {}).get(command)
-            if x is None or y is None or (x["exit"], x["error"]) != (y["exit"], y["error"]):
+            if x is None or y is None or outcome(x) != outcome(y):
                 problems.append(f"{family} {command}: outcome differs: {x and x['exit']} vs {y and y['exit']}")
                 continue
             for name in sorted(set(x["files"]) | set(y["files"])):

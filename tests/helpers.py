@@ -87,6 +87,15 @@ def causal_logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids).logits.double()
 
 
+@torch.no_grad()
+def vision_outputs(model: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+    """A vision model's logits, or (without a classifier) its last hidden state and pooled output."""
+    outputs = model(pixel_values=pixels.to(model.dtype))
+    if getattr(outputs, "logits", None) is not None:
+        return outputs.logits.double()
+    return torch.cat([outputs.last_hidden_state.double().flatten(), outputs.pooler_output.double().flatten()])
+
+
 def assert_no_layer_norm(model: nn.Module) -> None:
     layer_norms = [name for name, module in model.named_modules() if isinstance(module, nn.LayerNorm)]
     assert not layer_norms, f"LayerNorm modules left: {layer_norms[:3]}"

@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 import transformers as T
-from helpers import assert_no_layer_norm, check_exact, load, make_hard, save
+from helpers import assert_no_layer_norm, check_exact, load, make_hard, save, vision_outputs
 from safetensors.torch import load_file
 
 import normswap
@@ -122,14 +122,6 @@ def pixels(size=16):
     return torch.randn(2, 3, size, size, generator=generator())
 
 
-@torch.no_grad()
-def vit_outputs(model, inputs):
-    outputs = model(pixel_values=inputs.to(model.dtype))
-    if getattr(outputs, "logits", None) is not None:
-        return outputs.logits.double()
-    return torch.cat([outputs.last_hidden_state.double().flatten(), outputs.pooler_output.double().flatten()])
-
-
 @pytest.mark.parametrize(
     ("model_class", "auto", "fold_gains"),
     [pytest.param(T.ViTModel, "AutoModel", False, marks=pytest.mark.slow),
@@ -139,7 +131,7 @@ def vit_outputs(model, inputs):
 )
 def test_vit_is_exact(tmp_path, model_class, auto, fold_gains):
     src = tiny(tmp_path, model_class, T.ViTConfig(**VIT, num_labels=3), "vit")
-    errors = check_exact(src, tmp_path, forward=vit_outputs, inputs=pixels(), auto=auto, fold_gains=fold_gains)
+    errors = check_exact(src, tmp_path, forward=vision_outputs, inputs=pixels(), auto=auto, fold_gains=fold_gains)
     assert max(error for (dtype, _), error in errors.items() if dtype == "float64") < 1e-9
     out = tmp_path / f"vit-float64-{'fold' if fold_gains else 'plain'}"
     config = json.loads((out / "config.json").read_text())

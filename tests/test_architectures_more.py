@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers as T
-from helpers import check_exact, make_hard, save, token_ids
+from helpers import check_exact, make_hard, save, token_ids, vision_outputs
 
 from normswap.modeling.remote import layer_norm_like
 
@@ -116,14 +116,6 @@ VISION = {
     "beit-layerscale": (T.BeitForImageClassification, CLASSIFY, lambda: T.BeitConfig(
         **VIT_LIKE, intermediate_size=37, num_labels=3, layer_scale_init_value=0.3, use_relative_position_bias=True)),
 }
-
-
-@torch.no_grad()
-def vision_outputs(model, pixels):
-    outputs = model(pixel_values=pixels.to(model.dtype))
-    if getattr(outputs, "logits", None) is not None:
-        return outputs.logits.double()
-    return torch.cat([outputs.last_hidden_state.double().flatten(), outputs.pooler_output.double().flatten()])
 
 
 @torch.no_grad()

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 import transformers as T
-from helpers import causal_logits, load, make_hard, save, token_ids
+from helpers import load, make_hard, save, token_ids
 from safetensors.torch import load_file
-from test_architectures_causal import CASES, FP64_TOL, QUICK, VOCAB, _family
+from test_architectures_causal import VOCAB, _family
 from test_architectures_encoders import (
     CLIP_TEXT,
     CLIP_VISION,
@@ -29,7 +29,7 @@ from test_architectures_encoders import (
     whisper_logits,
 )
 from test_bad_input import assert_one_line_error, run_cli
-from test_rotate import CALIBRATION, _first_of_each_family, make_source
+from test_rotate import CALIBRATION, make_source, method_params, rotated_runs
 
 from normswap.api import rotate_checkpoint
 from normswap.rotate import commuting
@@ -80,48 +80,22 @@ def test_pca_orders_the_complement_by_variance():
 # Causal families: stock class, no remote code
 
 
-def _params():
-    for case in CASES:
-        if _family(case) == "bloom":
-            continue
-        yield pytest.param(case, "hadamard", id=f"{case}-hadamard", marks=() if case in QUICK else pytest.mark.slow)
-        marks = () if case == "opt-projected" else pytest.mark.slow
-        yield pytest.param(case, "orthogonal", id=f"{case}-orthogonal", marks=marks)
-        yield pytest.param(case, "pca", id=f"{case}-pca", marks=marks)
-
-
-def check_stock_rotation(src: Path, out: Path, method: str, family: str, *, fp32: bool) -> None:
-    ids = token_ids(VOCAB)
-    reference = causal_logits(load(src, "original", torch.float64), ids)
-    scale = max(1.0, float(reference.abs().max()))
-    runs = [(torch.float64, FP64_TOL.get(family, 1e-9), "none")] + ([(torch.float32, 1e-4, "auto")] if fp32 else [])
-    for dtype, tolerance, verification in runs:
-        target = out.with_name(f"{out.name}-{str(dtype).removeprefix('torch.')}")
-        block = rotate_checkpoint(src, target, method=method, seed=3, dtype=dtype, verification=verification,
-                                  calibration=CALIBRATION if method == "pca" else None)
-        if verification != "none":
-            assert block["verification"]["passed"], block["verification"]
-            assert list(block["verification"]["loaders"]) == ["stock"]
-        model = load(target, "stock", dtype)  # no trust_remote_code
+@pytest.mark.parametrize(("case", "method"), list(method_params(every_method="opt-projected", skip_family="bloom")))
+def test_commuting_rotation_is_exact_in_the_stock_class(tmp_path, case, method):
+    for run in rotated_runs(tmp_path, case, method, form="commuting"):
+        if run.dtype == torch.float32:  # the verified run
+            assert list(run.block["verification"]["loaders"]) == ["stock"]
+        model = load(run.target, "stock", run.dtype)  # no trust_remote_code
         layer_norms = [m for m in model.modules() if isinstance(m, torch.nn.LayerNorm)]  # stock modules kept
         assert layer_norms and all(m.weight is None or torch.equal(m.weight, torch.ones_like(m.weight))
                                    for m in layer_norms)
-        error = float((causal_logits(model, ids) - reference).abs().max())
-        assert error <= tolerance * scale, f"{dtype}: max |Δ| = {error:.3g}"
-        config = json.loads((target / "config.json").read_text())
-        assert config["model_type"] == family and "auto_map" not in config
+        assert run.error(model) <= 1, f"{run.dtype}: max |Δ| is {run.error(model):.3g} of the tolerance"
+        config = json.loads((run.target / "config.json").read_text())
+        assert config["model_type"] == _family(case) and "auto_map" not in config
         rotation = config["normswap"]["rotation"]
         assert rotation["form"] == "commuting" and rotation["centred"] is False and rotation["method"] == method
         assert config["normswap"]["stock_loadable"] and config["normswap"]["writers_centred"] == 0
-        assert commuting.commutes_with_centring(load_rotation(target))
-
-
-@pytest.mark.parametrize(("case", "method"), list(_params()))
-def test_commuting_rotation_is_exact_in_the_stock_class(tmp_path, case, method):
-    pca = method == "pca"
-    src = make_source(tmp_path, case, vocab=2048 if pca else VOCAB, tokenizer=pca)
-    check_stock_rotation(src, tmp_path / "rotated", method, _family(case),
-                         fp32=method == "hadamard" and case in _first_of_each_family())
+        assert commuting.commutes_with_centring(load_rotation(run.target))
 
 
 def test_folded_source_rotates_into_both_classes(tmp_path):
@@ -172,12 +146,17 @@ def _tiny(tmp_path: Path, model: torch.nn.Module, name: str) -> Path:
     return save(make_hard(model).eval(), tmp_path / name)
 
 
+def _rotated(tmp_path: Path, model: torch.nn.Module, name: str, method: str) -> tuple[Path, Path, dict]:
+    """``model`` made hard, saved as ``name`` and rotated by ``method`` with float64 weights,
+    verified in full: the source, the output and the provenance block."""
+    src, out = _tiny(tmp_path, model, name), tmp_path / "rotated"
+    return src, out, rotate_checkpoint(src, out, method=method, dtype=torch.float64, verification="full")
+
+
 @pytest.mark.parametrize("method", ["hadamard", pytest.param("orthogonal", marks=pytest.mark.slow)])
 def test_whisper_decoder_rotates_encoder_stays(tmp_path, method):
     torch.manual_seed(0)
-    src = _tiny(tmp_path, T.WhisperForConditionalGeneration(T.WhisperConfig(**WHISPER)), "whisper")
-    out = tmp_path / "rotated"
-    block = rotate_checkpoint(src, out, method=method, dtype=torch.float64, verification="full")
+    src, out, block = _rotated(tmp_path, T.WhisperForConditionalGeneration(T.WhisperConfig(**WHISPER)), "whisper", method)
     assert block["verification"]["passed"] and list(block["verification"]["loaders"]) == ["stock"]
     inputs = whisper_inputs()
     auto = "AutoModelForSpeechSeq2Seq"
@@ -194,9 +173,7 @@ def test_whisper_decoder_rotates_encoder_stays(tmp_path, method):
 @pytest.mark.parametrize("method", ["hadamard", pytest.param("orthogonal", marks=pytest.mark.slow)])
 def test_vit_rotates_and_says_which_output_is_rotated(tmp_path, method):
     torch.manual_seed(0)
-    src = _tiny(tmp_path, T.ViTModel(T.ViTConfig(**VIT)), "vit")
-    out = tmp_path / "rotated"
-    block = rotate_checkpoint(src, out, method=method, dtype=torch.float64, verification="full")
+    src, out, block = _rotated(tmp_path, T.ViTModel(T.ViTConfig(**VIT)), "vit", method)
     assert block["verification"]["passed"] and block["rotation"]["rotated_outputs"] == {"last_hidden_state": "layernorm"}
     original, rotated = load(src, "original", torch.float64, "AutoModel"), load(out, "stock", torch.float64, "AutoModel")
     with torch.no_grad():
@@ -221,9 +198,7 @@ def _clip_inputs() -> dict:
 def test_clip_text_tower_rotates_vision_tower_stays(tmp_path, method):
     torch.manual_seed(0)
     model = T.CLIPModel(T.CLIPConfig(text_config=CLIP_TEXT, vision_config=CLIP_VISION, projection_dim=24))
-    src = _tiny(tmp_path, model, "clip")
-    out = tmp_path / "rotated"
-    block = rotate_checkpoint(src, out, method=method, dtype=torch.float64, verification="full")
+    src, out, block = _rotated(tmp_path, model, "clip", method)
     assert block["verification"]["passed"]
     original, rotated = load(src, "original", torch.float64, "AutoModel"), load(out, "stock", torch.float64, "AutoModel")
     with torch.no_grad():

@@ -284,6 +284,14 @@ def _unbind(target: Path) -> None:
     subprocess.run(["umount", str(target)], capture_output=True)
 
 
+def _tree(root: Path, files: dict[str, str]) -> Path:
+    """``root`` holding ``files``, each a path relative to it and its text."""
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
 def test_overwrite_refuses_an_output_holding_a_bind_mount(source, converted, tmp_path, capsys):
     src = copy_source(source, tmp_path)
     out = tmp_path / "out"
@@ -303,12 +311,8 @@ def test_overwrite_refuses_an_output_holding_a_bind_mount(source, converted, tmp
 def test_remove_tree_leaves_a_mount_in_place(tmp_path):
     from normswap.checkpoint.removal import remove_tree
 
-    kept = tmp_path / "kept"
-    kept.mkdir()
-    (kept / "precious").write_text("x")
-    root = tmp_path / "root"
-    (root / "a").mkdir(parents=True)
-    (root / "a" / "file").write_text("y")
+    kept = _tree(tmp_path / "kept", {"precious": "x"})
+    root = _tree(tmp_path / "root", {"a/file": "y"})
     if not _bind(kept, root / "a" / "mnt"):
         pytest.skip("bind mounts need root here")
     try:
@@ -322,14 +326,9 @@ def test_remove_tree_leaves_a_mount_in_place(tmp_path):
 def test_remove_tree_stays_on_its_device_and_never_follows_links(tmp_path, monkeypatch):
     from normswap.checkpoint import removal
 
-    outside = tmp_path / "outside"
-    outside.mkdir()
-    (outside / "precious").write_text("x")
-    root = tmp_path / "root"
-    (root / "other-device").mkdir(parents=True)
-    (root / "other-device" / "data").write_text("z")
+    outside = _tree(tmp_path / "outside", {"precious": "x"})
+    root = _tree(tmp_path / "root", {"other-device/data": "z", "plain": "y"})
     (root / "link").symlink_to(outside)
-    (root / "plain").write_text("y")
     real_stat = os.stat
 
     def stat(path, *args, **kwargs):

@@ -2,9 +2,9 @@
 
 A family whose model class lays its modules out as another's declares what differs (the module
 names of its writers and readers, the final norm) and takes the rest from here: a causal LM's
-tables, blocks and head (``decoder``, with LlamaForCausalLM's and GPT-2's names), the block as
-Megatron-LM names it, the gated MLP's readers, the BART
-lineage's blocks (``bart_blocks``) and ViT's encoder (``vit_encoder``).
+tables, blocks and head (``decoder``; ``llama_layout`` and ``gpt2_layout`` with those classes'
+names), the block as Megatron-LM names it, a gated MLP's readers, the BART lineage's blocks
+(``bart_blocks``) and ViT's encoder (``vit_encoder``).
 """
 
 from __future__ import annotations
@@ -75,15 +75,15 @@ def bart_blocks(layers: str, *, cross_attention: bool = False, key_bias: bool = 
                          **cross, final_layer_norm=linear_reader("fc1"))
 
 
-def vit_encoder(embeddings: str, layers: str, *, tokens: str, norms: tuple[str, str] = ("layernorm_before",
-                "layernorm_after"), key_bias: bool = True) -> Wiring:
-    """ViT's encoder: the ``tokens`` of ``embeddings`` (the class token, the position table...:
-    [1, n, d], hidden axis 2), the patch-embedding conv (weight [d, C, p, p] and bias [d], hidden
-    axis 0), and the pre-LN blocks ``{layers}.{layer}``, whose first norm feeds the attention's
-    q/k/v_proj and second ``mlp.fc1``; ``attention.o_proj`` and ``mlp.fc2`` write."""
+def vit_encoder(stem: str, layers: str, *, tokens: str, key_bias: bool = True,
+                norms: tuple[str, str] = ("layernorm_before", "layernorm_after")) -> Wiring:
+    """ViT's encoder: the ``tokens`` of the embeddings module ``stem`` (the class token, the
+    position table...: [1, n, d], hidden axis 2), its patch-embedding conv (weight [d, C, p, p] and
+    bias [d], hidden axis 0), and the pre-LN blocks ``{layers}.{layer}``, whose first norm feeds
+    the attention's q/k/v_proj and second ``mlp.fc1``; ``attention.o_proj`` and ``mlp.fc2`` write."""
     before, after = norms
-    return join(Writer(f"{embeddings}.{tokens}", hidden_axis=2),
-                Writer(f"{embeddings}.patch_embeddings.projection.{{weight|bias}}", hidden_axis=0),
+    return join(Writer(f"{stem}.{tokens}", hidden_axis=2),
+                Writer(f"{stem}.patch_embeddings.projection.{{weight|bias}}", hidden_axis=0),
                 pre_ln_blocks(layers, writes="{attention.o_proj|mlp.fc2}",
                               **{before: attention_readers("attention", key_bias=key_bias),
                                  after: linear_reader("mlp.fc1")}))
