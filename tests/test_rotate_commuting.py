@@ -32,7 +32,7 @@ from test_bad_input import assert_one_line_error, run_cli
 from test_rotate import CALIBRATION, make_source, method_params, rotated_runs
 
 from normswap.api import rotate_checkpoint
-from normswap.rotate import commuting
+from normswap.rotate import commuting, hadamard
 from normswap.rotate.matrices import load_rotation
 
 # ---------------------------------------------------------------------------------------------
@@ -58,7 +58,7 @@ def test_every_construction_is_orthogonal_and_fixes_one(d):
 
 
 def test_commuting_hadamard_spreads_and_seeds_differ():
-    h = commuting.normalised_hadamard(commuting.hadamard.hadamard_matrix(12))
+    h = commuting.normalised_hadamard(hadamard.hadamard_matrix(12))
     assert torch.equal(h[:, 0], torch.ones(12, dtype=torch.float64))
     assert torch.equal(h @ h.T, 12 * torch.eye(12, dtype=torch.float64))
     first, second = commuting.hadamard_rotation(64, 0).matrix, commuting.hadamard_rotation(64, 1).matrix
