@@ -20,9 +20,11 @@ from torch import nn
 import normswap
 from normswap.architectures import architecture_for
 from normswap.checkpoint.source import CheckpointReader, read_config
+from normswap.convert.planning import plan_conversion
 from normswap.runtime.lockstep import SharedReads, run_in_lockstep
 from normswap.verify.compare import compare_by_sequence, compare_outputs
 from normswap.verify.layerwise import compare_layerwise
+from normswap.verify.proof import prove_weights
 
 SMALL = {"vocab_size": 61, "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 1}
 FAMILIES = {
@@ -84,6 +86,31 @@ def test_each_shared_weight_is_read_once(tmp_path, monkeypatch):
     assert apart and set(together) == set(apart)
     weights = [name for name in apart if name.endswith("c_attn.weight") or name.endswith("c_fc.weight")]
     assert len(weights) == 6 and all(apart[name] == 2 and together[name] == 1 for name in weights)
+
+
+def test_a_weight_both_checkpoints_hold_is_read_once_for_all_models(tmp_path, monkeypatch):
+    src, out, architecture = _converted(tmp_path, "gpt2", fold_gains=False)
+    identical: dict[str, str] = {}
+    with CheckpointReader(src) as reader:
+        plan = plan_conversion(src, read_config(src), reader, method="exact", fold_gains=False, dtype=None,
+                               build_class=False)[1]
+    prove_weights(src, out, plan, identical)
+    reads: Counter[tuple[str, str]] = Counter()
+    read_as = CheckpointReader.read_as
+
+    def counted(self, name, dtype):
+        reads["src" if self.path == src else "out", name] += 1
+        return read_as(self, name, dtype)
+
+    monkeypatch.setattr(CheckpointReader, "read_as", counted)
+    _, alone = compare_layerwise(src, out, architecture, stock_loadable=True, passes=lambda figures: True)
+    reads.clear()
+    _, shared = compare_layerwise(src, out, architecture, stock_loadable=True, passes=lambda figures: True,
+                                  identical=identical)
+    assert shared == alone  # the same float32 values, so every figure bit for bit
+    kept = [name for name in identical if name.endswith(("c_attn.weight", "c_fc.weight"))]
+    assert len(kept) == 6 and all(reads["src", name] == 1 and reads["out", name] == 0 for name in kept)
+    assert reads["out", "transformer.h.0.attn.c_proj.weight"] == 1  # a centred writer is the conversion's own
 
 
 def test_a_failing_load_is_teacher_forced_alone(tmp_path):

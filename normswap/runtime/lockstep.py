@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TypeVar
 
@@ -35,14 +35,14 @@ class SharedReads:
     expected of is kept from its first read until its last, then dropped."""
 
     def __init__(self) -> None:
-        self.expected: Counter[str] = Counter()
-        self.kept: dict[str, list] = {}  # source -> [tensor, reads still to come]
+        self.expected: Counter[Hashable] = Counter()
+        self.kept: dict[Hashable, list] = {}  # source -> [tensor, reads still to come]
         self.lock = threading.Lock()
 
-    def expect(self, sources: Iterable[str]) -> None:
+    def expect(self, sources: Iterable[Hashable]) -> None:
         self.expected.update(sources)
 
-    def get(self, source: str, read: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def get(self, source: Hashable, read: Callable[[], torch.Tensor]) -> torch.Tensor:
         with self.lock:
             entry = self.kept.get(source)
             if entry is None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -133,10 +133,11 @@ class Float32Weights(Mapping):
     parameter missing from the checkpoint (GPT-2's head) reads the tensor it is tied to.
     """
 
-    def __init__(self, model: nn.Module, reader: CheckpointReader, shared: SharedReads | None = None) -> None:
+    def __init__(self, model: nn.Module, reader: CheckpointReader, shared: SharedReads | None = None,
+                 shared_key: Callable[[str], Hashable] = str) -> None:
         from accelerate.utils import find_tied_parameters
 
-        self.reader, self.shared = reader, shared
+        self.reader, self.shared, self.shared_key = reader, shared, shared_key
         model_keys = set(model.state_dict().keys())
         names = canonical_names(list(reader.tensors), model_keys, model.base_model_prefix,
                                 build.checkpoint_renamer(model))
@@ -150,12 +151,12 @@ class Float32Weights(Mapping):
         if missing:
             raise NormswapError(f"{reader.path} has no weight for {missing[0]}")
         if shared is not None:
-            shared.expect(self.sources.values())
+            shared.expect(shared_key(source) for source in self.sources.values())
 
     def __getitem__(self, name: str) -> torch.Tensor:
         source = self.sources[name]
         if self.shared is not None:
-            return self.shared.get(source, lambda: self._read(source))
+            return self.shared.get(self.shared_key(source), lambda: self._read(source))
         return self._read(source)
 
     def _read(self, source: str) -> torch.Tensor:
@@ -278,17 +279,18 @@ class Unsupported(Exception):
 
 @contextmanager
 def dispatched(model: nn.Module, checkpoint: Path, blocks_path: str, device: torch.device,
-               shared: SharedReads | None = None) -> Iterator[nn.Module]:
+               shared: SharedReads | None = None, shared_key: Callable[[str], Hashable] = str) -> Iterator[nn.Module]:
     """``model`` with accelerate hooks that load each unit's weights from ``checkpoint`` when it
     runs (onto ``device``) and drop them when it is done; with ``shared``, a weight another
-    dispatched model also reads is read once for both (``lockstep``)."""
+    dispatched model also reads is read once for both (``lockstep``): weights are shared under
+    ``shared_key(name in the checkpoint)``, so two checkpoints can share a tensor they both hold."""
     from accelerate import dispatch_model
     from accelerate.hooks import remove_hook_from_module
 
     map_large_allocations()
     release_memory(collect=False)
     with CheckpointReader(checkpoint) as reader:
-        weights = Float32Weights(model, reader, shared)
+        weights = Float32Weights(model, reader, shared, shared_key)
         stream_vocabulary(model, weights, device)
         with _quiet():
             dispatch_model(model, device_map=device_map_for(model, blocks_path), main_device=str(device),

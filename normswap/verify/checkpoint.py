@@ -72,7 +72,8 @@ def verify_checkpoint(original: str | Path, converted: str | Path, *, atol: floa
                               trust_remote_code=trust_remote_code, reference_config=configs[0],
                               rotated_config=configs[1], proof=proof)
     atol, rtol = tolerance(provenance, atol, rtol)
-    proven = _prove_converted(original_dir, converted_dir, provenance, configs[0], plan) if proof else None
+    identical: dict[str, str] = {}  # tensors the forward passes may read once for both checkpoints
+    proven = _prove_converted(original_dir, converted_dir, provenance, configs[0], plan, identical) if proof else None
     del plan
     original_config = configs[0]
     probe, loaders, mode, note = run_comparison(
@@ -81,7 +82,7 @@ def verify_checkpoint(original: str | Path, converted: str | Path, *, atol: floa
                                                 original_dir, dtype=torch.float32),
         stock_loadable=provenance.stock_loadable, trust_remote_code=trust_remote_code,
         layerwise=verification_mode(original_dir, architecture, layerwise), quiet=quiet, tolerance=(atol, rtol),
-        configs=configs,
+        configs=configs, identical=identical,
     )
     return summarise(probe, loaders, atol=atol, rtol=rtol, mode=mode, note=note,
                      method=provenance.method, paths=(original_dir, converted_dir),
@@ -103,11 +104,11 @@ def prove_checkpoint(original: str | Path, converted: str | Path, *, plan: Conve
 
 
 def _prove_converted(original_dir: Path, converted_dir: Path, provenance: Provenance, original_config: dict,
-                     plan: ConversionPlan | None) -> dict:
+                     plan: ConversionPlan | None, identical: dict[str, str] | None = None) -> dict:
     if plan is None:
         plan = weights.rebuilt_conversion_plan(original_dir, original_config, provenance.options,
                                                stored_tensors(converted_dir))
-    return weights.prove_weights(original_dir, converted_dir, plan)
+    return weights.prove_weights(original_dir, converted_dir, plan, identical)
 
 
 def prove_rotated(reference: str | Path, rotated: str | Path, *, plan: ConversionPlan | None = None,
@@ -215,7 +216,7 @@ def run_comparison(reference_dir: Path, converted_dir: Path, architecture: Archi
                    stream_map: by_layer.StreamMap = by_layer.centred64,
                    tolerance: tuple[float, float] | None = None,
                    configs: tuple[dict | None, dict | None] = (None, None), rmsnorm_form: bool = True,
-                   skip: frozenset[str] = frozenset(),
+                   skip: frozenset[str] = frozenset(), identical: dict[str, str] | None = None,
                    ) -> tuple[Probe, dict[str, dict], str, str | None]:
     """(probe, figures per loader, mode, note): block by block when ``layerwise`` (a
     ``verification_mode`` answer) says so and the model allows it, else whole models.
@@ -223,7 +224,9 @@ def run_comparison(reference_dir: Path, converted_dir: Path, architecture: Archi
     With ``tolerance`` (atol, rtol), a block-by-block run teacher-forces only the loads that fail
     it (``layerwise.compare_layerwise``). ``configs``: the two config.json files, already read.
     Without ``rmsnorm_form`` only the stock class loads the checkpoint (an uncentred stream, which no
-    RMSNorm class computes); outputs in ``skip`` are not compared."""
+    RMSNorm class computes); outputs in ``skip`` are not compared. ``identical``: tensors the
+    weights proof found byte-identical in both checkpoints (converted name -> original name),
+    which a block-by-block run reads once for both."""
     rms_how = ("remote" if trust_remote_code else "rmsnorm") if rmsnorm_form else None
     mode, note = layerwise
     refused = refusals(converted_dir, stock_loadable, configs[1])
@@ -234,7 +237,8 @@ def run_comparison(reference_dir: Path, converted_dir: Path, architecture: Archi
                                                          rms_how=rms_how, stream_map=stream_map,
                                                          passes=None if tolerance is None else
                                                          partial(within_tolerance, atol=tolerance[0],
-                                                                 rtol=tolerance[1]), configs=configs)
+                                                                 rtol=tolerance[1]), configs=configs,
+                                                         identical=identical)
             return probe, {**refused, **compared}, mode, note
         except Unsupported as error:
             mode, note = "full", f"layer by layer unavailable ({error}); compared whole models"

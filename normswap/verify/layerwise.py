@@ -19,7 +19,7 @@ RMSNorm forms run in lockstep on shared weight reads (``lockstep``), each of the
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -100,9 +100,10 @@ def _hooks(handles: list) -> Iterator[None]:
 
 @torch.no_grad()
 def trace_original(model: nn.Module, blocks: nn.ModuleList, inputs: dict,
-                   step: Callable[[], None] | None = None) -> Trace:
-    """Run the original on ``inputs``, recording the stream around every block."""
-    trace = Trace()
+                   step: Callable[[], None] | None = None, trace: Trace | None = None) -> Trace:
+    """Run the original on ``inputs``, recording the stream around every block (into ``trace``
+    when given: a lockstep run reads it while it fills)."""
+    trace = Trace() if trace is None else trace
     pending: list[torch.Tensor] = []  # the last block output, until the next block's input is seen
     done = [0]
 
@@ -114,8 +115,12 @@ def trace_original(model: nn.Module, blocks: nn.ModuleList, inputs: dict,
         trace.inputs.append(stream)
 
     def record_out(module, args, output):
-        pending.append(_stream_out(output).detach().float().cpu())
+        stream = _stream_out(output).detach().float().cpu()
         done[0] += 1
+        if done[0] == len(blocks):
+            trace.outputs[len(blocks) - 1] = stream
+        else:
+            pending.append(stream)
         if step is not None:
             step()
 
@@ -125,7 +130,6 @@ def trace_original(model: nn.Module, blocks: nn.ModuleList, inputs: dict,
         trace.logits = model(**inputs, use_cache=False).logits.float().cpu()
     if done[0] != len(blocks) or len(trace.inputs) != len(blocks):
         raise NormswapError(f"{done[0]} of {len(blocks)} blocks ran once; cannot compare layer by layer")
-    trace.outputs[len(blocks) - 1] = pending[0]
     return trace
 
 
@@ -152,14 +156,11 @@ def trace_converted(model: nn.Module, blocks: nn.ModuleList, inputs: dict, origi
 
         return hook
 
-    def compare(index: int):
+    outputs: dict[int, torch.Tensor] = {}  # compared once the run is over: the original may run beside it
+
+    def record(index: int):
         def hook(module, args, output):
-            out = _stream_out(output).double().cpu()
-            reference = stream_map(original.output(index))
-            figures = {"layer": index, "max_abs_diff": float((out[:batch] - reference).abs().max())}
-            if teacher_forced:
-                figures["block_max_abs_diff"] = float((out[batch:] - reference).abs().max())
-            layers.append({**figures, "max_abs_reference": float(reference.abs().max())})
+            outputs[index] = _stream_out(output).double().cpu()
             if step is not None:
                 step()
 
@@ -167,9 +168,15 @@ def trace_converted(model: nn.Module, blocks: nn.ModuleList, inputs: dict, origi
 
     handles = [block.register_forward_pre_hook(force(i), with_kwargs=True) for i, block in enumerate(blocks)
                ] if teacher_forced else []
-    handles += [block.register_forward_hook(compare(i)) for i, block in enumerate(blocks)]
+    handles += [block.register_forward_hook(record(i)) for i, block in enumerate(blocks)]
     with _hooks(handles):
         logits = model(**run, use_cache=False).logits[:batch].float().cpu()
+    for index in sorted(outputs):
+        out, reference = outputs.pop(index), stream_map(original.output(index))
+        figures = {"layer": index, "max_abs_diff": float((out[:batch] - reference).abs().max())}
+        if teacher_forced:
+            figures["block_max_abs_diff"] = float((out[batch:] - reference).abs().max())
+        layers.append({**figures, "max_abs_reference": float(reference.abs().max())})
     return layers, logits
 
 
@@ -235,6 +242,38 @@ def _turns(model: nn.Module, blocks_path: str) -> list[nn.Module]:
     return [*model.get_submodule(blocks_path), *([head] if isinstance(head, nn.Module) else [])]
 
 
+def _beside_original(original: nn.Module, original_dir: Path, converted: _Converted, runs: list[tuple[str, str]],
+                     identical: Mapping[str, str]) -> list[tuple]:
+    """(label, per-block figures, logits) for each load, run free in lockstep with the original,
+    whose trace fills ``converted.original`` as it runs. A weight the conversion holds byte for
+    byte as the original does (``identical``: converted name -> original name, as the weights
+    proof found) is read and converted once for all the models."""
+    models = [converted.load(how) for _, how in runs]
+    shared = SharedReads()
+
+    def original_key(name: str) -> tuple[str, str]:
+        return "original", name
+
+    def converted_key(name: str) -> tuple[str, str]:
+        return ("original", identical[name]) if name in identical else ("converted", name)
+
+    with ExitStack() as stack:
+        stack.enter_context(dispatched(original, original_dir, converted.blocks_path, converted.device, shared,
+                                       original_key))
+        for model in models:
+            stack.enter_context(dispatched(model, converted.path, converted.blocks_path, converted.device, shared,
+                                           converted_key))
+        blocks = original.get_submodule(converted.blocks_path)
+        results = run_in_lockstep(
+            [partial(trace_original, original, blocks, converted.inputs, converted.step, converted.original),
+             *[partial(converted.run, model, False) for model in models]],
+            [_turns(original, converted.blocks_path), *[_turns(model, converted.blocks_path) for model in models]])
+        shared.clear()
+    del models, results[0]
+    release_memory()
+    return [(label, layers, logits) for (label, _), (layers, logits) in zip(runs, results, strict=True)]
+
+
 def _together(converted: _Converted, runs: list[tuple[str, str]], teacher_forced: bool) -> Iterator[tuple]:
     """(label, per-block figures, logits) for each load, all run in lockstep on shared weight reads."""
     models = [converted.load(how) for _, how in runs]
@@ -255,14 +294,17 @@ def _together(converted: _Converted, runs: list[tuple[str, str]], teacher_forced
 def compare_layerwise(original_dir: Path, converted_dir: Path, architecture: Architecture, *,
                       stock_loadable: bool, quiet: bool = True, rms_how: str | None = "rmsnorm",
                       stream_map: StreamMap = centred64, passes: Judge | None = None,
-                      shared_reads: bool = True,
-                      configs: tuple[dict | None, dict | None] = (None, None)) -> tuple[Probe, dict[str, dict]]:
+                      shared_reads: bool = True, configs: tuple[dict | None, dict | None] = (None, None),
+                      identical: Mapping[str, str] | None = None) -> tuple[Probe, dict[str, dict]]:
     """The probe and, per load of the converted checkpoint (``loaders.loader_runs``), the logit
     figures plus per-block figures and the worst layer.
 
     ``stream_map`` turns the original's stream into the one the converted model must carry.
     With ``shared_reads`` the loads run in lockstep, each block's weights read and converted once
-    for all of them (``lockstep``); the figures are those of separate runs, bit for bit.
+    for all of them (``lockstep``); the figures are those of separate runs, bit for bit. With
+    ``passes`` too, the original runs in the same lockstep, and a tensor the conversion holds byte
+    for byte as the original does (``identical``: converted name -> original name, as the weights
+    proof found) is read once for every model.
 
     With ``passes`` (the verdict on a loader's logit figures), the loads run free only: the
     verdict rests on the free run's logits alone, and the teacher-forced half only says which
@@ -273,7 +315,7 @@ def compare_layerwise(original_dir: Path, converted_dir: Path, architecture: Arc
     load runs teacher-forced too. Raises ``Unsupported`` when the model cannot be run this way.
     ``configs``: the two checkpoints' config.json files, when the caller has read them.
     """
-    device = execution_device()
+    device, identical = execution_device(), identical or {}
     original = original_model(original_dir, architecture, configs[0])
     found = find_blocks(original, architecture.blocks)
     if found is None:
@@ -289,15 +331,19 @@ def compare_layerwise(original_dir: Path, converted_dir: Path, architecture: Arc
         release_memory(collect=False)
 
     try:
-        with dispatched(original, original_dir, blocks_path, device):
-            trace = trace_original(original, blocks, inputs, step)
-        del original, blocks
-        release_memory()
+        trace = Trace()
         converted = _Converted(converted_dir, architecture, blocks_path, device, inputs, trace, step, stream_map,
                                configs[1])
-        run_all = _together if shared_reads and len(runs) > 1 else _one_by_one
+        if shared_reads and passes is not None:
+            results = _beside_original(original, original_dir, converted, runs, identical)
+        else:
+            with dispatched(original, original_dir, blocks_path, device):
+                trace_original(original, blocks, inputs, step, trace)
+            run_all = _together if shared_reads and len(runs) > 1 else _one_by_one
+            results = run_all(converted, runs, teacher_forced=passes is None)
+        del original, blocks
         loaders: dict[str, dict] = {}
-        for label, layers, logits in run_all(converted, runs, teacher_forced=passes is None):
+        for label, layers, logits in results:
             figures = compare_by_sequence(trace.logits, logits, probe.inputs.get("input_ids"))
             if passes is not None and not passes(figures):
                 bar.total += len(trace.inputs)

@@ -47,12 +47,14 @@ ZERO_FLOOR = 2.0 ** -36
 CHUNK_BYTES = 16 << 20
 
 
-def prove_weights(source_dir: Path, converted_dir: Path, plan: ConversionPlan) -> dict:
+def prove_weights(source_dir: Path, converted_dir: Path, plan: ConversionPlan,
+                  identical: dict[str, str] | None = None) -> dict:
     """Prove every tensor of ``converted_dir`` is what ``plan`` makes it from ``source_dir``.
 
     Returns the counts (``byte_identical``, ``recomputed``), the limit and the worst tensor with
     its distance in ulps from the correctly rounded value; raises ``VerificationError`` naming the
-    first tensor, element and values that are wrong."""
+    first tensor, element and values that are wrong. ``identical``, when given, receives each
+    tensor proven byte-identical to its source: converted name -> source name."""
     # block-sized float64 temporaries come and go per tensor: give them their own mappings, so
     # the heap does not keep a depth-proportional high-water mark
     map_large_allocations()
@@ -66,6 +68,8 @@ def prove_weights(source_dir: Path, converted_dir: Path, plan: ConversionPlan) -
                 if _same_bytes_expected(tensor, source):
                     _prove_identical(tensor, source, output)
                     counts["byte_identical"] += 1
+                    if identical is not None:
+                        identical[tensor.name] = tensor.source
                     continue
                 units, off = _prove_recomputed(tensor, shared, output)
                 counts["recomputed"] += 1
