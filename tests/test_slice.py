@@ -346,3 +346,10 @@ def test_blockwise_calibration_equals_whole_model(tmp_path, source):
     for name in norms:
         scale = float(whole.moments[name].abs().max())
         assert float((blockwise.moments[name] - whole.moments[name]).abs().max()) <= 1e-12 * scale, name
+
+
+def test_calibration_windows_fit_every_family_position_limit():
+    with torch.device("meta"):
+        mpt = transformers.MptForCausalLM(transformers.MptConfig(d_model=32, n_layers=1, n_heads=4, max_seq_len=64,
+                                                                 vocab_size=128))
+    assert calibration.window_for(mpt, 512) == 64  # MPT names its limit max_seq_len

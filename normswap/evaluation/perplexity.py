@@ -73,12 +73,10 @@ def plan_windows(n_tokens: int, max_length: int, stride: int) -> list[Window]:
 
 def model_max_length(model: torch.nn.Module) -> int | None:
     """The longest sequence the model's position scheme allows, read from its config."""
-    config = getattr(model, "config", None)
-    for name in ("n_positions", "max_position_embeddings", "n_ctx", "seq_length", "max_sequence_length"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
+    from normswap.runtime.reference import config_context_length
+
+    to_dict = getattr(getattr(model, "config", None), "to_dict", None)
+    return config_context_length(to_dict()) if callable(to_dict) else None
 
 
 def _batches(windows: list[Window], batch_size: int) -> list[list[Window]]:

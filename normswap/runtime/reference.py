@@ -73,7 +73,9 @@ def reference_model(path: Path, architecture: Architecture, dtype: torch.dtype =
     return build.load_pretrained(build.model_class(config, architecture.auto_class), path, dtype=dtype)
 
 
-CONTEXT_KEYS = ("n_positions", "max_position_embeddings", "n_ctx", "max_target_positions")
+# the config keys of the longest sequence a family's positions allow (MPT: max_seq_len)
+CONTEXT_KEYS = ("n_positions", "max_position_embeddings", "n_ctx", "max_target_positions", "max_seq_len",
+                "seq_length", "max_sequence_length")
 
 
 def config_context_length(config: dict) -> int | None:
