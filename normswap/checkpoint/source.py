@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -120,6 +121,8 @@ class CheckpointReader:
         self.is_safetensors = self.shards[0].endswith(".safetensors")
         self._open: dict[str, object] = {}
         self.tensors: dict[str, TensorInfo] = {}
+        self._staging: torch.Tensor | None = None  # ``read_as``'s slice buffer
+        self._staging_lock = threading.Lock()
         try:
             for shard in self.shards:
                 for info in self._scan(shard):
@@ -196,14 +199,17 @@ class CheckpointReader:
         import torch
 
         info = self.tensors[name]
-        if len(info.shape) == 0 or info.shape[0] == 0 or info.nbytes <= slice_bytes:
+        if len(info.shape) == 0 or info.shape[0] == 0 or not self.is_safetensors:
             return self.get(name).to(dtype)
         out = torch.empty(info.shape, dtype=dtype)
-        rows = max(1, slice_bytes // (info.nbytes // info.shape[0]))
-        buffer = torch.empty(rows * (info.nbytes // info.shape[0]), dtype=torch.uint8)
-        for start in range(0, info.shape[0], rows):
-            count = min(rows, info.shape[0] - start)
-            out.narrow(0, start, count).copy_(self.read_rows(name, start, count, buffer))
+        rows = max(1, slice_bytes // max(1, info.nbytes // info.shape[0]))
+        with self._staging_lock:  # one slice buffer, kept: fresh buffers fault in new pages every read
+            row = info.nbytes // info.shape[0]
+            if self._staging is None or self._staging.numel() < rows * row:
+                self._staging = torch.empty(max(slice_bytes, rows * row), dtype=torch.uint8)
+            for start in range(0, info.shape[0], rows):
+                count = min(rows, info.shape[0] - start)
+                out.narrow(0, start, count).copy_(self.read_rows(name, start, count, self._staging))
         return out
 
     def locate(self, name: str) -> tuple[int, int] | None:

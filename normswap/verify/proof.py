@@ -66,7 +66,7 @@ def prove_weights(source_dir: Path, converted_dir: Path, plan: ConversionPlan,
         for tensors in tensors_by_shard(plan).values():
             for tensor in tensors:
                 if _same_bytes_expected(tensor, source):
-                    _prove_identical(tensor, source, output)
+                    _prove_identical(tensor, source, output, shared)
                     counts["byte_identical"] += 1
                     if identical is not None:
                         identical[tensor.name] = tensor.source
@@ -178,8 +178,10 @@ def _words(values: torch.Tensor) -> torch.Tensor:
     return raw.view(torch.int64) if raw.numel() % 8 == 0 and raw.data_ptr() % 8 == 0 else raw
 
 
-def _prove_identical(tensor: TensorPlan, source: CheckpointReader, output: CheckpointReader) -> None:
-    buffers = torch.empty(CHUNK_BYTES, dtype=torch.uint8), torch.empty(CHUNK_BYTES, dtype=torch.uint8)
+def _prove_identical(tensor: TensorPlan, source: CheckpointReader, output: CheckpointReader,
+                     shared: ShardSource) -> None:
+    # reused for every tensor: a fresh pair of buffers per tensor would fault in new pages each time
+    buffers = shared.buffer("source chunk", CHUNK_BYTES), shared.buffer("stored chunk", CHUNK_BYTES)
     pairs = zip(_row_chunks(source, tensor.source, buffers[0]), _row_chunks(output, tensor.name, buffers[1]),
                 strict=True)
     for before, after in pairs:
@@ -191,15 +193,16 @@ def _prove_identical(tensor: TensorPlan, source: CheckpointReader, output: Check
 def _prove_recomputed(tensor: TensorPlan, shared: ShardSource, output: CheckpointReader) -> tuple[float, int]:
     """(worst distance in ulps from the correctly rounded plan value, elements not bit-exact)."""
     row = max(1, math.prod(tensor.shape[1:]))
-    buffer = torch.empty(0, dtype=torch.uint8)
     worst, off = 0.0, 0
     for start, expected in expected_blocks(tensor, shared):
         count = expected.shape[0] if expected.dim() else 1
-        if buffer.numel() < count * row * tensor.dtype.itemsize:
-            buffer = torch.empty(count * row * tensor.dtype.itemsize, dtype=torch.uint8)
-        stored = _stored_rows(output, tensor.name, start, count, buffer) if expected.dim() else output.get(tensor.name)
-        rounded = expected.to(tensor.dtype)
-        if torch.equal(rounded, stored):  # bit-exact (NaN never is)
+        nbytes = count * row * tensor.dtype.itemsize
+        stored = (_stored_rows(output, tensor.name, start, count, shared.buffer("stored", nbytes))
+                  if expected.dim() else output.get(tensor.name))
+        rounded = shared.buffer("rounded", nbytes).view(tensor.dtype).view(expected.shape)
+        rounded.copy_(expected)  # rounded to nearest as ``Tensor.to`` rounds
+        # bit-exact, and finite: a block's float64 sum is finite exactly when all its values are
+        if torch.equal(_words(rounded), _words(stored)) and math.isfinite(float(expected.sum())):
             continue
         differs = ~(rounded == stored)
         units = _units(stored[differs], rounded[differs], expected, tensor.dtype)
