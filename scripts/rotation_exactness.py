@@ -1,7 +1,8 @@
 """How exact `normswap rotate` is, per family, method and form, in float64.
 
-For a tiny GPT-2 and the first test model of every causal family in tests/test_architectures_causal.py (made
-"hard" by tests/helpers.make_hard: γ far from 1, β far from 0, a massive dimension) and for Whisper,
+For a tiny GPT-2, the first test model of every causal family in tests/test_architectures_causal.py (made
+"hard" by tests/helpers.make_hard: γ far from 1, β far from 0, a massive dimension), the per-head q/k
+norm models of tests/test_architectures_more.py (StableLM, Persimmon, Cohere) and for Whisper,
 ViT (ViTForImageClassification) and CLIP (CLIPModel), each method (hadamard, orthogonal, pca on the
 bundled Emma excerpt for the causal ones) in each form: the rotation is written with float64
 weights and loaded back, the commuting form with the stock class (no remote code), the free form
@@ -28,6 +29,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 import transformers as T  # noqa: E402
 from helpers import make_hard, save, token_ids  # noqa: E402
 from test_architectures_causal import CASES, VOCAB, _family  # noqa: E402
+from test_architectures_more import CAUSAL, make_harder  # noqa: E402
 from test_architectures_encoders import CLIP_TEXT, CLIP_VISION, VIT, WHISPER, pixels, whisper_inputs  # noqa: E402
 
 import normswap  # noqa: E402
@@ -39,13 +41,16 @@ TOKENIZER = ROOT / "normswap" / "data" / "austen-gpt2"
 
 
 GPT2 = {"gpt2": lambda: T.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=32, bos_token_id=0, eos_token_id=0)}
+# per-head q/k norms (made hard by make_harder, which reaches the families' own norm classes)
+QK_NORMS = {case: CAUSAL[case] for case in ("stablelm-qk-norm", "persimmon", "cohere-qk-norm")}
 
 
 def _causal(case: str, folder: Path):
     torch.manual_seed(0)
-    config = {**GPT2, **CASES}[case]()
+    config = {**GPT2, **CASES, **QK_NORMS}[case]()
     config.vocab_size = 2048  # the bundled tokenizer's ids, for pca calibration
-    src = save(make_hard(T.AutoModelForCausalLM.from_config(config)).eval(), folder / case)
+    hard = make_harder if case in QK_NORMS else make_hard
+    src = save(hard(T.AutoModelForCausalLM.from_config(config)).eval(), folder / case)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (src / name).write_bytes((TOKENIZER / name).read_bytes())
     ids = token_ids(VOCAB)
@@ -93,8 +98,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
         firsts = {"gpt2": "gpt2"}
-        for case in CASES:
-            firsts.setdefault(_family(case), case)
+        for case in (*CASES, *QK_NORMS):
+            firsts.setdefault(case if case in QK_NORMS else _family(case), case)
         sources = {case: _causal(case, scratch) for case in firsts.values()} | _encoders(scratch)
         for name, (src, auto, forward) in sources.items():
             row = {"model": name}

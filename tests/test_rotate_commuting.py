@@ -138,6 +138,28 @@ def test_bloom_is_refused_with_the_reason(tmp_path, capsys):
     assert json.loads((tmp_path / "rotated" / "config.json").read_text())["model_type"] == "normswap_bloom"
 
 
+@pytest.mark.parametrize("case", ["persimmon", pytest.param("stablelm-qk-norm", marks=pytest.mark.slow),
+                                  pytest.param("cohere-qk-norm", marks=pytest.mark.slow)])
+def test_per_head_qk_norms_rotate_in_both_forms(tmp_path, case):
+    """A per-head q/k norm reads q_proj/k_proj's output, which (x·Q)·(Qᵀ·W) = x·W leaves as it is:
+    the residual rotation is exact in both forms with the q/k norms' gains kept."""
+    from test_architectures_more import CAUSAL, FP64_TOL, make_harder
+
+    torch.manual_seed(0)
+    src = save(make_harder(T.AutoModelForCausalLM.from_config(CAUSAL[case]())).eval(), tmp_path / "src")
+    ids = token_ids(61)
+    reference = causal_logits(load(src, "original", torch.float64), ids)
+    for form, how in (("commuting", "stock"), ("free", "normswap")):
+        out = tmp_path / form
+        rotate_checkpoint(src, out, form=form, method="orthogonal", dtype=torch.float64, verification="none")
+        error = float((causal_logits(load(out, how, torch.float64), ids) - reference).abs().max())
+        assert error <= FP64_TOL.get(case, 1e-9) * max(1.0, float(reference.abs().max())), (form, error)
+        gains = load_file(out / "model.safetensors")
+        assert not any(torch.equal(t, torch.ones_like(t)) for n, t in gains.items() if "q_" in n and "norm" in n)
+    block = rotate_checkpoint(src, tmp_path / "fp32", verification="full")  # float32, built-in verification
+    assert block["verification"]["passed"]
+
+
 # ---------------------------------------------------------------------------------------------
 # Whisper, ViT, CLIP
 

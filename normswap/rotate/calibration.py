@@ -175,7 +175,7 @@ def calibrate(source_dir: Path, rotation_plan: RotationPlan, text_path: str | Pa
     on the calibration text: Σ over every norm of its input's second moment, measured block by block."""
     text = read_calibration(text_path)
     ids = calibration_ids(source_dir, text, str(text_path), config)[:max_tokens]
-    norms = [norm.name for norm in rotation_plan.plan.norms if norm.baked_into is None]
+    norms = [norm.name for norm in rotation_plan.plan.norms if norm.baked_into is None and not norm.per_head]
     measured = calibration_moments(source_dir, rotation_plan.architecture, norms, ids, CALIBRATION_WINDOW, config)
     moment = sum(measured.moments[name] for name in norms)
     calibration = {"text": Path(text_path).name, "tokens": int(ids.numel()),

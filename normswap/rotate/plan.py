@@ -44,9 +44,11 @@ def refusal(architecture: Architecture, config: dict) -> str | None:
 
 
 def check_weightless(plan: ConversionPlan, read_small, *, folded_source: bool) -> None:
-    """Every norm must be weightless (unit gain) once the plan has run: the refusal names the first that is not."""
+    """Every norm of the stream must be weightless (unit gain) once the plan has run: the refusal
+    names the first that is not. A per-head q/k norm reads q_proj/k_proj's output, not the stream:
+    a rotation changes only those projections' input side, so its gain stays."""
     for norm in plan.norms:
-        if norm.baked_into is not None:
+        if norm.baked_into is not None or norm.per_head:
             continue
         gain = f"{norm.name}.weight"
         if gain not in plan.tensors:
@@ -70,7 +72,9 @@ def add_rotation(plan: ConversionPlan, architecture: Architecture, rotation: Rot
     Writers rotate along their hidden axis, readers along their input axis, kept norm biases as
     vectors (after β ⊘ γ is formed). A folded norm bias is zero and stays zero. Every rotated
     axis must have the stream's size d. Writers and norms of the ``fixed`` streams (name prefixes,
-    ``in_fixed_stream``) are not rotated.
+    ``in_fixed_stream``) are not rotated, nor per-head q/k norms: they normalise a head's slice of
+    q_proj/k_proj's output, and the rotated reader computes the same output from the rotated
+    stream ((x·Q)·(Qᵀ·W) = x·W, row vectors), so nothing they see changes.
     """
     d = rotation.dimension
     counts = {"writers": 0, "readers": 0, "norm_biases": 0}
@@ -89,7 +93,7 @@ def add_rotation(plan: ConversionPlan, architecture: Architecture, rotation: Rot
         if writer is not None and not in_fixed_stream(name, fixed):
             rotate(name, writer.hidden_axis, "writer")
     for norm in plan.norms:
-        if norm.baked_into is not None or in_fixed_stream(norm.name, fixed):
+        if norm.baked_into is not None or norm.per_head or in_fixed_stream(norm.name, fixed):
             continue
         spec = next(s for s in architecture.norms if re.fullmatch(s.pattern, norm.name))
         groups = re.fullmatch(spec.pattern, norm.name).groupdict()
@@ -282,7 +286,7 @@ def plan_commuting(source_dir: Path, config: dict, reader: CheckpointReader, *,
         if in_fixed_stream(norm.name, fixed):
             norm.folded_gain = norm.folded_bias = False
             norm.kept_bias, norm.note = None, "not rotated: " + next(why for p, why in fixed.items() if re.match(p, norm.name))
-        elif not norm.folded_gain and f"{norm.name}.weight" in plan.tensors:
+        elif not norm.folded_gain and not norm.per_head and f"{norm.name}.weight" in plan.tensors:
             raise NormswapError(f"cannot rotate: the gain of the norm {norm.name} cannot be folded ({norm.note}); "
                                 "LN(x·Q) = LN(x)·Q needs weightless norms")
     return RotationPlan(architecture, plan, meta, config, False, None), fixed
