@@ -235,11 +235,14 @@ def rotate_checkpoint(
     """Write ``src`` with its residual basis rotated to ``out``, verified against ``src`` by
     ``normswap.verify.checkpoint.verify_rotated`` unless ``verification="none"``; the options are
     ``normswap.rotate.pipeline.rotate_checkpoint``'s (method ``hadamard``, ``orthogonal`` or ``pca``;
-    form ``commuting``, Q·1 = 1 and the stock model type, or ``free``, the ``normswap_<type>`` form)."""
+    form ``commuting``, Q·1 = 1 and the stock model type, or ``free``, the ``normswap_<type>`` form).
+    ``calibration`` (pca) is what the model reads: a text file, or for Whisper transcribed audio
+    and for ViT images (``normswap.evaluation.calibration``); ``bundled`` names the shipped samples."""
+    from normswap.evaluation.calibration import MediaInputs
     from normswap.rotate.pipeline import rotate_checkpoint as rotate
     from normswap.verify.checkpoint import verify_rotated
 
     return rotate(src, out, method=method, seed=seed, form=form, calibration=calibration,
                   calibration_tokens=calibration_tokens,
                   dtype=dtype, overwrite=overwrite, trust_remote_code=trust_remote_code, atol=atol, rtol=rtol,
-                  verification=verification, quiet=quiet, verifier=verify_rotated)
+                  verification=verification, quiet=quiet, verifier=verify_rotated, media=MediaInputs())

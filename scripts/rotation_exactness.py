@@ -3,8 +3,9 @@
 For a tiny GPT-2, the first test model of every causal family in tests/test_architectures_causal.py (made
 "hard" by tests/helpers.make_hard: γ far from 1, β far from 0, a massive dimension), the per-head q/k
 norm models of tests/test_architectures_more.py (StableLM, Persimmon, Cohere) and for Whisper,
-ViT (ViTForImageClassification) and CLIP (CLIPModel), each method (hadamard, orthogonal, pca on the
-bundled Emma excerpt for the causal ones) in each form: the rotation is written with float64
+ViT (ViTForImageClassification) and CLIP (CLIPModel), each method (hadamard, orthogonal, pca: on the
+bundled Emma excerpt for the causal ones, on `bundled` for the encoders: Whisper's six transcribed
+utterances, ViT's six images, the Persuasion excerpt through CLIP's text tower) in each form: the rotation is written with float64
 weights and loaded back, the commuting form with the stock class (no remote code), the free form
 with normswap.load (the RMSNorm model); the figure is max|Δoutput| / max|output| against the float64
 original (logits; for CLIP logits_per_image and both embeddings). A form or method a family does
@@ -30,13 +31,15 @@ import transformers as T  # noqa: E402
 from helpers import make_hard, save, token_ids  # noqa: E402
 from test_architectures_causal import CASES, VOCAB, _family  # noqa: E402
 from test_architectures_more import CAUSAL, make_harder  # noqa: E402
-from test_architectures_encoders import CLIP_TEXT, CLIP_VISION, VIT, WHISPER, pixels, whisper_inputs  # noqa: E402
+from test_rotate_commuting import calibratable_encoders, with_processors  # noqa: E402
 
 import normswap  # noqa: E402
 from normswap.api import rotate_checkpoint  # noqa: E402
 from normswap.errors import NormswapError  # noqa: E402
 
 CALIBRATION = ROOT / "normswap" / "data" / "text" / "emma-excerpt.txt"
+# calibrated on the bundled samples of what they read: transcribed speech, images, text (CLIP)
+ENCODERS = ("whisper", "vit", "clip")
 TOKENIZER = ROOT / "normswap" / "data" / "austen-gpt2"
 
 
@@ -58,27 +61,10 @@ def _causal(case: str, folder: Path):
 
 
 def _encoders(folder: Path) -> dict:
-    clip_ids = torch.randint(2, 48, (2, 7), generator=torch.Generator().manual_seed(2))
-    clip_ids[:, -1] = 49
-    whisper = whisper_inputs()
-
-    def clip(model):
-        out = model(input_ids=clip_ids, pixel_values=pixels().to(model.dtype))
-        return torch.cat([out.logits_per_image.flatten(), out.text_embeds.flatten(), out.image_embeds.flatten()])
-
-    models = {
-        "whisper": (T.WhisperForConditionalGeneration(T.WhisperConfig(**WHISPER)), T.AutoModelForSpeechSeq2Seq,
-                    lambda m: m(input_features=whisper["input_features"].to(m.dtype),
-                                decoder_input_ids=whisper["decoder_input_ids"]).logits),
-        "vit": (T.ViTForImageClassification(T.ViTConfig(**VIT, num_labels=3)), T.AutoModelForImageClassification,
-                lambda m: m(pixel_values=pixels().to(m.dtype)).logits),
-        "clip": (T.CLIPModel(T.CLIPConfig(text_config=CLIP_TEXT, vision_config=CLIP_VISION, projection_dim=24)),
-                 T.AutoModel, clip),
-    }
     built = {}
-    for name, (model, auto, forward) in models.items():
+    for name, (build, auto, forward) in calibratable_encoders().items():
         torch.manual_seed(0)
-        built[name] = (save(make_hard(model).eval(), folder / name), auto, forward)
+        built[name] = (with_processors(save(make_hard(build()).eval(), folder / name), name), getattr(T, auto), forward)
     return built
 
 
@@ -107,8 +93,9 @@ def main() -> int:
                 for method in ("hadamard", "orthogonal", "pca"):
                     out = scratch / f"{name}-{form}-{method}"
                     try:
+                        calibration = (CALIBRATION if name not in ENCODERS else "bundled") if method == "pca" else None
                         rotate_checkpoint(src, out, method=method, form=form, seed=3, dtype=torch.float64,
-                                          verification="none", calibration=CALIBRATION if method == "pca" else None)
+                                          verification="none", calibration=calibration)
                         row[f"{form} {method}"] = relative_error(src, auto, forward, out, form)
                     except NormswapError as error:
                         row[f"{form} {method}"] = f"refused: {str(error)[:90]}"

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers as T
-from helpers import load, make_hard, save, token_ids
+from helpers import causal_logits, load, make_hard, save, token_ids
 from safetensors.torch import load_file
 from test_architectures_causal import VOCAB, _family
 from test_architectures_encoders import (
@@ -29,7 +29,7 @@ from test_architectures_encoders import (
     whisper_logits,
 )
 from test_bad_input import assert_one_line_error, run_cli
-from test_rotate import CALIBRATION, make_source, method_params, rotated_runs
+from test_rotate import BUNDLED, CALIBRATION, TOKENIZER_FILES, make_source, method_params, rotated_runs
 
 from normswap.api import rotate_checkpoint
 from normswap.rotate import commuting, hadamard
@@ -246,12 +246,64 @@ def test_clip_towers_without_a_rotatable_function_are_refused(tmp_path, capsys, 
     assert_one_line_error(code, err, needle)
 
 
-def test_pca_is_refused_for_non_text_families(tmp_path, capsys):
+def with_processors(src: Path, kind: str) -> Path:
+    """A tiny encoder checkpoint made calibratable: the bundled tokenizer (2048 ids) where it reads
+    text, and a processor whose output has the tiny model's shape (Whisper: 8 mel bins, 32 frames)."""
+    if kind in ("whisper", "clip"):
+        for name in TOKENIZER_FILES:
+            (src / name).write_bytes((BUNDLED / "austen-gpt2" / name).read_bytes())
+    if kind == "whisper":
+        T.WhisperFeatureExtractor(feature_size=WHISPER["num_mel_bins"], sampling_rate=16000, chunk_length=1,
+                                  hop_length=500, n_fft=1000).save_pretrained(src)
+    if kind == "vit":
+        T.ViTImageProcessor(size={"height": VIT["image_size"], "width": VIT["image_size"]}).save_pretrained(src)
+    return src
+
+
+def calibratable_encoders() -> dict:
+    """name -> (model builder, Auto class, forward giving the compared output) of the encoder families."""
+    def clip(model):
+        out = model(**{key: value.to(model.dtype) if value.is_floating_point() else value
+                       for key, value in _clip_inputs().items()})
+        return torch.cat([out.logits_per_image.flatten(), out.text_embeds.flatten(), out.image_embeds.flatten()])
+
+    return {
+        "whisper": (lambda: T.WhisperForConditionalGeneration(T.WhisperConfig(**{**WHISPER, "vocab_size": 2048})),
+                    "AutoModelForSpeechSeq2Seq", lambda model: whisper_logits(model, whisper_inputs())),
+        "vit": (lambda: T.ViTForImageClassification(T.ViTConfig(**VIT, num_labels=3)), "AutoModelForImageClassification",
+                lambda model: model(pixel_values=pixels().to(model.dtype)).logits),
+        "clip": (lambda: T.CLIPModel(T.CLIPConfig(text_config={**CLIP_TEXT, "vocab_size": 2048}, vision_config=CLIP_VISION,
+                                                  projection_dim=24)), "AutoModel", clip),
+    }
+
+
+@pytest.mark.parametrize("kind", ["whisper", pytest.param("vit", marks=pytest.mark.slow),
+                                  pytest.param("clip", marks=pytest.mark.slow)])
+def test_pca_calibrates_on_what_the_model_reads(tmp_path, kind):
+    """Whisper on the bundled transcribed speech (decoder tokens, encoder on the audio), ViT on the
+    bundled images, CLIP's text tower on text: Q·1 = 1, exact in the stock class, the inputs recorded."""
+    build, auto, forward = calibratable_encoders()[kind]
+    torch.manual_seed(0)
+    src = with_processors(_tiny(tmp_path, build(), kind), kind)
+    block = rotate_checkpoint(src, tmp_path / "pca", method="pca", calibration="bundled", dtype=torch.float64,
+                              verification="full")
+    assert block["verification"]["passed"]
+    calibration = block["rotation"]["calibration"]
+    assert {"whisper": "audio", "vit": "images", "clip": "text"}[kind] in calibration and calibration["tokens"] > 0
+    assert commuting.commutes_with_centring(load_rotation(tmp_path / "pca"))
+    with torch.no_grad():
+        reference = forward(load(src, "original", torch.float64, auto)).double()
+        error = float((forward(load(tmp_path / "pca", "stock", torch.float64, auto)).double() - reference).abs().max())
+    assert error <= 1e-9 * max(1.0, float(reference.abs().max()))
+
+
+def test_pca_of_an_image_model_refuses_text(tmp_path, capsys):
     torch.manual_seed(0)
     src = save(T.ViTModel(T.ViTConfig(**VIT)), tmp_path / "vit")
     code, err = run_cli(capsys, "rotate", str(src), "--out", str(tmp_path / "out"), "--method", "pca",
                         "--calibration", str(CALIBRATION))
-    assert_one_line_error(code, err, "causal language model")
+    assert_one_line_error(code, err, "calibrated on images, not text")
+    assert not (tmp_path / "out").exists()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -29,8 +29,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "original model type, loadable by stock transformers; free: any orthogonal Q on the "
                              "centred RMSNorm conversion, written as a normswap_<type> checkpoint")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random signs / random matrix (default 0)")
-    parser.add_argument("--calibration", metavar="TEXT_FILE",
-                        help="UTF-8 text the pca directions are measured on, or 'bundled' (held-out Persuasion)")
+    parser.add_argument("--calibration", metavar="PATH",
+                        help="what the pca directions are measured on, of the model's kind, or 'bundled' for the "
+                             "samples that ship with normswap: UTF-8 text (language models, CLIP's text tower; "
+                             "bundled: held-out Persuasion), transcribed audio for Whisper (a folder of audio files "
+                             "with .txt transcripts or a JSONL manifest, as --audio), images for ViT (as --images)")
     parser.add_argument("--calibration-tokens", type=int, default=DEFAULT_CALIBRATION_TOKENS,
                         help=f"use at most this many calibration tokens (default {DEFAULT_CALIBRATION_TOKENS})")
     parser.add_argument("--slice", type=float, metavar="FRACTION",
@@ -50,10 +53,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from normswap.evaluation.text import text_file
 
-    for name in ("calibration", "held_out"):  # 'bundled' names the bundled text, as --text does elsewhere
-        if getattr(args, name) is not None:
-            setattr(args, name, str(text_file(getattr(args, name))))
     if args.slice is not None or args.held_out is not None:
+        for name in ("calibration", "held_out"):  # 'bundled' names the bundled text, as --text does elsewhere
+            if getattr(args, name) is not None:
+                setattr(args, name, str(text_file(getattr(args, name))))
         from normswap.commands.rotate_slice import run_slice
         from normswap.errors import NormswapError
 
@@ -81,6 +84,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {args.out}: residual stream rotated by {rotation['method']}{seed}, d = {rotation['dimension']}, "
           f"sha256 {rotation['matrix_sha256'][:16]}…; {count(counts['writers'], 'writer')}, "
           f"{count(counts['readers'], 'reader')}, {count(counts['norm_biases'], 'norm bias')} rotated ({form})")
+    calibration = rotation.get("calibration")
+    if calibration:
+        source = next(calibration[key] for key in ("text", "audio", "images") if key in calibration)
+        print(f"pca calibrated on {source}: {count(calibration['tokens'], 'stream position')} at "
+              f"{count(calibration['norms'], 'norm input')} ({calibration['mode']})")
     for stream in rotation.get("fixed_streams", {}).values():
         print(f"not rotated: {stream}")
     for name, norm in rotation.get("rotated_outputs", {}).items():

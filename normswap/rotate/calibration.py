@@ -1,7 +1,11 @@
-"""Calibration: the residual stream's second moments on a text, measured block by block.
+"""Calibration: the residual stream's second moments on inputs of the model's kind, block by block.
 
 PCA rotations and slicing need M_n = Σ xᵀx (float64) of the centred stream C·x at the input of
-every norm n, summed over every calibration position. The model is not loaded whole for this:
+every norm n of the rotated stream, summed over every calibration position. The inputs are what
+the family reads: text for a causal language model and CLIP's text tower (cut into windows of the
+context length); for Whisper the transcripts' tokens through the decoder with the encoder run on
+their audio's log-mel features, for ViT images as pixel values (``CalibrationInputs``, read above
+this layer, from media files, by a ``MediaCalibration`` the caller passes down). The model is not loaded whole for this:
 it is built on the meta device and dispatched as layer-by-layer verification dispatches it
 (``normswap.runtime.offload.dispatched``), so memory holds one block's weights at a time while
 the calibration windows run through it. The statistics are those of the whole model, bit for
@@ -17,7 +21,7 @@ import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -33,6 +37,8 @@ from normswap.threads import cpu_threads
 if TYPE_CHECKING:
     from normswap.rotate.plan import RotationPlan
 
+# the probe kinds whose rotated stream reads text (CLIP: its text tower)
+TEXT_PROBES = ("causal_lm", "clip")
 # windows of at most this many positions
 CALIBRATION_WINDOW = 512
 # windows of the same length run together, this many at a time
@@ -41,6 +47,27 @@ BATCH_WINDOWS = 8
 
 def read_calibration(path: str | Path) -> str:
     return read_text_file(Path(path), "calibration text")
+
+
+@dataclass
+class CalibrationInputs:
+    """The batches a calibration runs (keyword arguments of the model's forward), the stream
+    positions they give, and the provenance record of what they were made from."""
+
+    batches: list[dict[str, torch.Tensor]]
+    tokens: int
+    record: dict
+
+
+@runtime_checkable
+class MediaCalibration(Protocol):
+    """Reads calibration inputs of a model that does not read text (audio, images)."""
+
+    def resolve(self, config: dict, spec: str) -> str:
+        """``spec`` checked for the model of ``config`` (one-line refusal), resolved ("bundled")."""
+
+    def inputs(self, source_dir: Path, config: dict, spec: str, max_tokens: int) -> CalibrationInputs:
+        """The model inputs made from ``spec``, at most about ``max_tokens`` stream positions."""
 
 
 @dataclass
@@ -64,14 +91,26 @@ def calibration_windows(ids: torch.Tensor, window: int) -> list[torch.Tensor]:
     return batches
 
 
+def run_forward(model: nn.Module, batch: dict[str, torch.Tensor]) -> None:
+    """One calibration forward: the text tower alone for CLIPModel (the vision tower is not
+    rotated), without a cache for the generating classes."""
+    if getattr(model.config, "model_type", None) == "clip":
+        model.text_model(**batch)
+    elif "pixel_values" in batch:
+        model(**batch)
+    else:
+        model(**batch, use_cache=False)
+
+
 @torch.no_grad()
-def stream_moments(model: nn.Module, norm_names: list[str], ids: torch.Tensor, window: int,
+def stream_moments(model: nn.Module, norm_names: list[str], batches: list[dict[str, torch.Tensor]],
                    device: torch.device | None = None) -> dict[str, torch.Tensor]:
-    """Per norm n, M_n = Σ (C·x)ᵀ(C·x) over every position of ``ids``, x the input of n.
+    """Per norm n, M_n = Σ (C·x)ᵀ(C·x) over every position of every batch, x the input of n.
 
     Centring makes the statistic that of the converted model's stream whether ``model`` is the
-    original (LayerNorm) or a converted one (whose stream is centred already). The windows run
-    on ``device`` (default: the CPU).
+    original (LayerNorm) or a converted one (whose stream is centred already), and it leaves the
+    complement of 1, where the commuting form's pca works, as it is. The batches run on
+    ``device`` (default: the CPU).
     """
     moments: dict[str, torch.Tensor] = {}
 
@@ -87,14 +126,14 @@ def stream_moments(model: nn.Module, norm_names: list[str], ids: torch.Tensor, w
     handles = [model.get_submodule(name).register_forward_pre_hook(accumulate(name), with_kwargs=True)
                for name in norm_names]
     try:
-        for batch in calibration_windows(ids, window):
-            model(input_ids=batch.to(device or torch.device("cpu")), use_cache=False)
+        for batch in batches:
+            run_forward(model, {key: value.to(device or torch.device("cpu")) for key, value in batch.items()})
     finally:
         for handle in handles:
             handle.remove()
     missing = [name for name in norm_names if name not in moments]
     if missing:
-        raise NormswapError(f"the calibration text never reached the norm {missing[0]}")
+        raise NormswapError(f"the calibration inputs never reached the norm {missing[0]}")
     return {name: moments[name].cpu() for name in norm_names}
 
 
@@ -108,13 +147,24 @@ def empty_source_model(source_dir: Path, architecture: Architecture, config: dic
 
 
 def window_for(model: nn.Module, limit: int) -> int:
-    from normswap.runtime.reference import context_length
+    """The calibration window: ``limit``, or the (text tower's) context length where shorter."""
+    from normswap.runtime.reference import config_context_length
 
-    return min(limit, context_length(model))
+    text = getattr(model.config, "text_config", None) or model.config
+    return min(limit, config_context_length(text.to_dict()) or 1024)
 
 
-def blockwise_moments(source_dir: Path, architecture: Architecture, norm_names: list[str], ids: torch.Tensor,
-                      window_limit: int, device: torch.device | None = None,
+def model_batches(model: nn.Module, inputs: torch.Tensor | CalibrationInputs,
+                  window_limit: int) -> tuple[list[dict[str, torch.Tensor]], int]:
+    """The batches and window of ``inputs``: token ids cut into windows, or media batches as read."""
+    if isinstance(inputs, CalibrationInputs):
+        return inputs.batches, 0
+    window = window_for(model, window_limit)
+    return [{"input_ids": batch} for batch in calibration_windows(inputs, window)], window
+
+
+def blockwise_moments(source_dir: Path, architecture: Architecture, norm_names: list[str],
+                      ids: torch.Tensor | CalibrationInputs, window_limit: int, device: torch.device | None = None,
                       config: dict | None = None) -> StreamMoments:
     """``stream_moments`` with one block's weights in memory at a time, run on ``device`` (default:
     the GPU when there is one); raises ``layerwise.Unsupported`` when the model cannot be
@@ -123,31 +173,37 @@ def blockwise_moments(source_dir: Path, architecture: Architecture, norm_names: 
     found = layerwise.find_blocks(model, architecture.blocks)
     if found is None:
         raise layerwise.Unsupported("no list of residual blocks found in the model")
-    window = window_for(model, window_limit)
+    layerwise.device_map_for(model, found[0])  # Unsupported (a parameter beside the blocks) before any read
+    batches, window = model_batches(model, ids, window_limit)
     device = device or layerwise.execution_device()
     with layerwise.dispatched(model, source_dir, found[0], device), cpu_threads(1):
-        moments = stream_moments(model, norm_names, ids, window, device)
+        moments = stream_moments(model, norm_names, batches, device)
     del model
     layerwise.release_memory()
-    return StreamMoments(moments, int(ids.numel()), window, "blockwise")
+    return StreamMoments(moments, positions(ids), window, "blockwise")
 
 
-def whole_moments(source_dir: Path, architecture: Architecture, norm_names: list[str], ids: torch.Tensor,
-                  window_limit: int, config: dict | None = None) -> StreamMoments:
+def positions(inputs: torch.Tensor | CalibrationInputs) -> int:
+    return inputs.tokens if isinstance(inputs, CalibrationInputs) else int(inputs.numel())
+
+
+def whole_moments(source_dir: Path, architecture: Architecture, norm_names: list[str],
+                  ids: torch.Tensor | CalibrationInputs, window_limit: int, config: dict | None = None) -> StreamMoments:
     """``stream_moments`` of the whole source model loaded at once (float32, CPU)."""
     from normswap.runtime.reference import reference_model
 
     model = reference_model(source_dir, architecture, config=config)
-    window = window_for(model, window_limit)
+    batches, window = model_batches(model, ids, window_limit)
     with cpu_threads(1):
-        moments = stream_moments(model, norm_names, ids, window)
+        moments = stream_moments(model, norm_names, batches)
     del model
     layerwise.release_memory()
-    return StreamMoments(moments, int(ids.numel()), window, "whole")
+    return StreamMoments(moments, positions(ids), window, "whole")
 
 
-def calibration_moments(source_dir: Path, architecture: Architecture, norm_names: list[str], ids: torch.Tensor,
-                        window_limit: int, config: dict | None = None) -> StreamMoments:
+def calibration_moments(source_dir: Path, architecture: Architecture, norm_names: list[str],
+                        ids: torch.Tensor | CalibrationInputs, window_limit: int,
+                        config: dict | None = None) -> StreamMoments:
     """Block by block where the model allows it, else on the whole model (``config``: the
     source's config.json, when the caller has read it)."""
     try:
@@ -169,15 +225,40 @@ def calibration_ids(source_dir: Path, text: str, label: str, config: dict | None
     return ids
 
 
-def calibrate(source_dir: Path, rotation_plan: RotationPlan, text_path: str | Path, max_tokens: int,
-              config: dict | None = None, make: Callable[[torch.Tensor, dict], Rotation] = pca_rotation) -> Rotation:
-    """The pca rotation (``make``: the free form's or the commuting form's) of the source's stream
-    on the calibration text: Σ over every norm of its input's second moment, measured block by block."""
+def rotated_norms(rotation_plan: RotationPlan, fixed: dict[str, str] | None) -> list[str]:
+    """The norms of the stream that rotates: not baked, not per-head, not in a fixed stream."""
+    from normswap.rotate.plan import in_fixed_stream
+
+    return [norm.name for norm in rotation_plan.plan.norms
+            if norm.baked_into is None and not norm.per_head and not in_fixed_stream(norm.name, fixed)]
+
+
+def text_inputs(source_dir: Path, text_path: str | Path, max_tokens: int,
+                config: dict | None) -> tuple[torch.Tensor, dict]:
+    """The calibration text's first ``max_tokens`` token ids and its provenance record."""
     text = read_calibration(text_path)
     ids = calibration_ids(source_dir, text, str(text_path), config)[:max_tokens]
-    norms = [norm.name for norm in rotation_plan.plan.norms if norm.baked_into is None and not norm.per_head]
-    measured = calibration_moments(source_dir, rotation_plan.architecture, norms, ids, CALIBRATION_WINDOW, config)
+    return ids, {"text": Path(text_path).name, "tokens": int(ids.numel()),
+                 "text_sha256": hashlib.sha256(text.encode()).hexdigest()}
+
+
+def calibrate(source_dir: Path, rotation_plan: RotationPlan, spec: str | Path, max_tokens: int,
+              config: dict | None = None, make: Callable[[torch.Tensor, dict], Rotation] = pca_rotation, *,
+              fixed: dict[str, str] | None = None, media: MediaCalibration | None = None) -> Rotation:
+    """The pca rotation (``make``: the free form's or the commuting form's) of the source's stream:
+    Σ over every norm of the rotated stream of its input's second moment, measured block by block
+    on the calibration text, or for a model that reads audio or images on the inputs ``media``
+    reads from ``spec``."""
+    if rotation_plan.architecture.probe in TEXT_PROBES:
+        inputs, record = text_inputs(source_dir, spec, max_tokens, config)
+    else:
+        if media is None:
+            raise NormswapError(f"--method pca of a {rotation_plan.architecture.probe} model calibrates on its own kind "
+                                "of input, which normswap.api.rotate_checkpoint reads")
+        inputs = media.inputs(source_dir, rotation_plan.config, str(spec), max_tokens)
+        record = inputs.record
+    norms = rotated_norms(rotation_plan, fixed)
+    measured = calibration_moments(source_dir, rotation_plan.architecture, norms, inputs, CALIBRATION_WINDOW, config)
     moment = sum(measured.moments[name] for name in norms)
-    calibration = {"text": Path(text_path).name, "tokens": int(ids.numel()),
-                   "text_sha256": hashlib.sha256(text.encode()).hexdigest(), "window": measured.window}
-    return make(moment, calibration)
+    return make(moment, {**record, **({"window": measured.window} if measured.window else {}),
+                         "norms": len(norms), "mode": measured.mode})

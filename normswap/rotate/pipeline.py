@@ -34,7 +34,7 @@ from normswap.convert import card, install, pipeline
 from normswap.dtypes import parse_dtype
 from normswap.errors import NormswapError
 from normswap.rotate import commuting
-from normswap.rotate.calibration import calibrate, read_calibration
+from normswap.rotate.calibration import TEXT_PROBES, MediaCalibration, calibrate, read_calibration
 from normswap.rotate.matrices import (
     ROTATION_FILE,
     Rotation,
@@ -73,13 +73,15 @@ def rotate_checkpoint(
     verification: str = "auto",
     quiet: bool = True,
     verifier: install.Verifier | None = None,
+    media: MediaCalibration | None = None,
 ) -> dict:
     """Write ``src`` with its residual basis rotated by Q to ``out``, verified against ``src``.
 
     ``src`` is an original LayerNorm checkpoint (folded, and for the free form centred, in the same
     streaming pass) or a normswap checkpoint converted with ``--fold-gains``. ``method``:
-    ``hadamard``, ``orthogonal`` (both seeded by ``seed``) or ``pca`` (needs ``calibration``, a text
-    file). ``form``: ``commuting`` (Q·1 = 1, stock model type) or ``free`` (``normswap_<type>``).
+    ``hadamard``, ``orthogonal`` (both seeded by ``seed``) or ``pca`` (needs ``calibration``: a text
+    file, or for Whisper and ViT audio or images that ``media`` reads; ``normswap.api`` passes
+    ``normswap.evaluation.calibration``'s reader, which also takes ``bundled``). ``form``: ``commuting`` (Q·1 = 1, stock model type) or ``free`` (``normswap_<type>``).
     Returns the provenance block written into ``out/config.json``; raises ``NormswapError`` for bad
     input and ``VerificationError`` when the output does not match, leaving nothing at ``out``.
     ``verifier`` (``normswap.verify.checkpoint.verify_rotated`` from the public API) checks the
@@ -90,14 +92,14 @@ def rotate_checkpoint(
     out_dtype = parse_dtype(dtype)
     source_dir = resolve_source(src, trust_remote_code=trust_remote_code)
     out = output.absolute(out)
-    inputs = source_inputs(source_dir) + ([Path(calibration)] if calibration is not None else [])
-    output.check_out(out, inputs, overwrite, kind="checkpoint")
     config = read_config(source_dir)
-    check_source(source_dir, config, form, calibration)
+    calibration = check_source(source_dir, config, form, calibration, media)
+    inputs = source_inputs(source_dir) + ([Path(calibration)] if calibration is not None and Path(calibration).exists() else [])
+    output.check_out(out, inputs, overwrite, kind="checkpoint")
     with CheckpointReader(source_dir) as reader:
         rotation_plan, fixed = planned_rotation(source_dir, config, reader, form, out_dtype)
         rotation = make_rotation(method, form, seed, source_dir, config, rotation_plan, calibration, calibration_tokens,
-                                 stream_width(rotation_plan.plan, rotation_plan.architecture, fixed))
+                                 stream_width(rotation_plan.plan, rotation_plan.architecture, fixed), fixed, media)
         counts = add_rotation(rotation_plan.plan, rotation_plan.architecture, rotation, fixed)
         plan, architecture = rotation_plan.plan, rotation_plan.architecture
         provenance = card.rotation_provenance(
@@ -117,25 +119,29 @@ def rotate_checkpoint(
     return provenance
 
 
-def check_source(source_dir: Path, config: dict, form: str, calibration: str | Path | None) -> None:
-    """The refusals of a source (and its calibration text) in ``form``, before any weight is read."""
-    if form == "free" or "normswap" in config:
-        check_rotatable(source_dir, config)
-    else:
-        check_commuting(source_dir, config)
-    if calibration is not None:
+def check_source(source_dir: Path, config: dict, form: str, calibration: str | Path | None,
+                 media: MediaCalibration | None = None) -> str | Path | None:
+    """The refusals of a source (and its calibration inputs) in ``form``, before any weight is
+    read; the calibration inputs as resolved (``bundled`` named by ``media``)."""
+    architecture = check_rotatable(source_dir, config)[0] if form == "free" or "normswap" in config \
+        else check_commuting(source_dir, config)
+    if calibration is None:
+        return None
+    if media is not None:
+        calibration = media.resolve(config, str(calibration))
+    if architecture.probe in TEXT_PROBES:
         read_calibration(calibration)
+    return calibration
 
 
 def make_rotation(method: str, form: str, seed: int, source_dir: Path, config: dict, rotation_plan: RotationPlan,
-                  calibration: str | Path | None, tokens: int, d: int) -> Rotation:
-    """Q of ``method`` in ``form``, of the stream's size d; pca measured on the calibration text."""
+                  calibration: str | Path | None, tokens: int, d: int, fixed: dict[str, str] | None = None,
+                  media: MediaCalibration | None = None) -> Rotation:
+    """Q of ``method`` in ``form``, of the stream's size d; pca measured on the calibration inputs
+    (text, or what ``media`` reads for a model of audio or images) over the rotated stream."""
     if method == "pca":
-        if rotation_plan.architecture.probe != "causal_lm":
-            raise NormswapError(f"--method pca measures the stream on text run through a causal language model; "
-                                f"this is a {rotation_plan.architecture.probe} model: use hadamard or orthogonal")
         make = commuting.pca_rotation if form == "commuting" else pca_rotation
-        return calibrate(source_dir, rotation_plan, calibration, tokens, config, make=make)
+        return calibrate(source_dir, rotation_plan, calibration, tokens, config, make=make, fixed=fixed, media=media)
     return seeded_rotation(method, form, d, seed)
 
 
