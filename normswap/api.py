@@ -231,13 +231,15 @@ def rotate_checkpoint(
     calibration: str | Path | None = None, calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS,
     dtype: str | torch.dtype | None = None, overwrite: bool = False, trust_remote_code: bool = False,
     atol: float | None = None, rtol: float | None = None, verification: str = "auto", quiet: bool = True,
+    online_hadamard: bool = False,
 ) -> dict:
     """Write ``src`` with its residual basis rotated to ``out``, verified against ``src`` by
     ``normswap.verify.checkpoint.verify_rotated`` unless ``verification="none"``; the options are
     ``normswap.rotate.pipeline.rotate_checkpoint``'s (method ``hadamard``, ``orthogonal`` or ``pca``;
     form ``commuting``, Q·1 = 1 and the stock model type, or ``free``, the ``normswap_<type>`` form).
     ``calibration`` (pca) is what the model reads: a text file, or for Whisper transcribed audio
-    and for ViT images (``normswap.evaluation.calibration``); ``bundled`` names the shipped samples."""
+    and for ViT images (``normswap.evaluation.calibration``); ``bundled`` names the shipped samples.
+    ``online_hadamard`` (``form="free"``): H at every MLP down projection's input, at run time."""
     from normswap.evaluation.calibration import MediaInputs
     from normswap.rotate.pipeline import rotate_checkpoint as rotate
     from normswap.verify.checkpoint import verify_rotated
@@ -245,4 +247,5 @@ def rotate_checkpoint(
     return rotate(src, out, method=method, seed=seed, form=form, calibration=calibration,
                   calibration_tokens=calibration_tokens,
                   dtype=dtype, overwrite=overwrite, trust_remote_code=trust_remote_code, atol=atol, rtol=rtol,
-                  verification=verification, quiet=quiet, verifier=verify_rotated, media=MediaInputs())
+                  verification=verification, quiet=quiet, verifier=verify_rotated, media=MediaInputs(),
+                  online_hadamard=online_hadamard)

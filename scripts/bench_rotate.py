@@ -12,7 +12,7 @@ For one model (default: the bundled Austen GPT-2), side by side in one run:
   (embeddings and head stay in float32);
 * the rotations in both forms: ``free`` (the RMSNorm model, own model type) and ``commuting``
   (Q·1 = 1, the stock class); and the free Hadamard rotation with QuaRot's online Hadamard at the
-  down projections' input;
+  down projections' input (``rotate --form free --online-hadamard``, verified like the others);
 * per quantiser, the fraction of the original's perplexity gap that each model closes:
   (ppl_q(original) - ppl_q(model)) / (ppl_q(original) - ppl(original)).
 
@@ -55,7 +55,7 @@ from normswap.api import rotate_checkpoint  # noqa: E402
 from normswap.architectures import architecture_for  # noqa: E402
 from normswap.checkpoint.source import read_config, resolve_source  # noqa: E402
 from normswap.evaluation.perplexity import strided_perplexity  # noqa: E402
-from normswap.rotate.quantise import QUANTISERS, apply_quantiser, is_down_projection, online_hadamard  # noqa: E402
+from normswap.rotate.quantise import QUANTISERS, apply_quantiser, is_down_projection  # noqa: E402
 from normswap.rotate.slice_pipeline import slice_checkpoint  # noqa: E402
 from normswap.runtime.reference import tokenize_text  # noqa: E402
 
@@ -197,11 +197,9 @@ def main() -> int:
             for method, seed in runs:
                 rows.append(rotated_row(source, scratch, form, method, seed, calibration, ids, outlier_ids, window,
                                         architecture.blocks))
-        # QuaRot's online Hadamard at the down projections' input, on the free (RMSNorm) form
-        free = scratch / f"free-hadamard-{args.seeds[0]}"
-        rows.append(measure(f"free hadamard seed {args.seeds[0]} + online Hadamard",
-                            lambda: _with_online_hadamard(normswap.load(free), architecture.blocks), ids, outlier_ids,
-                            window, architecture.blocks))
+        # QuaRot's online Hadamard at the down projections' input: rotate --form free --online-hadamard
+        rows.append(rotated_row(source, scratch, "free", "hadamard", args.seeds[0], calibration, ids, outlier_ids,
+                                window, architecture.blocks, online_hadamard=True))
     elapsed = time.perf_counter() - started
 
     for row in rows:
@@ -249,24 +247,21 @@ def print_tables(rows: list[dict]) -> None:
 
 
 def rotated_row(source: Path, scratch: Path, form: str, method: str, seed: int | None, calibration: Path,
-                ids: torch.Tensor, outlier_ids: torch.Tensor, window: int, blocks: str) -> dict:
+                ids: torch.Tensor, outlier_ids: torch.Tensor, window: int, blocks: str, *,
+                online_hadamard: bool = False) -> dict:
     """Rotate ``source`` (verified) in ``form`` and measure it; the free form loads as the RMSNorm
-    model, the commuting form through the stock class."""
-    out = scratch / f"{form}-{method}-{seed}"
+    model (with ``online_hadamard``, H at its down projections' input), the commuting form through
+    the stock class."""
+    out = scratch / (f"{form}-{method}-{seed}" + ("-online" if online_hadamard else ""))
     block = rotate_checkpoint(source, out, method=method, seed=seed or 0, form=form, verification="full",
-                              calibration=calibration if method == "pca" else None)
+                              calibration=calibration if method == "pca" else None, online_hadamard=online_hadamard)
     assert block["verification"]["passed"]
-    name = f"{form} {method}" + ("" if seed is None else f" seed {seed}")
+    name = f"{form} {method}" + ("" if seed is None else f" seed {seed}") + (" + online Hadamard" if online_hadamard else "")
     row = measure(name, lambda: normswap.load(out), ids, outlier_ids, window, blocks)
     row["rotation"] = {key: block["rotation"][key] for key in ("form", "method", "seed", "matrix_sha256")}
     row["verification_max_abs_diff"] = max(figures["max_abs_diff"] for figures in block["verification"]["loaders"].values()
                                            if "max_abs_diff" in figures)
     return row
-
-
-def _with_online_hadamard(model, blocks: str):
-    assert online_hadamard(model, within=blocks) > 0
-    return model
 
 
 def _parameters(path: Path, under: str = "") -> int:

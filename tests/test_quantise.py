@@ -16,7 +16,6 @@ from normswap.rotate.quantise import (
     fake_quantise_tokens,
     is_down_projection,
     linear_layers,
-    online_hadamard,
     quantise_model,
 )
 
@@ -102,18 +101,7 @@ def test_w4a8_quantises_weights_and_every_input():
     assert torch.allclose(levels, levels.round(), atol=1e-3)
 
 
-def test_online_hadamard_is_exact_and_only_at_down_projections():
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=20, n_positions=8,
-                                     bos_token_id=0, eos_token_id=0)
-    model = transformers.GPT2LMHeadModel(config).eval()
-    ids = torch.arange(8)[None]
-    with torch.no_grad():
-        before = model(ids).logits
-        assert online_hadamard(model, within="transformer.h") == 1
-        assert torch.allclose(model(ids).logits, before, atol=1e-5)
+def test_down_projections_are_the_mlps_not_the_attentions():
     assert is_down_projection("transformer.h.0.mlp.c_proj") and not is_down_projection("transformer.h.0.attn.c_proj")
     assert is_down_projection("model.decoder.layers.1.fc2") and is_down_projection("gpt_neox.layers.0.mlp.dense_4h_to_h")
 

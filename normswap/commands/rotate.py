@@ -28,6 +28,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="commuting (default): Q·1 = 1, so LayerNorm(x·Q) = LayerNorm(x)·Q and the output keeps the "
                              "original model type, loadable by stock transformers; free: any orthogonal Q on the "
                              "centred RMSNorm conversion, written as a normswap_<type> checkpoint")
+    parser.add_argument("--online-hadamard", action="store_true",
+                        help="with --form free: also turn every MLP down projection's input by a Hadamard matrix at run "
+                             "time (QuaRot's online Hadamard), its weight stored with H folded in; exact, and not "
+                             "foldable into any weight, so the stock class cannot hold it")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random signs / random matrix (default 0)")
     parser.add_argument("--calibration", metavar="PATH",
                         help="what the pca directions are measured on, of the model's kind, or 'bundled' for the "
@@ -60,9 +64,9 @@ def run(args: argparse.Namespace) -> int:
         from normswap.commands.rotate_slice import run_slice
         from normswap.errors import NormswapError
 
-        if args.form is not None:
-            raise NormswapError("--form applies to rotation; a sliced checkpoint has its own model type "
-                                "(docs/rotation.md says why)")
+        if args.form is not None or args.online_hadamard:
+            raise NormswapError(f"{'--form' if args.form is not None else '--online-hadamard'} applies to rotation; a "
+                                "sliced checkpoint has its own model type (docs/rotation.md says why)")
 
         return run_slice(args)
     from normswap.api import rotate_checkpoint
@@ -74,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         calibration=args.calibration,
         calibration_tokens=args.calibration_tokens, dtype=args.dtype, overwrite=args.overwrite,
         trust_remote_code=args.trust_remote_code, atol=args.atol, rtol=args.rtol,
-        verification=args.verification, quiet=progress_off(args),
+        verification=args.verification, quiet=progress_off(args), online_hadamard=args.online_hadamard,
     )
     rotation = provenance["rotation"]
     counts = rotation["rotated"]
@@ -89,6 +93,10 @@ def run(args: argparse.Namespace) -> int:
         source = next(calibration[key] for key in ("text", "audio", "images") if key in calibration)
         print(f"pca calibrated on {source}: {count(calibration['tokens'], 'stream position')} at "
               f"{count(calibration['norms'], 'norm input')} ({calibration['mode']})")
+    online = rotation.get("online_hadamard")
+    if online:
+        print(f"online Hadamard of order {online['size']} ({online['construction']}) at the input of "
+              f"{count(len(online['modules']), 'MLP down projection')}, applied at run time")
     for stream in rotation.get("fixed_streams", {}).values():
         print(f"not rotated: {stream}")
     for name, norm in rotation.get("rotated_outputs", {}).items():

@@ -18,6 +18,9 @@ states and ``apply_structure`` performs:
   whose output *is* the residual stream);
 * ``gain_plus_one``: norms that store γ - 1 and compute with γ (Nemotron's ``LayerNorm1P``).
 
+With ``--online-hadamard`` (``config.normswap.rotation.online_hadamard``) every MLP down
+projection's input is turned by H/√n at run time, its weight stored as W·H/√n (``apply_online_hadamard``).
+
 The norms swapped are every ``nn.LayerNorm`` and every leaf module of a class named
 ``*LayerNorm`` (a family's own LayerNorm: OLMo's weightless one, Cohere's bias-free one that may
 normalise per head); ``layer_norm_like`` says which.
@@ -35,8 +38,7 @@ import transformers
 from torch import nn
 
 CLASS_PREFIX = "Normswap"
-# Model classes for checkpoints under their own model type: their config class is the Normswap one.
-OWN_TYPE_PREFIX = "NormswapOnly"
+OWN_TYPE_PREFIX = "NormswapOnly"  # classes of checkpoints under their own model type (config class too)
 MODEL_TYPE_PREFIX = "normswap_"
 
 
@@ -44,10 +46,8 @@ class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x**2) + eps) * weight + bias over the last dimension.
 
     Statistics, the weight multiply and the bias add are done in float32 (float64 for float64
-    inputs), and the result is rounded once to x's dtype at the end, as torch's LayerNorm kernels
-    do. The
-    ``weight`` and ``bias`` names match LayerNorm's, so converted state dicts load unchanged.
-    """
+    inputs), rounded once to x's dtype at the end, as torch's LayerNorm kernels do. ``weight`` and
+    ``bias`` are LayerNorm's names, so converted state dicts load unchanged."""
 
     is_normswap_rmsnorm = True
 
@@ -89,10 +89,7 @@ class RMSNorm(nn.Module):
         return y.to(x.dtype)
 
     def extra_repr(self) -> str:
-        return (
-            f"{self.normalized_shape}, eps={self.eps}, "
-            f"weight={self.weight is not None}, bias={self.bias is not None}"
-        )
+        return f"{self.normalized_shape}, eps={self.eps}, weight={self.weight is not None}, bias={self.bias is not None}"
 
 
 def layer_norm_like(module: nn.Module) -> bool:
@@ -175,14 +172,35 @@ def apply_structure(model: nn.Module, structure: dict | None) -> None:
         model.get_submodule(path).gain_offset = 1.0
 
 
+def hadamard_transform(x: torch.Tensor, factor: torch.Tensor, twos: int) -> torch.Tensor:
+    """x·H/√n along the last axis for H = H₂^⊗twos ⊗ F (F ±1 of order m, n = 2^twos·m), in
+    O(n·(twos + m)): with x's last axis as a 2^twos × m matrix X, x·(S ⊗ F) = Sᵀ·X·F, one m×m
+    product and twos butterflies (a, b) → (a + b, a - b). Half precision runs in float32."""
+    dtype = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
+    y = x.to(dtype).reshape(-1, 2**twos, factor.shape[0]) @ factor.to(x.device, dtype)
+    for bit in range(twos):
+        pairs = y.view(y.shape[0], -1, 2, 2**bit, factor.shape[0])
+        y = torch.stack((pairs[:, :, 0] + pairs[:, :, 1], pairs[:, :, 0] - pairs[:, :, 1]), dim=2)
+    return (y.reshape(x.shape) / x.shape[-1] ** 0.5).to(x.dtype)
+
+
+def apply_online_hadamard(model: nn.Module, spec: dict | None) -> None:
+    """x ← x·H/√n at the input of each of ``spec["modules"]`` (MLP down projections, stored as W·H/√n)."""
+    if spec:
+        factor = torch.tensor([[1.0 if sign == "+" else -1.0 for sign in row] for row in spec["factor"]],
+                              device="cpu")  # not on the meta device models are built on
+        for path in spec["modules"]:
+            model.get_submodule(path).register_forward_pre_hook(
+                lambda _module, args: (hadamard_transform(args[0], factor, int(spec["twos"])), *args[1:]))
+
+
 class Shortcut(nn.Module):
     """The residual path of a sliced model: the block adds x·S (S = P_inᵀ·P_out, k×k) instead of x.
 
     A sliced stream has its own basis at every norm input; where a branch's output joins the
     residual, the residual must change basis too. The block's forward adds the residual itself, so
     the branch's output gets x·S - x added (x captured at the norm that reads the residual), which
-    makes the sum branch + x·S. The weight is a parameter so it loads with the checkpoint.
-    """
+    makes the sum branch + x·S. The weight is a parameter so it loads with the checkpoint."""
 
     def __init__(self, size: int) -> None:
         super().__init__()
@@ -265,14 +283,13 @@ def to_rmsnorm_model(model: nn.Module, config) -> nn.Module:
     swap_layer_norms(model)
     apply_structure(model, block.get("structure"))
     apply_slicing(model, block.get("slicing"))
+    apply_online_hadamard(model, (block.get("rotation") or {}).get("online_hadamard"))
     return model
 
 
 def rms_class(base: type, own_type: bool = False) -> type:
-    """The RMSNorm subclass of a stock transformers model class.
-
-    With ``own_type`` its config class is the ``normswap_<type>`` one (see ``normswap_config_class``).
-    """
+    """The RMSNorm subclass of a stock transformers model class; with ``own_type`` its config class
+    is the ``normswap_<type>`` one (see ``normswap_config_class``)."""
 
     def __init__(self, config, *args, **kwargs):
         base.__init__(self, config, *args, **kwargs)
@@ -291,9 +308,7 @@ def list_for_pipelines(name: str, base_name: str) -> None:
     """Name a model class beside its stock base in the task tables that transformers' pipelines
     check a model's class name against (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` and the like), so
     that ``pipeline("text-generation", model=...)`` does not log that the model is not supported.
-
-    The entry's key is the class name, not a model type: the Auto classes resolve a config's model
-    type through ``CONFIG_MAPPING_NAMES`` and never reach it."""
+    The key is the class name, not a model type: the Auto classes never reach it."""
     try:
         from transformers.models.auto import modeling_auto
     except ImportError:  # a transformers without this module checks no names either
@@ -307,11 +322,8 @@ def list_for_pipelines(name: str, base_name: str) -> None:
 
 def normswap_config_class(base: type) -> type:
     """A stock config class under the model type ``normswap_<type>``."""
-    return type(
-        CLASS_PREFIX + base.__name__,
-        (base,),
-        {"model_type": MODEL_TYPE_PREFIX + base.model_type, "__module__": __name__},
-    )
+    return type(CLASS_PREFIX + base.__name__, (base,), {"model_type": MODEL_TYPE_PREFIX + base.model_type,
+                                                         "__module__": __name__})
 
 
 _made: dict[str, type] = {}

@@ -117,14 +117,32 @@ def describe(n: int) -> str | None:
     return " ⊗ ".join(parts) or "1"
 
 
-def hadamard_matrix(n: int) -> torch.Tensor:
-    """A Hadamard matrix of order n (int8 entries ±1), or ValueError when no construction is known."""
+def _known(n: int) -> tuple[tuple[str, int], ...]:
     factors = construction(n)
     if factors is None:
         raise ValueError(
             f"no Hadamard construction is known here for order {n} (Sylvester, prime Paley I/II and "
             "their Kronecker products cover it not)"
         )
+    return factors
+
+
+def hadamard_matrix(n: int) -> torch.Tensor:
+    """A Hadamard matrix of order n (int8 entries ±1), or ValueError when no construction is known."""
+    return _product(_known(n))
+
+
+def kronecker_split(n: int) -> tuple[int, torch.Tensor]:
+    """(k, F) with ``hadamard_matrix(n)`` = H₂^⊗k ⊗ F: the leading Sylvester factors, and F (int8,
+    order n / 2^k) the Kronecker product of the others. x·H is then k butterflies and one product
+    with F (``normswap.modeling.remote.hadamard_transform``), O(n·(k + n/2^k)) for one vector."""
+    factors = _known(n)
+    twos = next((index for index, (kind, _) in enumerate(factors) if kind != "sylvester"), len(factors))
+    return twos, _product(factors[twos:])
+
+
+def _product(factors: tuple[tuple[str, int], ...]) -> torch.Tensor:
+    """The Kronecker product of the factors, in order (int8)."""
     matrix = torch.ones(1, 1, dtype=torch.int8)
     for kind, parameter in factors:
         if kind == "sylvester":

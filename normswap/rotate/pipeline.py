@@ -43,6 +43,7 @@ from normswap.rotate.matrices import (
     pca_rotation,
     save_rotation,
 )
+from normswap.rotate.online import add_online_hadamard
 from normswap.rotate.options import DEFAULT_CALIBRATION_TOKENS, DEFAULT_FORM, FORMS, METHODS
 from normswap.rotate.plan import (
     RotationPlan,
@@ -74,6 +75,7 @@ def rotate_checkpoint(
     quiet: bool = True,
     verifier: install.Verifier | None = None,
     media: MediaCalibration | None = None,
+    online_hadamard: bool = False,
 ) -> dict:
     """Write ``src`` with its residual basis rotated by Q to ``out``, verified against ``src``.
 
@@ -81,13 +83,15 @@ def rotate_checkpoint(
     streaming pass) or a normswap checkpoint converted with ``--fold-gains``. ``method``:
     ``hadamard``, ``orthogonal`` (both seeded by ``seed``) or ``pca`` (needs ``calibration``: a text
     file, or for Whisper and ViT audio or images that ``media`` reads; ``normswap.api`` passes
-    ``normswap.evaluation.calibration``'s reader, which also takes ``bundled``). ``form``: ``commuting`` (Q·1 = 1, stock model type) or ``free`` (``normswap_<type>``).
+    ``normswap.evaluation.calibration``'s reader, which also takes ``bundled``). ``form``:
+    ``commuting`` (Q·1 = 1, stock model type) or ``free`` (``normswap_<type>``); ``online_hadamard``
+    (free form only): H at every MLP down projection's input, at run time (``normswap.rotate.online``).
     Returns the provenance block written into ``out/config.json``; raises ``NormswapError`` for bad
     input and ``VerificationError`` when the output does not match, leaving nothing at ``out``.
     ``verifier`` (``normswap.verify.checkpoint.verify_rotated`` from the public API) checks the
     output unless ``verification`` is ``none``.
     """
-    check_options(method, seed, calibration, calibration_tokens, verification, form)
+    check_options(method, seed, calibration, calibration_tokens, verification, form, online_hadamard)
     install.check_verification_mode(verification, atol, rtol)
     out_dtype = parse_dtype(dtype)
     source_dir = resolve_source(src, trust_remote_code=trust_remote_code)
@@ -102,9 +106,10 @@ def rotate_checkpoint(
                                  stream_width(rotation_plan.plan, rotation_plan.architecture, fixed), fixed, media)
         counts = add_rotation(rotation_plan.plan, rotation_plan.architecture, rotation, fixed)
         plan, architecture = rotation_plan.plan, rotation_plan.architecture
+        online = {"online_hadamard": add_online_hadamard(plan, architecture, rotation_plan.meta)} if online_hadamard else {}
         provenance = card.rotation_provenance(
             str(src), plan, architecture.auto_class, pipeline.main_dtype(plan),
-            {**rotation.provenance(), **form_provenance(form, rotation_plan, fixed), "rotated": counts},
+            {**rotation.provenance(), **form_provenance(form, rotation_plan, fixed), "rotated": counts, **online},
             rotation_plan.source_block,
         )
         install.install(
@@ -174,10 +179,14 @@ def form_provenance(form: str, rotation_plan: RotationPlan, fixed: dict[str, str
 
 
 def check_options(method: str, seed: int, calibration: str | Path | None, calibration_tokens: int,
-                  verification: str, form: str = DEFAULT_FORM) -> None:
+                  verification: str, form: str = DEFAULT_FORM, online_hadamard: bool = False) -> None:
     """Refuse inconsistent options in one line, before anything is read."""
     if form not in FORMS:
         raise NormswapError(f"unknown rotation form '{form}'; use one of {', '.join(FORMS)}")
+    if online_hadamard and form != "free":
+        raise NormswapError("--online-hadamard needs --form free: H is applied at run time to the MLP down "
+                            "projection's input, which follows the non-linearity, so no weight can hold it and the "
+                            "stock class has no place for it")
     if method not in METHODS:
         raise NormswapError(f"unknown rotation method '{method}'; use one of {', '.join(METHODS)}")
     if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:

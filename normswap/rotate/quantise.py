@@ -123,24 +123,3 @@ def quantise_activations(model: nn.Module, bits: int, within: str | None = None)
         return (fake_quantise_tokens(args[0], bits), *args[1:])
 
     return [module.register_forward_pre_hook(hook) for _, module, _ in linear_layers(model, within)]
-
-
-@torch.no_grad()
-def online_hadamard(model: nn.Module, within: str | None = None) -> int:
-    """QuaRot's online Hadamard at every MLP down projection's input: x ← x·H, W ← Hᵀ·W, with H the
-    orthonormal Hadamard matrix of the layer's input size, so (x·H)(Hᵀ·W) = x·W. The input is
-    rotated at run time (a pre-hook): it follows the MLP's non-linearity, so no weight can hold it.
-    Returns the count of layers changed (sizes without a Hadamard construction are skipped)."""
-    from normswap.rotate import hadamard
-
-    count = 0
-    for name, module, input_axis in linear_layers(model, within):
-        size = module.weight.shape[input_axis]
-        if not is_down_projection(name) or hadamard.construction(size) is None:
-            continue
-        matrix = (hadamard.hadamard_matrix(size).double() / size**0.5).to(module.weight.dtype)
-        weight = module.weight.movedim(input_axis, 1)  # [out, in]
-        module.weight.copy_((weight @ matrix).movedim(1, input_axis))  # W·H on [out, in] is Hᵀ·W on [in, out]
-        module.register_forward_pre_hook(lambda _module, args, h=matrix: (args[0] @ h.to(args[0].dtype), *args[1:]))
-        count += 1
-    return count

@@ -111,8 +111,10 @@ def rebuilt_rotation_plan(reference_dir: Path, reference_config: dict, rotation:
     conversion) in its recorded form with ``rotate.plan.add_rotation``'s steps for Q = ``matrix``, the matrix stored
     beside the weights. A seeded Q (``hadamard``, ``orthogonal``) must be the one its recorded
     method and seed make; a ``pca`` Q is measured on calibration text and is taken as stored
-    (the file's hash and orthogonality are checked when it is loaded)."""
+    (the file's hash and orthogonality are checked when it is loaded). An online Hadamard
+    (``rotate.online``) adds its step to every MLP down projection, once its record is checked."""
     from normswap.rotate.matrices import Rotation
+    from normswap.rotate.online import add_online_hadamard, check_spec
     from normswap.rotate.pipeline import planned_rotation, seeded_rotation
     from normswap.rotate.plan import add_rotation
 
@@ -129,6 +131,9 @@ def rebuilt_rotation_plan(reference_dir: Path, reference_config: dict, rotation:
         with CheckpointReader(reference_dir) as reader:
             rotation_plan, fixed = planned_rotation(reference_dir, reference_config, reader, form, dtype)
         add_rotation(rotation_plan.plan, rotation_plan.architecture, q, fixed)
+        if "online_hadamard" in rotation:  # the recorded H must be the one normswap makes here
+            check_spec(rotation["online_hadamard"], rotation_plan.meta)
+            add_online_hadamard(rotation_plan.plan, rotation_plan.architecture, rotation_plan.meta)
         return rotation_plan.plan
 
     return _with_recorded_dtype(plan, options, stored)
