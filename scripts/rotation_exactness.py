@@ -8,8 +8,9 @@ bundled Emma excerpt for the causal ones, on `bundled` for the encoders: Whisper
 utterances, ViT's six images, the Persuasion excerpt through CLIP's text tower) in each form: the rotation is written with float64
 weights and loaded back, the commuting form with the stock class (no remote code), the free form
 with normswap.load (the RMSNorm model); the figure is max|Δoutput| / max|output| against the float64
-original (logits; for CLIP logits_per_image and both embeddings). A form or method a family does
-not support is reported with the refusal's reason.
+original (logits; for CLIP logits_per_image and both embeddings); and the free Hadamard rotation
+with the online Hadamard at the MLP down projections (``--online-hadamard``). A form or method a
+family does not support is reported with the refusal's reason.
 
     python3 scripts/rotation_exactness.py [--out benchmarks/results/rotation_exactness.json]
 """
@@ -68,6 +69,27 @@ def _encoders(folder: Path) -> dict:
     return built
 
 
+# (form, method, online Hadamard at the MLP down projections)
+RUNS = [(form, method, False) for form in ("commuting", "free") for method in ("hadamard", "orthogonal", "pca")]
+RUNS.append(("free", "hadamard", True))
+
+
+def _key(form: str, method: str, online: bool) -> str:
+    return f"{form} {method}" + (" + online Hadamard" if online else "")
+
+
+def _run(name: str, src: Path, auto, forward, scratch: Path, form: str, method: str, online: bool) -> float | str:
+    """The relative error of one rotation of ``src``, or the refusal's reason."""
+    out = scratch / f"{name}-{_key(form, method, online).replace(' ', '-')}"
+    calibration = (CALIBRATION if name not in ENCODERS else "bundled") if method == "pca" else None
+    try:
+        rotate_checkpoint(src, out, method=method, form=form, seed=3, dtype=torch.float64, verification="none",
+                          calibration=calibration, online_hadamard=online)
+    except NormswapError as error:
+        return f"refused: {str(error)[:90]}"
+    return relative_error(src, auto, forward, out, form)
+
+
 @torch.no_grad()
 def relative_error(src: Path, auto, forward, out: Path, form: str) -> float:
     reference = forward(auto.from_pretrained(src, dtype=torch.float64).eval()).double()
@@ -89,19 +111,11 @@ def main() -> int:
         sources = {case: _causal(case, scratch) for case in firsts.values()} | _encoders(scratch)
         for name, (src, auto, forward) in sources.items():
             row = {"model": name}
-            for form in ("commuting", "free"):
-                for method in ("hadamard", "orthogonal", "pca"):
-                    out = scratch / f"{name}-{form}-{method}"
-                    try:
-                        calibration = (CALIBRATION if name not in ENCODERS else "bundled") if method == "pca" else None
-                        rotate_checkpoint(src, out, method=method, form=form, seed=3, dtype=torch.float64,
-                                          verification="none", calibration=calibration)
-                        row[f"{form} {method}"] = relative_error(src, auto, forward, out, form)
-                    except NormswapError as error:
-                        row[f"{form} {method}"] = f"refused: {str(error)[:90]}"
+            for form, method, online in RUNS:
+                row[_key(form, method, online)] = _run(name, src, auto, forward, scratch, form, method, online)
             rows.append(row)
             print(json.dumps(row), flush=True)
-    keys = [f"{form} {method}" for form in ("commuting", "free") for method in ("hadamard", "orthogonal", "pca")]
+    keys = [_key(*run) for run in RUNS]
     print("\n| model | " + " | ".join(keys) + " |\n|---|" + "---|" * len(keys))
     for row in rows:
         cells = [f"{row[key]:.1e}" if isinstance(row[key], float) else "refused" for key in keys]

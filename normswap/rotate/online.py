@@ -35,6 +35,9 @@ from normswap.modeling.remote import hadamard_transform
 from normswap.rotate import hadamard
 from normswap.rotate.quantise import is_down_projection
 
+# the largest non-Sylvester factor F spelt into config.json (m² signs: 64 KiB at 256)
+MAX_FACTOR = 256
+
 
 @dataclass(frozen=True, eq=False)
 class OnlineHadamard:
@@ -83,8 +86,12 @@ def add_online_hadamard(plan: ConversionPlan, architecture: Architecture, meta: 
     if hadamard.construction(size) is None:
         raise NormswapError(f"--online-hadamard: no Hadamard matrix of order {size} (the MLP's inner size) is "
                             "constructible here (Sylvester, prime-order Paley and their Kronecker products)")
-    spec = spec_for(modules, size)
     twos, factor = hadamard.kronecker_split(size)
+    if factor.shape[0] > MAX_FACTOR:
+        raise NormswapError(f"--online-hadamard: the Hadamard matrix of order {size} (the MLP's inner size) is "
+                            f"{hadamard.describe(size)}, whose factor of order {factor.shape[0]} is over the "
+                            f"{MAX_FACTOR} that config.json spells out for the model's own code")
+    spec = spec_for(modules, size)
     for axis, tensor in weights.values():
         tensor.steps.append(OnlineHadamard(axis, twos, factor))
     return spec
