@@ -18,8 +18,8 @@ states and ``apply_structure`` performs:
   whose output *is* the residual stream);
 * ``gain_plus_one``: norms that store γ - 1 and compute with γ (Nemotron's ``LayerNorm1P``).
 
-With ``--online-hadamard`` (``config.normswap.rotation.online_hadamard``) every MLP down
-projection's input is turned by H/√n at run time, its weight stored as W·H/√n (``apply_online_hadamard``).
+With ``--online-hadamard`` every MLP down projection's input is turned by H/√n at run time, its
+weight stored with H folded in (``config.normswap.rotation.online_hadamard``, ``apply_online_hadamard``).
 
 The norms swapped are every ``nn.LayerNorm`` and every leaf module of a class named
 ``*LayerNorm`` (a family's own LayerNorm: OLMo's weightless one, Cohere's bias-free one that may
@@ -185,10 +185,9 @@ def hadamard_transform(x: torch.Tensor, factor: torch.Tensor, twos: int) -> torc
 
 
 def apply_online_hadamard(model: nn.Module, spec: dict | None) -> None:
-    """x ← x·H/√n at the input of each of ``spec["modules"]`` (MLP down projections, stored as W·H/√n)."""
+    """x ← x·H/√n at the input of each of ``spec["modules"]`` (F made on the CPU, not the meta device)."""
     if spec:
-        factor = torch.tensor([[1.0 if sign == "+" else -1.0 for sign in row] for row in spec["factor"]],
-                              device="cpu")  # not on the meta device models are built on
+        factor = torch.tensor([[1.0 if s == "+" else -1.0 for s in row] for row in spec["factor"]], device="cpu")
         for path in spec["modules"]:
             model.get_submodule(path).register_forward_pre_hook(
                 lambda _module, args: (hadamard_transform(args[0], factor, int(spec["twos"])), *args[1:]))

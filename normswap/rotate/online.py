@@ -8,8 +8,8 @@ down projection's input size n (``normswap.rotate.hadamard``, every order it bui
 
     y = x·W = (x·H)·(Hᵀ·W)            (Conv1D W [n, d]; nn.Linear stores Wᵀ [d, n] → Wᵀ·H)
 
-so the stored weight is Hᵀ·W, contracted along its input axis (``fold.rotate_axis`` with Q = H),
-and the model applies x ← x·H to that input before the layer (``modeling.remote
+so the stored weight is Hᵀ·W, H contracted along its input axis as ``fold.rotate_axis`` contracts
+Q (here by the structured transform), and the model applies x ← x·H to that input before the layer (``modeling.remote
 .apply_online_hadamard``, by ``hadamard_transform``: butterflies and one small product, never the
 n×n matrix). The function is unchanged exactly. Nothing else can hold H: the input follows the
 non-linearity, and no weight before it can turn GELU(z) into GELU(z)·H. So the stock class cannot

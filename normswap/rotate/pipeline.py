@@ -81,9 +81,8 @@ def rotate_checkpoint(
 
     ``src`` is an original LayerNorm checkpoint (folded, and for the free form centred, in the same
     streaming pass) or a normswap checkpoint converted with ``--fold-gains``. ``method``:
-    ``hadamard``, ``orthogonal`` (both seeded by ``seed``) or ``pca`` (needs ``calibration``: a text
-    file, or for Whisper and ViT audio or images that ``media`` reads; ``normswap.api`` passes
-    ``normswap.evaluation.calibration``'s reader, which also takes ``bundled``). ``form``:
+    ``hadamard``, ``orthogonal`` (both seeded by ``seed``) or ``pca`` (needs ``calibration``: text, or
+    for Whisper and ViT what ``media`` reads, ``normswap.evaluation.calibration`` from the API). ``form``:
     ``commuting`` (Q·1 = 1, stock model type) or ``free`` (``normswap_<type>``); ``online_hadamard``
     (free form only): H at every MLP down projection's input, at run time (``normswap.rotate.online``).
     Returns the provenance block written into ``out/config.json``; raises ``NormswapError`` for bad
@@ -94,24 +93,20 @@ def rotate_checkpoint(
     check_options(method, seed, calibration, calibration_tokens, verification, form, online_hadamard)
     install.check_verification_mode(verification, atol, rtol)
     out_dtype = parse_dtype(dtype)
-    source_dir = resolve_source(src, trust_remote_code=trust_remote_code)
-    out = output.absolute(out)
+    source_dir, out = resolve_source(src, trust_remote_code=trust_remote_code), output.absolute(out)
     config = read_config(source_dir)
     calibration = check_source(source_dir, config, form, calibration, media)
-    inputs = source_inputs(source_dir) + ([Path(calibration)] if calibration is not None and Path(calibration).exists() else [])
+    read_files = [Path(calibration)] if calibration is not None and Path(calibration).exists() else []
+    inputs = source_inputs(source_dir) + read_files
     output.check_out(out, inputs, overwrite, kind="checkpoint")
     with CheckpointReader(source_dir) as reader:
         rotation_plan, fixed = planned_rotation(source_dir, config, reader, form, out_dtype)
         rotation = make_rotation(method, form, seed, source_dir, config, rotation_plan, calibration, calibration_tokens,
                                  stream_width(rotation_plan.plan, rotation_plan.architecture, fixed), fixed, media)
-        counts = add_rotation(rotation_plan.plan, rotation_plan.architecture, rotation, fixed)
+        block = rotated_block(rotation, form, rotation_plan, fixed, online_hadamard)
         plan, architecture = rotation_plan.plan, rotation_plan.architecture
-        online = {"online_hadamard": add_online_hadamard(plan, architecture, rotation_plan.meta)} if online_hadamard else {}
-        provenance = card.rotation_provenance(
-            str(src), plan, architecture.auto_class, pipeline.main_dtype(plan),
-            {**rotation.provenance(), **form_provenance(form, rotation_plan, fixed), "rotated": counts, **online},
-            rotation_plan.source_block,
-        )
+        provenance = card.rotation_provenance(str(src), plan, architecture.auto_class, pipeline.main_dtype(plan), block,
+                                              rotation_plan.source_block)
         install.install(
             out, inputs, plan, reader, source_dir, provenance,
             config_json=lambda block: card.converted_config(rotation_plan.config, plan, rotation_plan.meta,
@@ -122,6 +117,18 @@ def rotate_checkpoint(
                             "reference_config": config, "plan": plan},
         )
     return provenance
+
+
+def rotated_block(rotation: Rotation, form: str, rotation_plan: RotationPlan, fixed: dict[str, str],
+                  online_hadamard: bool) -> dict:
+    """Add the ``Rotate`` steps (and with ``online_hadamard`` the down projections' H) to the
+    plan; the provenance block of the rotation."""
+    counts = add_rotation(rotation_plan.plan, rotation_plan.architecture, rotation, fixed)
+    block = {**rotation.provenance(), **form_provenance(form, rotation_plan, fixed), "rotated": counts}
+    if online_hadamard:
+        block["online_hadamard"] = add_online_hadamard(rotation_plan.plan, rotation_plan.architecture,
+                                                       rotation_plan.meta)
+    return block
 
 
 def check_source(source_dir: Path, config: dict, form: str, calibration: str | Path | None,
