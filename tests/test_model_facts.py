@@ -204,3 +204,17 @@ def test_inspect_from_declared_facts_refuses_a_shape_the_config_does_not_imply(t
     assert main(["inspect", str(src)]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert "has shape [48], but" in line and "implies [64]" in line
+
+
+@pytest.mark.parametrize("command", [["convert"], ["convert", "--fold-gains"], ["rotate"], ["rotate", "--form", "free"]])
+def test_convert_and_rotate_plan_without_building_the_class(tmp_path, command, monkeypatch):
+    from normswap.cli import main
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the model class was built to plan")
+
+    monkeypatch.setattr(build, "meta_model", refused)
+    out = tmp_path / "out"
+    assert main([command[0], "normswap:austen-gpt2", "--out", str(out), *command[1:], "--verify", "none",
+                 "--quiet"]) == 0
+    assert (out / "config.json").is_file()

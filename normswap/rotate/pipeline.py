@@ -109,7 +109,7 @@ def rotate_checkpoint(
                                               rotation_plan.source_block)
         install.install(
             out, inputs, plan, reader, source_dir, provenance,
-            config_json=lambda block: card.converted_config(rotation_plan.config, plan, rotation_plan.meta,
+            config_json=lambda block: card.converted_config(rotation_plan.config, plan, rotation_plan.built,
                                                             architecture, block),
             verifier=install.chosen_verifier(verification, verifier), must_pass=True,
             overwrite=overwrite, quiet=quiet, extra_files=lambda folder: save_rotation(folder / ROTATION_FILE, rotation),

@@ -115,10 +115,18 @@ def add_rotation(plan: ConversionPlan, architecture: Architecture, rotation: Rot
 class RotationPlan:
     architecture: Architecture
     plan: ConversionPlan
-    meta: nn.Module
+    built: nn.Module | None  # the source's class on the meta device, when planning built it
     config: dict  # the source config as the original family describes it (model_type restored)
     folded_source: bool
     source_block: dict | None
+
+    @property
+    def meta(self) -> nn.Module:
+        """The source's model class on the meta device, built at the first use: planning reads the
+        adapter's declarations and builds it only where they are unsure."""
+        if self.built is None:
+            self.built = build.meta_model(self.config, self.architecture.auto_class)
+        return self.built
 
 
 def _original_config(config: dict) -> dict:
@@ -160,7 +168,7 @@ def plan_rotation(source_dir: Path, config: dict, reader: CheckpointReader, *,
     architecture, family_config, block = check_rotatable(source_dir, config)
     if block is None:
         architecture, plan, meta = planning.plan_conversion(source_dir, config, reader, method="exact", fold_gains=True,
-                                                   dtype=dtype)
+                                                            dtype=dtype, build_class=False)
     else:
         meta = build.meta_model(family_config, architecture.auto_class)
         structure = Structure.from_json(block.get("structure"))
@@ -277,7 +285,8 @@ def plan_commuting(source_dir: Path, config: dict, reader: CheckpointReader, *,
     architecture = check_commuting(source_dir, config)
     fixed = architecture.fixed_streams(config)
     architecture, plan, meta = planning.plan_conversion(source_dir, config, reader, method="naive", fold_gains=True,
-                                                        dtype=dtype, architecture=_folding_architecture(architecture))
+                                                        dtype=dtype, architecture=_folding_architecture(architecture),
+                                                        build_class=False)
     plan.method = "exact"
     for name, tensor in plan.tensors.items():
         if in_fixed_stream(name, fixed):
