@@ -754,7 +754,7 @@ def test_disk_full_before_writing_says_how_much(source, tmp_path, capsys, monkey
 
 
 def test_enospc_while_writing_weights(source, tmp_path, capsys, monkeypatch):
-    _fail_on(monkeypatch, os, "posix_fallocate", errno.ENOSPC)
+    _fail_on(monkeypatch, os, "pwrite", errno.ENOSPC)
     code, _, err = run_cli(capsys, "convert", source, "--out", tmp_path / "out", "--quiet")
     assert_refused(code, err, "no space left")
     assert list(tmp_path.iterdir()) == []

@@ -214,15 +214,19 @@ def encode_header(tensors: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> tu
 
 @contextmanager
 def created_file(path: Path, size: int) -> Iterator[int]:
-    """A descriptor of ``path``, created (or truncated) with ``size`` bytes reserved, closed after.
+    """A descriptor of ``path``, created (or truncated) at its final ``size``, closed after.
 
-    Reserving first (``posix_fallocate``) finds a full disk before any work is done rather than
-    halfway through; running out of space becomes a one-line ``NormswapError``.
+    The file is sized first, sparse (``ftruncate``), and then filled at known offsets: space
+    reserved with ``posix_fallocate`` instead is held as unwritten extents, and on ext4 turning
+    each written page's extent from unwritten to written makes the writes many times slower than
+    filling a sparse file. A full disk is refused before any work by the free-space
+    check of the whole output (``space.check_free_space``); running out of space while writing
+    (another process filling the disk) still becomes a one-line ``NormswapError``.
     """
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # the umask decides
         try:
-            _reserve(fd, size)
+            os.ftruncate(fd, size)
             yield fd
         finally:
             os.close(fd)
@@ -237,16 +241,6 @@ def bytes_of(value: torch.Tensor) -> memoryview:
     import torch
 
     return memoryview(value.contiguous().reshape(-1).view(torch.uint8).numpy())
-
-
-def _reserve(fd: int, size: int) -> None:
-    """Allocate ``size`` bytes for the file now; raises ENOSPC when the disk cannot hold them."""
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as error:
-        if error.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-            return  # the filesystem cannot reserve space; writes will report ENOSPC instead
-        raise
 
 
 def write_at(fd: int, offset: int, data: memoryview) -> None:
