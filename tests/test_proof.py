@@ -268,3 +268,18 @@ def test_a_cast_conversion_is_proven_in_its_own_rounding(sources, tmp_path, dtyp
             changed[5, 7] = torch.nextafter(changed[5, 7], torch.tensor(float("inf"), dtype=changed.dtype))
         save_file({**state, name: changed}, weights, metadata={"format": "pt"})
         assert _passes(lambda: normswap.prove_checkpoint(src, out), restore=[(weights, pristine)]) == passes
+
+
+def test_a_value_the_output_dtype_cannot_hold_fails(sources, tmp_path, capsys):
+    """A finite float32 value beyond float16's range becomes infinite in a --dtype float16 conversion:
+    the proof names it, though the infinity equals the plan's value rounded to float16."""
+    src = tmp_path / "src"
+    shutil.copytree(sources("gpt2"), src)
+    state = load_file(src / "model.safetensors")
+    state["transformer.wpe.weight"][60, 3] = 1e5
+    save_file(state, src / "model.safetensors", metadata={"format": "pt"})
+    capsys.readouterr()
+    assert main(["convert", str(src), "--out", str(tmp_path / "out"), "--dtype", "float16", "--quiet"]) == 3
+    error = capsys.readouterr().err.strip()
+    assert "transformer.wpe.weight[60, 3]" in error and "becomes infinite" in error and "\n" not in error
+    assert not (tmp_path / "out").exists()

@@ -206,8 +206,10 @@ def _prove_recomputed(tensor: TensorPlan, shared: ShardSource, output: Checkpoin
                   if expected.dim() else output.get(tensor.name))
         rounded = shared.buffer("rounded", nbytes).view(tensor.dtype).view(expected.shape)
         rounded.copy_(expected)  # rounded to nearest as ``Tensor.to`` rounds
-        # bit-exact, and finite: a block's float64 sum is finite exactly when all its values are
-        if torch.equal(_words(rounded), _words(stored)) and math.isfinite(float(expected.sum())):
+        peak = float(expected.abs().max()) if expected.numel() else 0.0  # NaN when any value is NaN
+        if math.isfinite(peak) and peak > torch.finfo(tensor.dtype).max:
+            _refuse_overflow(tensor, start, expected, rounded)
+        if math.isfinite(peak) and torch.equal(_words(rounded), _words(stored)):  # bit-exact and finite
             continue
         differs = ~(rounded == stored)
         units = _units(stored[differs], rounded[differs], expected, tensor.dtype)
@@ -215,6 +217,21 @@ def _prove_recomputed(tensor: TensorPlan, shared: ShardSource, output: Checkpoin
             _refuse(tensor, start, differs, units, stored, expected)
         worst, off = max(worst, float(units.max())), off + int(differs.sum())
     return worst, off
+
+
+def _refuse_overflow(tensor: TensorPlan, start: int, expected: torch.Tensor, rounded: torch.Tensor) -> None:
+    """A finite value the plan makes that the output dtype cannot hold (it rounds to infinity)."""
+    overflowed = torch.isinf(rounded)
+    if not bool(overflowed.any()):
+        return  # above the largest value, but within half an ulp of it: rounds to it
+    first = overflowed.nonzero()[0].tolist()
+    value = float(expected[tuple(first)])
+    if expected.dim():
+        first[0] += start
+    raise VerificationError(
+        f"weights proof: {tensor.name}{first} is {value:.6g} in float64, beyond {tensor.dtype_name}'s largest value "
+        f"{torch.finfo(tensor.dtype).max:.6g}: stored as {tensor.dtype_name} it becomes infinite (convert to a wider "
+        "--dtype)")
 
 
 def _stored_rows(output: CheckpointReader, name: str, start: int, count: int, buffer: torch.Tensor) -> torch.Tensor:
