@@ -9,10 +9,22 @@ command receives the parsed config and this view rather than reading config.json
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from normswap.checkpoint import validation
+from normswap.errors import NormswapError, quoted
+
+# how a rotation's Q is made (``rotate``'s --method) and its forms (--form); kept here, below every
+# command, so that the provenance check and the CLI's choices are one list
+ROTATION_METHODS = ("hadamard", "orthogonal", "pca")
+ROTATION_FORMS = ("commuting", "free")
+ROTATION_FILE = "normswap_rotation.safetensors"  # Q, stored beside a rotated checkpoint's weights
+# the kinds of ``normswap.convert.steps.Structure`` (a test keeps the two in step)
+STRUCTURE_KINDS = ("identity", "centre_input", "centre_output", "gain_plus_one")
+WIDTH_KEYS = ("n_embd", "hidden_size", "d_model")
+_SEED_LIMIT = 2**63
 
 
 @dataclass(frozen=True)
@@ -36,12 +48,24 @@ class Provenance:
         if block is None:
             return None
         validation.check_provenance(block, path)
+        where = f"{path / 'config.json'}: normswap"
+        _check_counts(block, where)
+        if "rotation" in block:
+            check_rotation(block["rotation"], config, f"{where}.rotation")
+        if "slicing" in block:
+            check_slicing(block["slicing"], f"{where}.slicing")
         return cls(
             original_model_type=block.get("original_model_type", config.get("model_type")),
             options=block.get("options", {}), structure=block.get("structure", {}),
             stock_loadable=block.get("stock_loadable", True), modeling_sha256=block.get("modeling_sha256"),
             rotation=block.get("rotation"), slicing=block.get("slicing"), block=block,
         )
+
+    @property
+    def rotated_from_conversion(self) -> bool:
+        """Whether this is a rotation of a (folded) normswap conversion, which it was checked against,
+        rather than of an original."""
+        return self.rotation is not None and "rotated_from" in self.block
 
     @property
     def method(self) -> str:
@@ -66,3 +90,88 @@ def original_model_type(config: dict) -> str | None:
 def family_config(config: dict) -> dict:
     """``config`` as its original family describes it: the model type restored (``original_model_type``)."""
     return {**config, "model_type": original_model_type(config)}
+
+
+def _refuse(where: str, key: str, wanted: str, value: object) -> None:
+    raise NormswapError(f"{where}.{key} must be {wanted} (got {quoted(value, 60)})")
+
+
+def _count(value: object, low: int = 0, high: int | None = None) -> bool:
+    return (isinstance(value, int) and not isinstance(value, bool) and value >= low
+            and (high is None or value < high))
+
+
+def _names(value: object, kinds: tuple[type, ...] = (str,)) -> bool:
+    """A mapping of strings to ``kinds``."""
+    return isinstance(value, dict) and all(isinstance(key, str) and isinstance(item, kinds)
+                                           for key, item in value.items())
+
+
+def _check_counts(block: dict, where: str) -> None:
+    if "writers_centred" in block and not _count(block["writers_centred"]):
+        _refuse(where, "writers_centred", "a count (an integer from 0)", block["writers_centred"])
+    for kind in block.get("structure", {}):
+        if kind not in STRUCTURE_KINDS:
+            raise NormswapError(f"{where}.structure has an unknown kind {quoted(kind, 60)}; normswap "
+                                f"writes {', '.join(STRUCTURE_KINDS)}")
+
+
+def check_rotation(rotation: object, config: dict, where: str) -> None:
+    """Refuse a rotation record normswap would not write, in one line naming the key: Q's method,
+    seed, dimension (the model's width), hash and file, the form and what it records."""
+    if not isinstance(rotation, dict):
+        raise NormswapError(f"{where} must be a mapping")
+    method = rotation.get("method")
+    if method not in ROTATION_METHODS:
+        _refuse(where, "method", f"one of {', '.join(ROTATION_METHODS)}", method)
+    seed = rotation.get("seed")
+    if method == "pca" and seed is not None:
+        _refuse(where, "seed", "null for a pca rotation (its Q is measured, not seeded)", seed)
+    if method != "pca" and not _count(seed, 0, _SEED_LIMIT):
+        _refuse(where, "seed", "an integer from 0 to 2**63 - 1", seed)
+    width = next((config[key] for key in WIDTH_KEYS if _count(config.get(key), 1)), None)
+    dimension = rotation.get("dimension")
+    if not _count(dimension, 1) or (width is not None and dimension != width):
+        _refuse(where, "dimension", f"the model's width {width}" if width else "a positive integer", dimension)
+    sha = rotation.get("matrix_sha256")
+    if not (isinstance(sha, str) and len(sha) == 64 and all(char in "0123456789abcdef" for char in sha)):
+        _refuse(where, "matrix_sha256", "a sha256 in hex", sha)
+    if rotation.get("matrix_file", ROTATION_FILE) != ROTATION_FILE:
+        _refuse(where, "matrix_file", f"{ROTATION_FILE} (the file normswap writes)", rotation.get("matrix_file"))
+    if rotation.get("form", "free") not in ROTATION_FORMS:
+        _refuse(where, "form", f"one of {', '.join(ROTATION_FORMS)}", rotation.get("form"))
+    for key, wanted, words in (("construction", str, "a string"), ("centred", bool, "true or false"),
+                               ("calibration", dict, "a mapping"), ("online_hadamard", dict, "a mapping")):
+        if key in rotation and not isinstance(rotation[key], wanted):
+            _refuse(where, key, words, rotation[key])
+    for key in ("fixed_streams", "rotated_outputs"):
+        if key in rotation and not _names(rotation[key]):
+            _refuse(where, key, "a mapping of names to names", rotation[key])
+    if "rotated" in rotation and not _names(rotation["rotated"], (int,)):
+        _refuse(where, "rotated", "a mapping of kinds to counts", rotation["rotated"])
+
+
+def check_slicing(slicing: object, where: str) -> None:
+    """Refuse a slicing record ``apply_slicing`` could not follow, in one line naming the key."""
+    if not isinstance(slicing, dict):
+        raise NormswapError(f"{where} must be a mapping")
+    for key in ("hidden_size", "original_hidden_size"):
+        if not _count(slicing.get(key), 1):
+            _refuse(where, key, "a positive integer", slicing.get(key))
+    if slicing["hidden_size"] > slicing["original_hidden_size"]:
+        _refuse(where, "hidden_size", f"at most original_hidden_size {slicing['original_hidden_size']}",
+                slicing["hidden_size"])
+    if not isinstance(slicing.get("blocks"), str):
+        _refuse(where, "blocks", "a module name", slicing.get("blocks"))
+    for key, kinds in (("stream_axes", (str, int)), ("branches", (str, str))):
+        pairs = slicing.get(key)
+        if not isinstance(pairs, list) or not all(
+                isinstance(pair, list) and len(pair) == 2 and all(isinstance(item, kind) and not isinstance(item, bool)
+                                                                  for item, kind in zip(pair, kinds, strict=True))
+                for pair in pairs):
+            _refuse(where, key, "a list of pairs", pairs)
+    for pattern, _ in slicing["stream_axes"]:
+        try:
+            re.compile(pattern)
+        except re.error:
+            _refuse(where, "stream_axes", "a list of (regular expression, axis) pairs", pattern)

@@ -117,7 +117,7 @@ def check_layer_count(config: dict, tensor_names: Iterable[str], where: str) -> 
 PROVENANCE_KEYS: dict[str, type] = {
     "version": str, "source": str, "original_model_type": str, "auto_class": str, "modeling_sha256": str,
     "options": dict, "structure": dict, "norms_swapped": list, "norms_folded": list, "untied": list,
-    "stock_loadable": bool, "writers_centred": int,
+    "stock_loadable": bool, "writers_centred": int, "rotated_from": str, "rotated_from_source": str,
 }
 _TYPE_WORDS = {str: "a string", dict: "a mapping", list: "a list", bool: "true or false", int: "a number"}
 

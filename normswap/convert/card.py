@@ -27,7 +27,7 @@ tags:
 
 This checkpoint was written by [normswap](https://pypi.org/project/normswap/) {version}. It computes
 the same function as `{source}` with every LayerNorm replaced by an RMSNorm.
-
+{lineage}
 ## What was done
 
 - **Centred the residual writers** ({writers} tensors: embeddings, attention and MLP output
@@ -55,7 +55,7 @@ model = normswap.load(PATH)                                                   # 
 
 ## Verification
 
-The original and this checkpoint were run on the same probe ({probe} tokens), both computed in
+`{source}` and this checkpoint were run on the same probe ({probe} tokens), both computed in
 float32. Tolerance on max |Δ|: {tolerance:.3g}.
 
 {table}
@@ -66,7 +66,7 @@ ROTATION_SECTION = """
 
 The residual stream is rotated by an orthogonal matrix Q ({method}{seed}; {construction}; d = {dimension}; \
 sha256 {matrix_sha256}), stored in `{matrix_file}`. Every writer, reader and kept norm bias was rotated, so \
-the model computes the original's function while its hidden states are x·Q. Load it with \
+the model computes its source's function while its hidden states are x·Q. Load it with \
 `trust_remote_code=True` or `normswap.load`; stock LayerNorm classes refuse it on purpose, because \
 LayerNorm(x·Q) ≠ LayerNorm(x)·Q.
 """
@@ -82,7 +82,7 @@ tags:
 
 Written by [normswap](https://pypi.org/project/normswap/) {version}. It computes the same function as
 `{source}` with the stock classes: load it with `{auto_class}.from_pretrained(PATH)`, no remote code.
-
+{lineage}
 ## What was done
 
 - **Folded** the gain γ and bias β of {folded} LayerNorms into the layers that read them (where a
@@ -101,7 +101,7 @@ COMMUTING_SECTION = """
 The residual stream is rotated by an orthogonal matrix Q with Q·1 = 1 ({method}{seed}; {construction}; \
 d = {dimension}; sha256 {matrix_sha256}), stored in `{matrix_file}`. Such a Q commutes with LayerNorm's \
 mean removal, so LayerNorm(x·Q) = LayerNorm(x)·Q and the stock LayerNorm modules (weight 1; γ and β \
-folded into the layers that read them) compute the original's function: stock transformers loads \
+folded into the layers that read them) compute its source's function: stock transformers loads \
 this checkpoint as it is. Hidden states are x·Q. Outputs that come out rotated: {outputs}. Streams \
 left unrotated: {fixed}.
 """
@@ -129,10 +129,16 @@ def provenance_block(source: str, plan: ConversionPlan, options: dict, auto_clas
 def rotation_provenance(source: str, plan: ConversionPlan, auto_class: str, dtype: torch.dtype,
                         rotation: dict, source_block: dict | None) -> dict:
     """The ``normswap`` block of a rotated checkpoint: a folded source's block carried over (or a
-    fresh one for an original), with the rotation added."""
+    fresh one for an original), with the rotation added.
+
+    A rotation of a folded conversion was checked against that conversion only, so ``source`` and
+    ``rotated_from`` name it, and ``rotated_from_source`` keeps what its own provenance names as
+    its original (not compared with the rotation: verify the folded conversion against it)."""
     if source_block is not None:
         block = {key: value for key, value in source_block.items() if key != "verification"}
-        block.update({"version": __version__, "rotated_from": source})
+        block.update({"version": __version__, "source": source, "rotated_from": source})
+        if isinstance(source_block.get("source"), str):
+            block["rotated_from_source"] = source_block["source"]
         block["options"] = {**block.get("options", {}), "dtype": dtype_name(dtype)}
     else:
         options = {"method": "exact", "fold_gains": True, "dtype": dtype_name(dtype)}
@@ -187,6 +193,17 @@ def converted_config(config: dict, plan: ConversionPlan, meta: nn.Module | None,
     return new
 
 
+def lineage(provenance: dict) -> str:
+    """The card's line on a rotation of a normswap conversion: what was compared, and what was not."""
+    if "rotated_from" not in provenance:
+        return ""
+    original = provenance.get("rotated_from_source")
+    named = f" names `{original}` as its original" if original else " names its original"
+    return (f"\n`{provenance['rotated_from']}` is itself a normswap conversion, and this checkpoint was verified "
+            f"against it alone. Its own provenance{named}; that claim was not checked here (verify it with "
+            f"`normswap verify ORIGINAL {provenance['rotated_from']}`).\n")
+
+
 def model_card(provenance: dict) -> str:
     """README.md of a converted checkpoint: what was done, how to load it, the measured figures."""
     from normswap.text import format_table
@@ -195,7 +212,7 @@ def model_card(provenance: dict) -> str:
     options = provenance["options"]
     folded = len(provenance["norms_folded"])
     card = MODEL_CARD.format(
-        source=provenance["source"],
+        source=provenance["source"], lineage=lineage(provenance),
         auto_class=provenance["auto_class"],
         version=provenance["version"],
         method=options["method"],
@@ -206,7 +223,7 @@ def model_card(provenance: dict) -> str:
         writers=provenance["writers_centred"],
         untied=", ".join(provenance["untied"]) or "nothing (the head was not tied)",
         stock=(
-            "Stock transformers loads it and computes the original's outputs exactly."
+            "Stock transformers loads it and computes its source's outputs exactly."
             if provenance["stock_loadable"]
             else "Stock transformers refuses it on purpose (its model type is "
             "normswap-specific): the stock class would not compute this model."
@@ -217,7 +234,7 @@ def model_card(provenance: dict) -> str:
     )
     rotation = provenance.get("rotation")
     if rotation is not None and not rotation.get("centred", True):
-        card = COMMUTING_CARD.format(source=provenance["source"], version=provenance["version"],
+        card = COMMUTING_CARD.format(source=provenance["source"], version=provenance["version"], lineage=lineage(provenance),
                                      auto_class=provenance["auto_class"], folded=folded, dtype=options["dtype"],
                                      untied=", ".join(provenance["untied"]) or "nothing (the head was not tied)",
                                      table=format_table(verification["loaders"]) if verification else "(not verified)")

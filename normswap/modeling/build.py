@@ -155,6 +155,10 @@ def load_pretrained(cls: type, path: Path | str, **kwargs) -> nn.Module:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model, info = cls.from_pretrained(str(path), output_loading_info=True, ignore_mismatched_sizes=True, **kwargs)
+    except LookupError as error:  # the structure is resolved on the model as it is built (remote.UnknownModule,
+        if type(error).__name__ != "UnknownModule":  # or the checkpoint's own copy of it under remote code)
+            raise
+        raise NormswapError(f"{Path(path) / 'config.json'}: {error}") from None
     finally:
         hf_logging.set_verbosity(verbosity)
         if bars:

@@ -158,18 +158,31 @@ def swap_layer_norms(model: nn.Module) -> int:
     return swapped
 
 
+class UnknownModule(LookupError):
+    """config.json's normswap block names a module the model does not have."""
+
+
+def _module(model: nn.Module, path: str, key: str) -> nn.Module:
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        raise UnknownModule(f"normswap.{key} names the module {path!r:.80}, which {type(model).__name__} "
+                            "does not have") from None
+
+
 def apply_structure(model: nn.Module, structure: dict | None) -> None:
     """Apply a converted checkpoint's structural changes (see the module docstring)."""
     structure = structure or {}
     for path in structure.get("identity", []):
+        _module(model, path, "structure.identity")
         parent_path, _, name = path.rpartition(".")
         setattr(model.get_submodule(parent_path) if parent_path else model, name, nn.Identity())
     for path in structure.get("centre_input", []):
-        model.get_submodule(path).register_forward_pre_hook(_centre_input_hook, with_kwargs=True)
+        _module(model, path, "structure.centre_input").register_forward_pre_hook(_centre_input_hook, with_kwargs=True)
     for path in structure.get("centre_output", []):
-        model.get_submodule(path).register_forward_hook(_centre_output_hook)
+        _module(model, path, "structure.centre_output").register_forward_hook(_centre_output_hook)
     for path in structure.get("gain_plus_one", []):
-        model.get_submodule(path).gain_offset = 1.0
+        _module(model, path, "structure.gain_plus_one").gain_offset = 1.0
 
 
 def hadamard_transform(x: torch.Tensor, factor: torch.Tensor, twos: int) -> torch.Tensor:
@@ -267,12 +280,12 @@ def apply_slicing(model: nn.Module, slicing: dict | None) -> None:
             resized.add(name.rpartition(".")[0])
     for path in resized:
         _refresh_sizes(model.get_submodule(path))
-    for block in model.get_submodule(slicing["blocks"]):
+    for block in _module(model, slicing["blocks"], "slicing.blocks"):
         for norm_name, branch_name in slicing["branches"]:
             shortcut = Shortcut(size)
             block.add_module(f"shortcut_{branch_name}", shortcut)
-            block.get_submodule(norm_name).register_forward_pre_hook(shortcut.capture, with_kwargs=True)
-            block.get_submodule(branch_name).register_forward_hook(shortcut.join)
+            _module(block, norm_name, "slicing.branches").register_forward_pre_hook(shortcut.capture, with_kwargs=True)
+            _module(block, branch_name, "slicing.branches").register_forward_hook(shortcut.join)
 
 
 def to_rmsnorm_model(model: nn.Module, config) -> nn.Module:

@@ -17,11 +17,10 @@ from pathlib import Path
 
 import torch
 
+from normswap.checkpoint.provenance import ROTATION_FILE
 from normswap.checkpoint.source import read_config
-from normswap.errors import NormswapError
+from normswap.errors import NormswapError, quoted
 from normswap.rotate import hadamard
-
-ROTATION_FILE = "normswap_rotation.safetensors"
 
 
 @dataclass(frozen=True, eq=False)
@@ -163,6 +162,9 @@ def load_rotation(checkpoint: Path, dimension: int | None = None, config: dict |
     if matrix is None or matrix.dim() != 2 or matrix.shape[0] != matrix.shape[1] or not matrix.is_floating_point():
         raise NormswapError(f"{file} must hold one square floating tensor named 'rotation'")
     matrix = matrix.double()
+    if matrix.shape[0] != block.get("dimension"):
+        raise NormswapError(f"{file} is {matrix.shape[0]}x{matrix.shape[0]}, but config.json records a rotation of "
+                            f"dimension {quoted(block.get('dimension'), 30)}")
     if dimension is not None and matrix.shape[0] != dimension:
         raise NormswapError(f"{file} is {matrix.shape[0]}x{matrix.shape[0]}, but the model's stream has {dimension} dimensions")
     if hashlib.sha256(matrix.contiguous().numpy().tobytes()).hexdigest() != block["matrix_sha256"]:

@@ -3,6 +3,8 @@
 - ``checkpoint``: ``verify_checkpoint``, the entry point: checks the pair, proves the weights, then
   compares whole models or block by block.
 - ``rotated``: ``verify_rotated``, the same for a rotated checkpoint (its stream is C·h·Q).
+- ``pairs``: what a checkpoint is verified against (its original, or the folded conversion a
+  rotation was made from) and which outputs are compared.
 - ``proof``: the algebraic proof of every stored tensor against the plan, before any model runs.
 - ``probes``: the inputs both models run on.
 - ``compare``: tolerances and the figures of a comparison.

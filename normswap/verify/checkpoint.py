@@ -20,7 +20,7 @@ from torch import nn
 from normswap.architectures import Architecture, architecture_for
 from normswap.arguments import checked
 from normswap.checkpoint import validation
-from normswap.checkpoint.provenance import Provenance
+from normswap.checkpoint.provenance import Provenance, family_config, original_model_type
 from normswap.checkpoint.side_files import check_side_files
 from normswap.checkpoint.source import CheckpointReader, first_non_finite, read_config, resolve_source
 from normswap.convert.plan import ConversionPlan
@@ -33,6 +33,7 @@ from normswap.runtime.reference import reference_model
 from normswap.verify import layerwise as by_layer
 from normswap.verify import proof as weights
 from normswap.verify.compare import within_tolerance
+from normswap.verify.pairs import check_reference, uncompared_outputs
 from normswap.verify.probes import Probe
 from normswap.verify.whole import compare_whole
 
@@ -151,25 +152,22 @@ def _check_pair(original_dir: Path, converted_dir: Path,
     check_side_files(converted_dir)  # as resolve_source does for the original
     original_config, converted_config = read_config(original_dir), read_config(converted_dir)
     block = converted_config.get("normswap")
-    if "normswap" in original_config:
-        swapped = " (the arguments look swapped)" if block is None else ""
-        raise NormswapError(f"{original_dir} is a converted checkpoint; verify takes the original first: "
-                            f"normswap verify ORIGINAL CONVERTED{swapped}")
-    if block is None:
+    if block is None and "normswap" not in original_config:
         raise NormswapError(f"{converted_dir} is not a normswap checkpoint (its config.json has no normswap block)")
     if isinstance(block, dict) and isinstance(block.get("slicing"), dict):
         sliced = block["slicing"]
         raise NormswapError(f"{converted_dir} is sliced ({sliced.get('original_hidden_size')} → "
                             f"{sliced.get('hidden_size')} dimensions), which is not exact, so there is nothing to "
                             "verify; its perplexity cost is in config.json under normswap.slicing.perplexity")
-    provenance = Provenance.of(converted_config, converted_dir)
+    provenance = None if block is None else Provenance.of(converted_config, converted_dir)
+    check_reference(original_dir, original_config, converted_dir, provenance)
     check_modeling_file(provenance, converted_dir)
     for path, config in ((original_dir, original_config), (converted_dir, converted_config)):
         validation.check_structure(path, config)
-    architecture = architecture_for(original_config)
-    if provenance.original_model_type != original_config.get("model_type"):
+    architecture = architecture_for(family_config(original_config))
+    if provenance.original_model_type != original_model_type(original_config):
         raise NormswapError(f"{converted_dir} was converted from a {provenance.original_model_type} model, "
-                            f"but {original_dir} is a {original_config.get('model_type')} model")
+                            f"but {original_dir} is a {original_model_type(original_config)} model")
     validation.check_same_shape(original_dir, original_config, converted_dir, converted_config)
     return provenance, architecture, (original_config, converted_config)
 
@@ -343,7 +341,7 @@ def verify_rotated(reference: str | Path, rotated: str | Path, *, atol: float | 
         stock_loadable=form == "commuting" and provenance.stock_loadable, trust_remote_code=trust_remote_code,
         layerwise=mode, quiet=quiet, stream_map=stream_map, tolerance=(atol, rtol),
         configs=(reference_config, rotated_config), rmsnorm_form=centred,
-        skip=frozenset(rotation_block.get("rotated_outputs", {})),
+        skip=uncompared_outputs(architecture, reference_config, rotation_block, rotated_dir),
     )
     return summarise(probe, loaders, atol=atol, rtol=rtol, mode=mode, note=note, method="exact",
                      paths=(reference_dir, rotated_dir), reference="source",
