@@ -1,4 +1,4 @@
-"""The typed provenance view, and each config.json read once per command.
+"""The typed provenance view (every field it exposes checked), and each config.json read once per command.
 
 Following a checkpoint through ``verify`` (whole and layer by layer) and through ``rotate`` (write,
 then verify what was written), normswap parses each config.json once and passes it down.
@@ -7,6 +7,7 @@ then verify what was written), normswap parses each config.json once and passes 
 from __future__ import annotations
 
 import collections
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ import transformers
 from helpers import save
 
 from normswap.checkpoint import source
-from normswap.checkpoint.provenance import Provenance, family_config, original_model_type
+from normswap.checkpoint.provenance import STRUCTURE_KINDS, Provenance, family_config, original_model_type
 from normswap.cli import main
 from normswap.errors import NormswapError
 
@@ -78,3 +79,98 @@ def test_provenance_view(pair, tmp_path):
     assert Provenance.of(source.read_config(src), src) is None
     with pytest.raises(NormswapError, match="'options' must be a mapping"):
         Provenance.of({"normswap": {"options": [1]}}, tmp_path)
+
+
+GOOD_ROTATION = {"method": "hadamard", "seed": 0, "dimension": 32, "construction": "diag(±1)·H/√d",
+                 "matrix_sha256": "0" * 64, "matrix_file": "normswap_rotation.safetensors", "form": "commuting",
+                 "centred": False, "fixed_streams": {}, "rotated_outputs": {}, "rotated": {"writers": 3}}
+GOOD_SLICING = {"hidden_size": 24, "original_hidden_size": 32, "blocks": "transformer.h",
+                "stream_axes": [["transformer\\.wte\\.weight", 1]], "branches": [["ln_1", "attn"]]}
+
+
+def _block(rotation: dict | None = None, slicing: dict | None = None, **top) -> dict:
+    block = {"options": {"method": "exact"}, **top}
+    if rotation is not None:
+        block["rotation"] = {**GOOD_ROTATION, **rotation}
+    if slicing is not None:
+        block["slicing"] = {**GOOD_SLICING, **slicing}
+    return {"model_type": "gpt2", "n_embd": 32, "normswap": block}
+
+
+@pytest.mark.parametrize("config, needle", [
+    *[(_block({"seed": seed}), "rotation.seed must be") for seed in ("x", 1e308, 10**30, True, -1, None)],
+    (_block({"method": "pca", "seed": 3}), "rotation.seed must be null"),
+    *[(_block({"method": method}), "rotation.method must be") for method in ("bogus", None, ["hadamard"])],
+    *[(_block({"rotated_outputs": value}), "rotation.rotated_outputs must be") for value in ("logits", [1, 2])],
+    (_block({"fixed_streams": [1]}), "rotation.fixed_streams must be"),
+    *[(_block({"matrix_file": name}), "rotation.matrix_file must be") for name in ("../../etc/passwd", "q.pt", 1)],
+    *[(_block({"dimension": value}), "rotation.dimension must be") for value in (64, 0, "32", True)],
+    (_block({"matrix_sha256": "abc"}), "rotation.matrix_sha256 must be"),
+    (_block({"form": "loose"}), "rotation.form must be"),
+    (_block({"centred": "yes"}), "rotation.centred must be"),
+    (_block({"rotated": {"writers": "3"}}), "rotation.rotated must be"),
+    (_block(writers_centred=-5), "writers_centred must be a count"),
+    (_block(writers_centred=True), "writers_centred must be a count"),
+    (_block(structure={"bogus_kind": ["x"]}), "unknown kind 'bogus_kind'"),
+    (_block(structure={"identity": "x"}), "structure.identity must be a list"),
+    ({"model_type": "gpt2", "normswap": {"slicing": [1]}}, "slicing must be a mapping"),
+    (_block(slicing={"hidden_size": 0}), "slicing.hidden_size must be"),
+    (_block(slicing={"hidden_size": 40}), "slicing.hidden_size must be at most"),
+    (_block(slicing={"blocks": 3}), "slicing.blocks must be"),
+    (_block(slicing={"stream_axes": [["(", 1]]}), "slicing.stream_axes must be"),
+    (_block(slicing={"stream_axes": [["x", "1"]]}), "slicing.stream_axes must be"),
+    (_block(slicing={"branches": [["ln_1"]]}), "slicing.branches must be"),
+])  # fmt: skip
+def test_provenance_refuses_each_bad_field(tmp_path, config, needle):
+    with pytest.raises(NormswapError) as caught:
+        Provenance.of(config, tmp_path)
+    message = str(caught.value)
+    assert needle in message and "\n" not in message, message
+
+
+def test_provenance_accepts_what_normswap_writes(tmp_path):
+    for config in (_block(GOOD_ROTATION), _block({"method": "pca", "seed": None}), _block(slicing={}),
+                   _block({"form": "free"}, writers_centred=0, structure={"identity": ["a.b"]})):
+        assert Provenance.of(config, tmp_path) is not None
+
+
+def test_structure_kinds_are_the_structure_fields():
+    from dataclasses import fields
+
+    from normswap.convert.steps import Structure
+
+    assert STRUCTURE_KINDS == tuple(f.name for f in fields(Structure))
+
+
+def test_structure_naming_an_unknown_module_is_refused_at_load(pair, tmp_path, capsys):
+    import normswap
+
+    _, converted = pair
+    tampered = tmp_path / "tampered"
+    shutil.copytree(converted, tampered)
+    config = json.loads((tampered / "config.json").read_text())
+    config["normswap"]["structure"] = {"identity": ["nonexistent.x"]}
+    (tampered / "config.json").write_text(json.dumps(config))
+    with pytest.raises(NormswapError, match="structure.identity names the module 'nonexistent.x'"):
+        normswap.load(tampered)
+    assert main(["geometry", str(tampered)]) == 2
+    assert "nonexistent.x" in capsys.readouterr().err
+
+
+def test_rotation_of_a_folded_conversion_is_verified_against_it(pair, tmp_path, capsys):
+    """A rotation of a --fold-gains conversion names that conversion as its source and is verified
+    against it; against the original it is refused in one line (the folded weights were rounded first)."""
+    src, _ = pair
+    folded, rotated = tmp_path / "folded", tmp_path / "rotated"
+    assert main(["convert", str(src), "--out", str(folded), "--fold-gains", "--quiet", "--verify", "none"]) == 0
+    assert main(["rotate", str(folded), "--out", str(rotated), "--quiet", "--verify", "none"]) == 0
+    block = json.loads((rotated / "config.json").read_text())["normswap"]
+    assert block["source"] == block["rotated_from"] == str(folded) and block["rotated_from_source"] == str(src)
+    card = (rotated / "README.md").read_text()
+    assert f"the same function as `{folded}`" in card and "that claim was not checked here" in card
+    assert f"same function as `{src}`" not in card
+    capsys.readouterr()
+    assert main(["verify", str(folded), str(rotated)]) == 0, capsys.readouterr().err
+    assert main(["verify", str(src), str(rotated)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "verify it against that conversion" in err, err

@@ -359,7 +359,7 @@ def _tampered(out: Path, tensors: dict | None = None, raw: bytes | None = None, 
     ({"tensors": {"other": torch.eye(128, dtype=torch.float64)}}, "named 'rotation'"),
     ({"raw": b"garbage"}, "not a readable safetensors file"),
     ({"rotation_block": "x"}, "must be a mapping"),
-    ({"rotation_block": {"method": "hadamard"}}, "must be a mapping"),
+    ({"rotation_block": {"method": "hadamard"}}, "rotation.seed must be an integer"),
 ])  # fmt: skip
 def test_verify_refuses_a_tampered_rotation(tmp_path, capsys, tamper, needle):
     out = tmp_path / "rotated"

@@ -162,11 +162,11 @@ def load_rotation(checkpoint: Path, dimension: int | None = None, config: dict |
     if matrix is None or matrix.dim() != 2 or matrix.shape[0] != matrix.shape[1] or not matrix.is_floating_point():
         raise NormswapError(f"{file} must hold one square floating tensor named 'rotation'")
     matrix = matrix.double()
+    if dimension is not None and matrix.shape[0] != dimension:
+        raise NormswapError(f"{file} is {matrix.shape[0]}x{matrix.shape[0]}, but the model's stream has {dimension} dimensions")
     if matrix.shape[0] != block.get("dimension"):
         raise NormswapError(f"{file} is {matrix.shape[0]}x{matrix.shape[0]}, but config.json records a rotation of "
                             f"dimension {quoted(block.get('dimension'), 30)}")
-    if dimension is not None and matrix.shape[0] != dimension:
-        raise NormswapError(f"{file} is {matrix.shape[0]}x{matrix.shape[0]}, but the model's stream has {dimension} dimensions")
     if hashlib.sha256(matrix.contiguous().numpy().tobytes()).hexdigest() != block["matrix_sha256"]:
         raise NormswapError(f"{file} does not match the rotation hash recorded in config.json")
     error = float((matrix.T @ matrix - torch.eye(matrix.shape[0], dtype=torch.float64)).abs().max())
