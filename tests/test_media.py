@@ -19,6 +19,7 @@ from test_bad_input import assert_one_line_error, run_cli
 import normswap
 from normswap.cli import main
 from normswap.errors import NormswapError
+from normswap.evaluation import audio as audio_mod
 from normswap.evaluation import media
 from normswap.evaluation.speech import word_error_rate
 
@@ -63,7 +64,7 @@ def two_utterances(tmp_path_factory):
 def test_bundled_speech_is_small_16k_and_transcribed():
     total = sum(p.stat().st_size for p in BUNDLED_SPEECH.iterdir())
     assert total < 1_000_000
-    audio = media.read_audio(media.BUNDLED, 16_000)
+    audio = audio_mod.read_audio(audio_mod.BUNDLED, 16_000)
     assert len(audio.utterances) >= 5
     assert all(u.rate == 16_000 and 2 < u.seconds < 10 and u.text for u in audio.utterances)
     assert soundfile.info(str(BUNDLED_SPEECH / "sense-01.flac")).samplerate == 16_000
@@ -73,7 +74,7 @@ def test_audio_is_resampled_and_mixed_to_mono(tmp_path):
     stereo = np.stack([np.sin(np.linspace(0, 100, 8000)), np.zeros(8000)], axis=1).astype("float32")
     soundfile.write(tmp_path / "a.wav", stereo, 8000)
     (tmp_path / "a.txt").write_text("hello there\n")
-    audio = media.read_audio(str(tmp_path), 16_000)
+    audio = audio_mod.read_audio(str(tmp_path), 16_000)
     [utterance] = audio.utterances
     assert utterance.audio.ndim == 1 and abs(len(utterance.audio) - 16_000) <= 1
     assert utterance.text == "hello there"
@@ -82,7 +83,7 @@ def test_audio_is_resampled_and_mixed_to_mono(tmp_path):
 def test_manifest(tmp_path):
     shutil.copy(BUNDLED_SPEECH / "sense-01.flac", tmp_path / "x.flac")
     (tmp_path / "m.jsonl").write_text(json.dumps({"audio": "x.flac", "text": "The family of Dashwood."}) + "\n\n")
-    audio = media.read_audio(str(tmp_path / "m.jsonl"), 16_000)
+    audio = audio_mod.read_audio(str(tmp_path / "m.jsonl"), 16_000)
     assert [u.text for u in audio.utterances] == ["The family of Dashwood."]
 
 
@@ -112,7 +113,7 @@ def test_audio_errors(tmp_path, case, needle):
                 "manifest-no-text": json.dumps({"audio": "gone.wav"})}[case]
         spec.write_text(line + "\n")
     with pytest.raises(NormswapError, match=needle):
-        media.read_audio(str(spec), 16_000)
+        audio_mod.read_audio(str(spec), 16_000)
 
 
 def test_images_with_labels_and_errors(tmp_path):

@@ -132,13 +132,13 @@ def _media_reports(args: argparse.Namespace) -> tuple[dict, None]:
     from normswap.analysis.collect import run_geometry_on
     from normswap.analysis.report import build_report
     from normswap.checkpoint.source import read_config
-    from normswap.evaluation import media
+    from normswap.evaluation import audio, media
     from normswap.evaluation.media_eval import check_sources
     from normswap.runtime.reference import load_tokenizer
 
     kind = "audio" if args.audio else "images"
     spec = args.audio or args.images
-    (media.check_audio if kind == "audio" else media.check_images)(spec)
+    (audio.check_audio if kind == "audio" else media.check_images)(spec)
     sources = [args.model] + ([args.compare] if args.compare else [])
     paths = check_sources(sources, kind, args.trust_remote_code)
     if kind == "audio":

@@ -42,23 +42,25 @@ def allowed_roots(folder: Path) -> list[Path]:
     return roots
 
 
-def inside_file(folder: Path, name: str, roots: list[Path] | None = None) -> Path | None:
-    """``folder / name`` resolved, when it exists; None when it does not. A link that resolves
-    outside the checkpoint (or dangles) and anything that is not a regular file are refused."""
+def inside_file(folder: Path, name: str, roots: list[Path] | None = None, *,
+                within: str = "the checkpoint") -> Path | None:
+    """``folder / name`` resolved, when it exists; None when it does not. A name or link that
+    resolves outside ``roots`` (default ``allowed_roots(folder)``; ``within`` names them in the
+    message), a dangling link and anything that is not a regular file are refused."""
     path = folder / name
     if not os.path.lexists(path):
         return None
     real = Path(os.path.realpath(path))
     roots = roots if roots is not None else allowed_roots(folder)
     if not any(real == root or root in real.parents for root in roots):
-        raise NormswapError(f"{path} is a link to {real}, outside the checkpoint; normswap reads and copies only "
-                            "files inside it")
+        how = "is a link to" if os.path.islink(path) else "resolves to"
+        raise NormswapError(f"{path} {how} {real}, outside {within}; normswap reads only files inside it")
     try:
         mode = os.stat(real).st_mode
     except OSError as error:
         raise NormswapError(f"cannot read {path}: {error.strerror}") from None
     if not stat.S_ISREG(mode):
-        raise NormswapError(f"{path} is not a regular file; normswap reads and copies only regular files")
+        raise NormswapError(f"{path} is not a regular file; normswap reads only regular files")
     return real
 
 

@@ -31,6 +31,14 @@ JSON_FILES = (
 # read by the tokenizers library, whose parser bounds its own depth; normswap reads their vocabulary
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json")
 SAMPLING_RATES = (1000, 768000)  # Hz: telephone speech up to the highest studio rates
+# a feature extractor's sizes: windows up to 4096 samples, clips up to 60 s and 2**22 samples
+# (Whisper: 400, 160, 30 s, 480000, 80 or 128 mel bins)
+AUDIO_SIZES = {"n_fft": 4096, "hop_length": 4096, "chunk_length": 60, "feature_size": 512}
+MAX_CHUNK_SAMPLES = 1 << 22
+# waveform values in [-1, 1]: the noise added to each sample and the value of padding
+AUDIO_LEVELS = {"dither": (0.0, 1.0), "padding_value": (-1.0, 1.0)}
+# model type -> the feature extractor and processor classes its preprocessor_config.json may name
+FEATURE_EXTRACTORS = {"whisper": ("WhisperFeatureExtractor", "WhisperProcessor")}
 MAX_IMAGE_SCALE = 8  # a processor may resize to at most this multiple of the model's image size
 MAX_IMAGE_SIDE = 4096  # ... or, for a model whose config names no image size, to this many pixels
 # generation settings that select a decoding strategy transformers fetches from the hub, or one
@@ -145,34 +153,64 @@ def check_token_ids(tokenizer_ids: int, vocab: int | None, where: str) -> None:
 
 def check_processor(data: dict, config: dict, where: str) -> None:
     """A feature extractor's audio settings and an image processor's sizes, against the model."""
-    if "sampling_rate" in data or "feature_size" in data:
+    # a converted checkpoint's own type is its family's, or normswap_<family> for the free form
+    extractors = FEATURE_EXTRACTORS.get(str(config.get("model_type")).removeprefix("normswap_"))
+    if extractors is not None:
+        _check_extractor_class(data, extractors, where)
+    if extractors is not None or "sampling_rate" in data or "feature_size" in data:
         _check_audio(data, config, where)
     if any(key in data for key in ("size", "crop_size", "image_mean", "image_std")):
         _check_images(data, config, where)
 
 
+def _check_extractor_class(data: dict, allowed: tuple[str, str], where: str) -> None:
+    """The classes transformers would build from the file (``feature_extractor_type``, or one
+    derived from ``processor_class``) must be the model family's own."""
+    for key, name in zip(("feature_extractor_type", "processor_class"), allowed, strict=True):
+        if key in data and data[key] != name:
+            raise NormswapError(f"{where}: '{key}' = {_show(data[key])}; this model reads the features of its own "
+                                f"{name}")
+
+
 def _check_audio(data: dict, config: dict, where: str) -> None:
     low, high = SAMPLING_RATES
-    rate = data.get("sampling_rate")
+    rate = data.get("sampling_rate", 16000)
     if not (_positive_int(rate) and low <= rate <= high):
         raise NormswapError(f"{where}: 'sampling_rate' must be a whole number of Hz from {low} to {high} "
                             f"(got {_show(rate)})")
-    for key in ("feature_size", "n_fft", "hop_length", "chunk_length"):
-        if key in data and not _positive_int(data[key]):
-            raise NormswapError(f"{where}: '{key}' must be a positive integer (got {_show(data[key])})")
+    for key, most in AUDIO_SIZES.items():
+        if key in data and not (_positive_int(data[key]) and data[key] <= most):
+            raise NormswapError(f"{where}: '{key}' must be a positive integer of at most {most} (got {_show(data[key])})")
+    for key, (least, most) in AUDIO_LEVELS.items():
+        if key in data and not (_finite(data[key]) and least <= data[key] <= most):
+            raise NormswapError(f"{where}: '{key}' must be a number from {least:g} to {most:g} (got {_show(data[key])})")
     bins = config.get("num_mel_bins")
     if "feature_size" in data and _positive_int(bins) and data["feature_size"] != bins:
         raise NormswapError(f"{where}: 'feature_size' is {data['feature_size']}, but the model reads {bins} mel bins "
                             "(num_mel_bins)")
     if all(key in data for key in ("n_fft", "hop_length")) and data["hop_length"] > data["n_fft"]:
         raise NormswapError(f"{where}: 'hop_length' {data['hop_length']} is longer than 'n_fft' {data['n_fft']}")
+    _check_chunk(data, config, rate, where)
+
+
+def _check_chunk(data: dict, config: dict, rate: int, where: str) -> None:
+    """One clip's samples (``chunk_length`` s at ``rate`` Hz, as ``n_samples`` and ``nb_max_frames``
+    state them) within bounds and the frames the encoder reads."""
+    chunk, hop = data.get("chunk_length", 30), data.get("hop_length", 160)
+    samples = chunk * rate
+    if samples > MAX_CHUNK_SAMPLES or data.get("n_fft", 400) > samples:
+        raise NormswapError(f"{where}: {chunk} s at {rate} Hz makes {samples} samples per clip; normswap reads at most "
+                            f"{MAX_CHUNK_SAMPLES}, and at least one window of 'n_fft'")
     positions = config.get("max_source_positions")
     if all(key in data for key in ("chunk_length", "hop_length")) and _positive_int(positions):
-        frames = data["chunk_length"] * rate // data["hop_length"]
+        frames = samples // hop
         if frames != 2 * positions:  # the encoder's two convolutions halve the frames once
-            raise NormswapError(f"{where}: {data['chunk_length']} s at {rate} Hz with hop {data['hop_length']} "
-                                f"makes {frames} frames, but the model reads {2 * positions} "
-                                "(twice max_source_positions)")
+            raise NormswapError(f"{where}: {chunk} s at {rate} Hz with hop {hop} makes {frames} frames, but the model "
+                                f"reads {2 * positions} (twice max_source_positions)")
+    for key, value in (("n_samples", samples), ("nb_max_frames", samples // hop)):
+        if key in data and data[key] != value:
+            raise NormswapError(f"{where}: '{key}' is {_show(data[key])}, but {chunk} s at {rate} Hz with hop {hop} "
+                                f"makes {value}")
 
 
 def _check_images(data: dict, config: dict, where: str) -> None:

@@ -25,7 +25,7 @@ import torch
 
 from normswap.checkpoint.provenance import original_model_type
 from normswap.errors import NormswapError
-from normswap.evaluation import media
+from normswap.evaluation import audio, media
 from normswap.rotate.calibration import CalibrationInputs
 
 KINDS = {"audio": "a folder of audio files with same-stem .txt transcripts, a JSONL manifest of "
@@ -51,7 +51,7 @@ class MediaInputs:
         if spec != media.BUNDLED and Path(spec).expanduser().suffix.lower() == ".txt":
             raise NormswapError(f"--calibration: a {model_type} model is calibrated on {kind}, not text; pass "
                                 f"{KINDS[kind]}")
-        (media.check_audio if kind == "audio" else media.check_images)(spec)
+        (audio.check_audio if kind == "audio" else media.check_images)(spec)
         return spec
 
     def inputs(self, source_dir: Path, config: dict, spec: str, max_tokens: int) -> CalibrationInputs:
@@ -74,7 +74,7 @@ def speech_inputs(source_dir: Path, config: dict, spec: str, max_tokens: int) ->
     from normswap.evaluation import speech
     from normswap.runtime.reference import load_tokenizer
 
-    data = speech.prepare(source_dir, spec, load_tokenizer(source_dir, config), config)
+    data = speech.prepare(source_dir, spec, load_tokenizer(source_dir, config), config, max_tokens)
     batches, tokens, used = [], 0, []
     for features, labels in zip(data.features, data.labels, strict=True):
         if tokens >= max_tokens:

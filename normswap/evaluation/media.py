@@ -20,13 +20,11 @@ from importlib import resources
 from pathlib import Path
 from types import ModuleType
 
-from normswap.checkpoint.bounded import parse_json
 from normswap.checkpoint.provenance import original_model_type
 from normswap.errors import NormswapError
 from normswap.text import count
 
 BUNDLED = "bundled"
-AUDIO_SUFFIXES = (".wav", ".flac", ".ogg", ".oga", ".mp3", ".aiff", ".aif")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 
 # model type -> the input it takes; everything else reads text.
@@ -57,134 +55,6 @@ def require_modality(config: dict, source: str, given: str | None) -> None:
 
 def _data_dir(name: str) -> Path:
     return Path(str(resources.files("normswap") / "data" / name))
-
-
-@dataclass
-class Utterance:
-    """One audio file, mono float32 at ``rate`` Hz, and its transcript."""
-
-    name: str
-    audio: object  # numpy array [samples]
-    rate: int
-    text: str
-
-    @property
-    def seconds(self) -> float:
-        return len(self.audio) / self.rate  # type: ignore[arg-type]
-
-
-@dataclass
-class AudioSet:
-    name: str
-    utterances: list[Utterance] = field(default_factory=list)
-
-    @property
-    def seconds(self) -> float:
-        return sum(u.seconds for u in self.utterances)
-
-    def describe(self) -> str:
-        return f"{count(len(self.utterances), 'utterance')} ({self.seconds:.1f} s) of {self.name}"
-
-
-def _audio_pairs(spec: str) -> tuple[str, list[tuple[Path, str]]]:
-    """(description, [(audio file, transcript)]) for a folder or manifest; validated, not yet read."""
-    path = _data_dir("speech") if spec == BUNDLED else Path(spec).expanduser()
-    name = "the bundled speech samples" if spec == BUNDLED else str(path)
-    if not path.exists():
-        raise NormswapError(f"audio path not found: {spec}")
-    if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() in AUDIO_SUFFIXES)
-        if not files:
-            raise NormswapError(f"no audio files ({', '.join(AUDIO_SUFFIXES)}) in {path}")
-        pairs = []
-        for file in files:
-            transcript = file.with_suffix(".txt")
-            if not transcript.is_file():
-                raise NormswapError(f"transcript missing for {file} (expected {transcript.name} beside it)")
-            pairs.append((file, _read_transcript(transcript)))
-        return name, pairs
-    return name, _manifest(path)
-
-
-def _read_transcript(path: Path) -> str:
-    try:
-        text = path.read_text(encoding="utf-8").strip()
-    except (OSError, UnicodeDecodeError) as error:
-        raise NormswapError(f"cannot read transcript {path}: {error}") from None
-    if not text:
-        raise NormswapError(f"transcript {path} is empty")
-    return " ".join(text.split())
-
-
-def _manifest(path: Path) -> list[tuple[Path, str]]:
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as error:
-        raise NormswapError(f"cannot read audio manifest {path}: {error}") from None
-    pairs = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            entry = parse_json(line, f"audio manifest {path} line {number}", mapping=False)
-        except NormswapError as error:
-            raise NormswapError(f'{error}; expected {{"audio": FILE, "text": TRANSCRIPT}} per line') from None
-        if not isinstance(entry, dict) or not isinstance(entry.get("audio"), str) or not isinstance(entry.get("text"), str):
-            raise NormswapError(f'audio manifest {path} line {number} needs string fields "audio" and "text"')
-        if not entry["text"].strip():
-            raise NormswapError(f"audio manifest {path} line {number} has an empty transcript")
-        file = Path(entry["audio"]).expanduser()
-        file = file if file.is_absolute() else path.parent / file
-        if not file.is_file():
-            raise NormswapError(f"audio manifest {path} line {number}: audio file not found: {file}")
-        pairs.append((file, " ".join(entry["text"].split())))
-    if not pairs:
-        raise NormswapError(f"audio manifest {path} lists no utterances")
-    return pairs
-
-
-def _needs(module: str, purpose: str, package: str) -> ModuleType:
-    """``module``, from the eval extra; without it, one line saying what to install."""
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        raise NormswapError(f"{purpose} needs {package}: pip install 'normswap[eval]'") from None
-
-
-def check_audio(spec: str) -> None:
-    """Validate ``--audio`` cheaply (paths and transcripts) before any model is loaded."""
-    _audio_pairs(spec)
-
-
-def read_audio(spec: str, rate: int) -> AudioSet:
-    """Every utterance of ``spec``, mono float32 resampled to ``rate`` Hz."""
-    import numpy as np
-
-    soundfile = _needs("soundfile", "reading audio", "soundfile")
-    name, pairs = _audio_pairs(spec)
-    result = AudioSet(name)
-    for file, text in pairs:
-        try:
-            audio, file_rate = soundfile.read(str(file), dtype="float32", always_2d=True)
-        except Exception as error:  # libsndfile reports every unreadable format as its own error type
-            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            raise NormswapError(f"cannot read audio file {file}: {reason}") from None
-        audio = audio.mean(axis=1)
-        if audio.size == 0:
-            raise NormswapError(f"audio file {file} holds no samples")
-        result.utterances.append(Utterance(file.stem, np.ascontiguousarray(resample(audio, file_rate, rate)), rate, text))
-    return result
-
-
-def resample(audio, rate_in: int, rate_out: int):
-    """``audio`` resampled from ``rate_in`` to ``rate_out`` Hz (polyphase filter, scipy)."""
-    if rate_in == rate_out:
-        return audio
-    from math import gcd
-
-    signal = _needs("scipy.signal", "resampling audio", "scipy")
-    common = gcd(int(rate_in), int(rate_out))
-    return signal.resample_poly(audio, rate_out // common, rate_in // common).astype("float32")
 
 
 @dataclass
@@ -250,6 +120,14 @@ def read_images(spec: str) -> ImageSet:
             raise NormswapError(f"cannot read image file {file}: {str(error).splitlines()[0]}") from None
         result.images.append(LabelledImage(file.stem, image, label))
     return result
+
+
+def _needs(module: str, purpose: str, package: str) -> ModuleType:
+    """``module``, from the eval extra; without it, one line saying what to install."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise NormswapError(f"{purpose} needs {package}: pip install 'normswap[eval]'") from None
 
 
 def checkpoint_processor(path: Path, auto_class: str, input_kind: str, what: str):

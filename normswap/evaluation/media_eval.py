@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from normswap.errors import NormswapError
-from normswap.evaluation import media
+from normswap.evaluation import audio, media
 from normswap.evaluation.compare import Tolerances, compare, default_tolerances
 from normswap.evaluation.report import build_report
 from normswap.evaluation.runner import EvalSettings, ModelEval, parse_dtype, release_memory
@@ -89,7 +89,7 @@ def evaluate_media(
     kind = media_kind(settings)
     assert kind is not None
     spec = settings.audio if kind == "audio" else settings.images
-    (media.check_audio if kind == "audio" else media.check_images)(spec)
+    (audio.check_audio if kind == "audio" else media.check_images)(spec)
     labelled = [("original", baseline), ("converted", model)] if baseline is not None else [("model", model)]
     paths = check_sources([source for _, source in labelled], kind, settings.trust_remote_code)
     config = read_config(paths[0])

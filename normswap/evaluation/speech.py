@@ -21,16 +21,24 @@ from typing import Any
 import torch
 
 from normswap.errors import NormswapError
-from normswap.evaluation.media import AudioSet, checkpoint_processor, read_audio
+from normswap.evaluation.audio import AudioSet, read_audio, transcripts
+from normswap.evaluation.media import checkpoint_processor
 from normswap.evaluation.perplexity import exp_or_inf
 from normswap.evaluation.runner import ModelEval
 
 TASK = "speech"
 
 
+FEATURE_BATCH = 16  # utterances padded and turned into log-mel features at a time
+
+
 def feature_extractor(path: Path):
-    """The checkpoint's own feature extractor (``preprocessor_config.json``)."""
-    return checkpoint_processor(path, "AutoFeatureExtractor", "speech", "feature extractor")
+    """The checkpoint's own feature extractor (``preprocessor_config.json``), a Whisper one."""
+    extractor = checkpoint_processor(path, "AutoFeatureExtractor", "speech", "feature extractor")
+    if type(extractor).__name__ != "WhisperFeatureExtractor":
+        raise NormswapError(f"{path / 'preprocessor_config.json'} builds a {type(extractor).__name__}; a Whisper "
+                            "model reads the log-mel features of a WhisperFeatureExtractor")
+    return extractor
 
 
 def wer_transform():
@@ -64,21 +72,39 @@ class SpeechData:
         return self.audio.describe()
 
 
-def prepare(path: Path, spec: str, tokenizer, config: dict) -> SpeechData:
-    """Read ``spec`` at the feature extractor's rate; features and labels for every utterance."""
+def prepare(path: Path, spec: str, tokenizer, config: dict, max_tokens: int | None = None) -> SpeechData:
+    """Read ``spec`` at the feature extractor's rate; features and labels for every utterance, or
+    for the fewest first ones whose decoder inputs reach ``max_tokens`` (only those are decoded)."""
     if tokenizer is None:
-        raise NormswapError(f"{path} has no tokenizer files; speech evaluation needs the checkpoint's tokenizer")
+        raise NormswapError(f"{path} has no tokenizer files; speech input needs the checkpoint's tokenizer")
     extractor = feature_extractor(path)
-    audio = read_audio(spec, int(extractor.sampling_rate))
-    features = extractor([u.audio for u in audio.utterances], sampling_rate=extractor.sampling_rate,
-                         return_tensors="pt").input_features
+    labels, prompts = _labels(transcripts(spec), tokenizer, config, max_tokens)
+    audio = read_audio(spec, int(extractor.sampling_rate), float(extractor.chunk_length), len(labels))
+    batches = []
+    for start in range(0, len(audio.utterances), FEATURE_BATCH):
+        batch = audio.utterances[start:start + FEATURE_BATCH]
+        features = extractor([u.audio for u in batch], sampling_rate=extractor.sampling_rate,
+                             return_tensors="pt").input_features
+        for utterance, rows in zip(batch, features, strict=True):
+            if not torch.isfinite(rows).all():
+                raise NormswapError(f"the log-mel features of {utterance.name} are not finite: check the feature "
+                                    f"extractor's settings in {path / 'preprocessor_config.json'}")
+        batches.append(features)
+    return SpeechData(audio, torch.cat(batches), labels, prompts)
+
+
+def _labels(texts: list[str], tokenizer, config: dict, max_tokens: int | None) -> tuple[list[list[int]], list[int]]:
+    """Each transcript's labels (decoder start, prompt, transcript tokens, end of text) and prompt
+    length, up to the first whose decoder inputs bring the total to ``max_tokens``."""
     start = config.get("decoder_start_token_id")
     eos = config.get("eos_token_id")
     limit = int(config.get("max_target_positions") or 448)
     special = set(getattr(tokenizer, "all_special_ids", []) or [])
-    labels, prompts = [], []
-    for utterance in audio.utterances:
-        ids = list(tokenizer(utterance.text).input_ids)
+    labels, prompts, tokens = [], [], 0
+    for text in texts:
+        if max_tokens is not None and tokens >= max_tokens:
+            break
+        ids = list(tokenizer(text).input_ids)
         if start is not None and (not ids or ids[0] != start):
             ids.insert(0, start)
         if eos is not None and ids[-1] != eos:
@@ -89,7 +115,8 @@ def prepare(path: Path, spec: str, tokenizer, config: dict) -> SpeechData:
             prompt += 1
         labels.append(ids)
         prompts.append(prompt)
-    return SpeechData(audio, features, labels, prompts)
+        tokens += max(1, len(ids) - 1)
+    return labels, prompts
 
 
 def _device_of(model) -> torch.device:
