@@ -439,6 +439,13 @@ PROCESSOR_PROBLEMS = {
         "hop-longer-than-window": ({"hop_length": 800}, "longer than 'n_fft'"),
         "frames-mismatch": ({"chunk_length": 10}, "makes 1000 frames, but the model reads 3000"),
         "n_fft-zero": ({"n_fft": 0}, "'n_fft' must be a positive integer"),
+        "n_fft-huge": ({"n_fft": 2_000_000}, "'n_fft' must be a positive integer of at most 4096"),
+        "clip-huge": ({"sampling_rate": 768_000, "chunk_length": 60}, "samples per clip; normswap reads at most"),
+        "n_samples-stale": ({"n_samples": 10**9}, "'n_samples' is 1000000000, but 30 s at 16000 Hz"),
+        "dither-huge": ({"dither": 1e308}, "'dither' must be a number from 0 to 1"),
+        "padding-nan": ({"padding_value": math.nan}, "'padding_value' must be a number from -1 to 1"),
+        "extractor-class": ({"feature_extractor_type": "Wav2Vec2FeatureExtractor"}, "its own WhisperFeatureExtractor"),
+        "processor-class": ({"processor_class": "Wav2Vec2Processor"}, "its own WhisperProcessor"),
     },
     "vit": {
         "100000x100000": ({"size": {"height": 100000, "width": 100000}}, "asks for 100000-pixel images"),

@@ -8,7 +8,9 @@ bad input gives one line.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -114,6 +116,122 @@ def test_audio_errors(tmp_path, case, needle):
         spec.write_text(line + "\n")
     with pytest.raises(NormswapError, match=needle):
         audio_mod.read_audio(str(spec), 16_000)
+
+
+def _hostile_audio(tmp_path, case):
+    """The ``--audio`` argument of one hostile input: the folder ``audio`` or a manifest in it."""
+    folder = tmp_path / "audio"
+    folder.mkdir()
+    shutil.copy(BUNDLED_SPEECH / "sense-01.flac", tmp_path / "outside.flac")
+    shutil.copy(BUNDLED_SPEECH / "sense-01.flac", folder / "inside.flac")
+    manifest = folder / "m.jsonl"
+
+    def lines(*entries):
+        manifest.write_text("".join(json.dumps(entry) + "\n" for entry in entries))
+        return manifest
+
+    def clip(samples, rate, text="hello there", subtype="PCM_16"):
+        soundfile.write(folder / "a.wav", samples, rate, subtype=subtype)
+        (folder / "a.txt").write_text(text)
+        (folder / "inside.flac").unlink()
+        return folder
+
+    if case == "device":
+        return Path("/dev/zero")
+    if case == "fifo":
+        os.mkfifo(tmp_path / "fifo.jsonl")
+        return tmp_path / "fifo.jsonl"
+    if case == "parent":
+        return lines({"audio": "../outside.flac", "text": "hello"})
+    if case == "absolute":
+        return lines({"audio": str(tmp_path / "outside.flac"), "text": "hello"})
+    if case == "link":
+        (folder / "inside.flac").unlink()
+        (folder / "a.flac").symlink_to(tmp_path / "outside.flac")
+        (folder / "a.txt").write_text("hello")
+        return folder
+    if case == "long-transcript":
+        return clip(np.zeros(1600, "int16"), 16_000, text="word " * 10_000)
+    if case == "surrogate":
+        return lines({"audio": "inside.flac", "text": "\ud800"})
+    if case == "rate-1":
+        return clip(np.zeros(2000, "int16"), 1)
+    if case == "nan":
+        samples = np.zeros(1600, "float32")
+        samples[100] = np.nan
+        return clip(samples, 16_000, subtype="FLOAT")
+    if case == "corrupt-mp3":
+        (folder / "a.mp3").write_bytes(np.random.default_rng(0).integers(0, 256, 20_000, dtype="uint8").tobytes())
+        (folder / "a.txt").write_text("hello")
+        (folder / "inside.flac").unlink()
+        return folder
+    assert case == "too-many"
+    return lines(*[{"audio": "inside.flac", "text": "hello"}] * (audio_mod.MAX_UTTERANCES + 1))
+
+
+@pytest.mark.parametrize("case, needle", [
+    ("device", "neither a folder nor a regular file"),
+    ("fifo", "neither a folder nor a regular file"),
+    ("parent", "line 1: .* resolves to .*, outside the audio folder"),
+    ("absolute", "line 1: .* resolves to .*, outside the audio folder"),
+    ("link", "is a link to .*, outside the audio folder"),
+    ("long-transcript", "longer than 20000 characters"),
+    ("surrogate", "line 1 is not valid Unicode"),
+    ("rate-1", "declares a sample rate of 1 Hz"),
+    ("nan", "holds non-finite samples"),
+    ("corrupt-mp3", "cannot read audio file .*a.mp3: not audio that libsndfile can decode"),
+    ("too-many", "more than 4096 utterances"),
+])
+def test_hostile_audio_is_one_line(tmp_path, capfd, case, needle):
+    spec = _hostile_audio(tmp_path, case)
+    with pytest.raises(NormswapError, match=needle) as refused:
+        audio_mod.read_audio(str(spec), 16_000)
+    assert "\n" not in str(refused.value)
+    assert capfd.readouterr().err == ""  # nothing from libsndfile's decoders on the C stream
+
+
+def test_long_audio_is_decoded_only_as_far_as_it_is_read(tmp_path, monkeypatch):
+    with soundfile.SoundFile(tmp_path / "a.flac", "w", 8000, 2, format="FLAC") as handle:
+        for _ in range(10):  # ten minutes of stereo
+            handle.write(np.zeros((8000 * 60, 2), "int16"))
+    (tmp_path / "a.txt").write_text("hello there")
+    read = []
+    original = soundfile.SoundFile.read
+    monkeypatch.setattr(soundfile.SoundFile, "read", lambda self, frames=-1, **kw: read.append(frames) or original(
+        self, frames, **kw))
+    [utterance] = audio_mod.read_audio(str(tmp_path), 16_000, max_seconds=2.0).utterances
+    assert len(utterance.audio) == 32_000 and sum(read) <= 8000 * 2.1 and -1 not in read
+
+
+def test_calibration_tokens_bound_what_is_decoded(models, tmp_path, monkeypatch):
+    from normswap.evaluation import speech
+    from normswap.runtime.reference import load_tokenizer
+
+    src = models["whisper"][0]
+    shutil.copy(BUNDLED_SPEECH / "sense-01.flac", tmp_path)
+    (tmp_path / "m.jsonl").write_text("".join(
+        json.dumps({"audio": "sense-01.flac", "text": "hello there"}) + "\n" for _ in range(600)))
+    decoded = []
+    original = audio_mod._decode
+    monkeypatch.setattr(audio_mod, "_decode", lambda file, seconds: decoded.append(file) or original(file, seconds))
+    config = json.loads((src / "config.json").read_text())
+    data = speech.prepare(src, str(tmp_path / "m.jsonl"), load_tokenizer(src), config, max_tokens=2)
+    assert len(decoded) == 1 and len(data.labels) == 1 and data.features.shape[0] == 1
+
+
+def test_speech_inputs_the_feature_extractor_cannot_hold(models, tmp_path, monkeypatch):
+    from normswap.evaluation import speech
+    from normswap.runtime.reference import load_tokenizer
+
+    src = models["whisper"][0]
+    soundfile.write(tmp_path / "loud.wav", np.full(1600, 3e38, "float32"), 16_000, subtype="FLOAT")
+    (tmp_path / "loud.txt").write_text("hello there")
+    config = json.loads((src / "config.json").read_text())
+    with pytest.raises(NormswapError, match="features of utterance 'loud' are not finite"):
+        speech.prepare(src, str(tmp_path), load_tokenizer(src), config)
+    monkeypatch.setattr(speech, "checkpoint_processor", lambda *args: object())
+    with pytest.raises(NormswapError, match="builds a object; a Whisper model reads"):
+        speech.feature_extractor(src)
 
 
 def test_images_with_labels_and_errors(tmp_path):

@@ -1,13 +1,8 @@
-"""Audio and image inputs for speech and vision models: reading, validation, and which model takes which.
-
-``--audio PATH`` is a folder of audio files, each with a same-stem ``.txt`` transcript, or a JSONL
-manifest whose lines are ``{"audio": FILE, "text": TRANSCRIPT}`` (relative files are read from the
-manifest's folder), or ``bundled`` for the short English utterances that ship with normswap.
-Audio is read with ``soundfile`` (WAV, FLAC, OGG, MP3 where libsndfile supports it), mixed down to
-mono and resampled to the rate the checkpoint's feature extractor expects.
+"""Image inputs for vision models, which model takes which input, and the checkpoint's processors.
 
 ``--images PATH`` is an image file, or a folder of images, or a folder of class subfolders whose
-names are the labels, or ``bundled``. Images are read with Pillow and converted to RGB.
+names are the labels, or ``bundled``. Images are read with Pillow and converted to RGB. Audio
+(``--audio``) is read by ``normswap.evaluation.audio``.
 
 Every problem is one ``NormswapError`` line, raised before any model is loaded.
 """

@@ -87,8 +87,8 @@ def prepare(path: Path, spec: str, tokenizer, config: dict, max_tokens: int | No
                              return_tensors="pt").input_features
         for utterance, rows in zip(batch, features, strict=True):
             if not torch.isfinite(rows).all():
-                raise NormswapError(f"the log-mel features of {utterance.name} are not finite: check the feature "
-                                    f"extractor's settings in {path / 'preprocessor_config.json'}")
+                raise NormswapError(f"the log-mel features of utterance {utterance.name!r} are not finite: its "
+                                    f"samples or the settings of {path / 'preprocessor_config.json'} overflow")
         batches.append(features)
     return SpeechData(audio, torch.cat(batches), labels, prompts)
 
