@@ -96,8 +96,8 @@ def _inside(folder: Path, name: str, *, missing_ok: bool = False) -> Path | None
     return real
 
 
-def _count_utterances(count: int, where: Path) -> None:
-    if count > MAX_UTTERANCES:
+def _count_utterances(utterances: int, where: Path) -> None:
+    if utterances > MAX_UTTERANCES:
         raise NormswapError(f"{where} holds more than {MAX_UTTERANCES} utterances; evaluate or calibrate on at most "
                             f"{MAX_UTTERANCES} at a time")
 
@@ -158,14 +158,14 @@ def transcripts(spec: str) -> list[str]:
     return [text for _, text in _audio_pairs(spec)[1]]
 
 
-def read_audio(spec: str, rate: int, max_seconds: float = MAX_SECONDS, count: int | None = None) -> AudioSet:
-    """The first ``count`` (default every) utterances of ``spec``, mono float32 resampled to
+def read_audio(spec: str, rate: int, max_seconds: float = MAX_SECONDS, first: int | None = None) -> AudioSet:
+    """The ``first`` (default every) utterances of ``spec``, mono float32 resampled to
     ``rate`` Hz, each cut to its first ``max_seconds``: no more is decoded."""
     import numpy as np
 
     name, pairs = _audio_pairs(spec)
     result = AudioSet(name)
-    for file, text in pairs[:count]:
+    for file, text in pairs[:first]:
         audio, file_rate = _decode(file, max_seconds)
         audio = resample(audio, file_rate, rate)[: int(max_seconds * rate)]
         result.utterances.append(Utterance(file.stem, np.ascontiguousarray(audio), rate, text))
