@@ -80,17 +80,19 @@ def prepare(path: Path, spec: str, tokenizer, config: dict, max_tokens: int | No
     extractor = feature_extractor(path)
     labels, prompts = _labels(transcripts(spec), tokenizer, config, max_tokens)
     audio = read_audio(spec, int(extractor.sampling_rate), float(extractor.chunk_length), len(labels))
-    batches = []
+    features = None
     for start in range(0, len(audio.utterances), FEATURE_BATCH):
         batch = audio.utterances[start:start + FEATURE_BATCH]
-        features = extractor([u.audio for u in batch], sampling_rate=extractor.sampling_rate,
-                             return_tensors="pt").input_features
-        for utterance, rows in zip(batch, features, strict=True):
-            if not torch.isfinite(rows).all():
+        rows = extractor([u.audio for u in batch], sampling_rate=extractor.sampling_rate,
+                         return_tensors="pt").input_features
+        for utterance, row in zip(batch, rows, strict=True):
+            if not torch.isfinite(row).all():
                 raise NormswapError(f"the log-mel features of utterance {utterance.name!r} are not finite: its "
                                     f"samples or the settings of {path / 'preprocessor_config.json'} overflow")
-        batches.append(features)
-    return SpeechData(audio, torch.cat(batches), labels, prompts)
+        if features is None:  # filled batch by batch: no second copy of every utterance's features
+            features = torch.empty((len(audio.utterances), *rows.shape[1:]), dtype=rows.dtype)
+        features[start:start + len(batch)] = rows
+    return SpeechData(audio, features, labels, prompts)
 
 
 def _labels(texts: list[str], tokenizer, config: dict, max_tokens: int | None) -> tuple[list[list[int]], list[int]]:
