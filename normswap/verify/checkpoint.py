@@ -73,9 +73,9 @@ def verify_checkpoint(original: str | Path, converted: str | Path, *, atol: floa
         return verify_rotated(original_dir, converted_dir, atol=atol, rtol=rtol, layerwise=layerwise, quiet=quiet,
                               trust_remote_code=trust_remote_code, reference_config=configs[0],
                               rotated_config=configs[1], proof=proof)
-    atol, rtol = tolerance(provenance, converted_dir, atol, rtol)
     identical: dict[str, str] = {}  # tensors the forward passes may read once for both checkpoints
     proven = _prove_converted(original_dir, converted_dir, provenance, configs[0], plan, identical) if proof else None
+    atol, rtol = tolerance(provenance, converted_dir, atol, rtol)
     del plan
     original_config = configs[0]
     probe, loaders, mode, note = run_comparison(
@@ -310,9 +310,9 @@ def verify_rotated(reference: str | Path, rotated: str | Path, *, atol: float | 
     contents.check_contents(reference_dir, rotated_dir, reference_config, rotated_config, provenance)
     rotation = rotation_matrix(rotated_dir, rotated_config)
     architecture, _, reference_block = family_of(reference_dir, reference_config)
-    atol, rtol = tolerance(provenance, rotated_dir, atol, rtol)
     proven = (prove_rotated(reference_dir, rotated_dir, plan=plan, configs=(reference_config, rotated_config))
               if proof else None)
+    atol, rtol = tolerance(provenance, rotated_dir, atol, rtol)
     del plan
     if (reference_block or {}).get("stock_loadable", True):
         mode = verification_mode(reference_dir, architecture, layerwise)

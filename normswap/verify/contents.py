@@ -57,10 +57,12 @@ def check_modeling_file(path: Path) -> None:
 
 
 def check_config(source: dict, converted_config: dict, architecture: Architecture, provenance: Provenance,
-                 stored: str, where: Path) -> None:
+                 where: Path) -> None:
     """config.json of the conversion is ``source``'s (the config it was written from:
     ``rotate.plan.family_of``'s for a folded source) but for the keys normswap rewrites, which
-    hold what ``card.converted_config`` writes; one line naming the key."""
+    hold what ``card.converted_config`` writes; one line naming the key. ``dtype`` may name the
+    recorded ``options.dtype``, which ``stored_dtype`` holds to the stored tensors."""
+    label = _dtype_label(_recorded_dtype(provenance))
     tie_flag = architecture.tie_flag
     for key in sorted(set(source) | set(converted_config), key=str):
         if key not in (*REWRITTEN_KEYS, tie_flag) and not _same(key, source, converted_config):
@@ -69,13 +71,12 @@ def check_config(source: dict, converted_config: dict, architecture: Architectur
     if not untied and not _same(tie_flag, source, converted_config):
         _config_failure(where, tie_flag, source, converted_config)
     for key in ("dtype", "torch_dtype"):  # rewritten for a checkpoint of one floating dtype; never added
-        rewritten = converted_config.get(key, _ABSENT) == stored and (key == "dtype" or key in source)
+        rewritten = label is not None and converted_config.get(key) == label and (key == "dtype" or key in source)
         if not _same(key, source, converted_config) and not rewritten:
             _config_failure(where, key, source, converted_config)
     model_name, config_name = build.class_names(source, architecture.auto_class)
     model_type = source.get("model_type")
-    rotation = provenance.rotation if isinstance(provenance.rotation, dict) else {}
-    block = {**provenance.block, "stock_loadable": provenance.stock_loadable, "rotation": rotation}
+    block = {**provenance.block, "stock_loadable": provenance.stock_loadable, "rotation": provenance.rotation or {}}
     expected = {
         "architectures": [model_name],
         "model_type": model_type if provenance.stock_loadable else remote.MODEL_TYPE_PREFIX + str(model_type),
@@ -179,14 +180,21 @@ def stored_dtype(path: Path, provenance: Provenance) -> str:
     tolerance; the ``options.dtype`` the conversion records must name it."""
     with CheckpointReader(path) as reader:
         stored = least_precise({info.dtype_name for info in reader.tensors.values() if is_floating(info.dtype_name)})
-    label = provenance.options.get("dtype") if isinstance(provenance.options, dict) else None
-    if label is not None and (not isinstance(label, str) or _dtype_label(label) != stored):
+    label = _recorded_dtype(provenance)
+    if label is not None and _dtype_label(label) != stored:
         raise VerificationError(f"{path}: config.json records normswap.options.dtype {_shown(label)}, but its "
                                 f"weights are stored as {stored}")
     return stored
 
 
-def _dtype_label(label: str) -> str | None:
+def _recorded_dtype(provenance: Provenance) -> object:
+    return provenance.options.get("dtype") if isinstance(provenance.options, dict) else None
+
+
+def _dtype_label(label: object) -> str | None:
+    """The canonical name of a recorded dtype label; None for none or one that names no dtype."""
+    if not isinstance(label, str):
+        return None
     try:
         return dtype_name(canonical_name(label))
     except NormswapError:
@@ -197,12 +205,13 @@ def check_contents(reference_dir: Path, converted_dir: Path, reference_config: d
                    provenance: Provenance) -> None:
     """Every check of this module for a conversion (or rotation) of the checkpoint at
     ``reference_dir``: the modeling file, the weight files, config.json, the side files."""
-    from normswap.rotate.matrices import ROTATION_FILE
+    from normswap.rotate.matrices import ROTATION_FILE, rotation_block
     from normswap.rotate.plan import family_of
 
     check_modeling_file(converted_dir)
+    if provenance.rotation is not None:
+        rotation_block(converted_dir, converted_config)
     check_weight_files(converted_dir, (ROTATION_FILE,) if provenance.rotation is not None else ())
-    architecture, source, _ = family_of(reference_dir, reference_config)
-    check_config(source, converted_config, architecture, provenance, stored_dtype(converted_dir, provenance),
-                 converted_dir)
     check_side_files(reference_dir, converted_dir)
+    architecture, source, _ = family_of(reference_dir, reference_config)
+    check_config(source, converted_config, architecture, provenance, converted_dir)
