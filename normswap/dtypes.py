@@ -68,6 +68,12 @@ def default_tolerance(dtype: torch.dtype | str) -> tuple[float, float]:
     return DEFAULT_TOLERANCES.get(dtype_name(dtype), DEFAULT_TOLERANCES["float32"])
 
 
+def least_precise(dtypes: set[str]) -> str:
+    """The floating dtype (by name) whose default tolerance is widest: a checkpoint mixing
+    float16 and float32 tensors is as exact as its float16 ones; ``float32`` for none."""
+    return max(sorted(dtypes), key=lambda name: default_tolerance(name), default="float32")
+
+
 # bytes per element of every dtype a checkpoint may hold, by torch's name for it
 ITEMSIZE: dict[str, int] = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,

@@ -176,19 +176,12 @@ def converted_config(config: dict, plan: ConversionPlan, meta: nn.Module | None,
     else:
         model_name, config_name = type(meta).__name__, type(meta.config).__name__
     new["architectures"] = [model_name]
-    # the family's Auto class, and every other Auto class that maps this type to this class
-    # (AutoModelForImageClassification for a ViTForImageClassification)
-    autos = [architecture.auto_class, *build.auto_classes_for(config["model_type"], model_name)]
-    if provenance["stock_loadable"] and not provenance.get("rotation", {}).get("centred", True):
-        new.pop("auto_map", None)  # an uncentred stream: the RMSNorm class would not compute this model
-    elif provenance["stock_loadable"]:
-        new["auto_map"] = {auto: f"modeling_normswap.{remote.CLASS_PREFIX}{model_name}" for auto in autos}
-    else:
+    new.pop("auto_map", None)
+    entries = auto_map(config["model_type"], model_name, config_name, architecture.auto_class, provenance)
+    if entries is not None:
+        new["auto_map"] = entries
+    if not provenance["stock_loadable"]:
         new["model_type"] = remote.MODEL_TYPE_PREFIX + config["model_type"]
-        new["auto_map"] = {
-            "AutoConfig": f"modeling_normswap.{remote.CLASS_PREFIX}{config_name}",
-            **{auto: f"modeling_normswap.{remote.OWN_TYPE_PREFIX}{model_name}" for auto in autos},
-        }
     new["normswap"] = provenance
     return new
 
@@ -202,6 +195,26 @@ def lineage(provenance: dict) -> str:
     return (f"\n`{provenance['rotated_from']}` is itself a normswap conversion, and this checkpoint was verified "
             f"against it alone. Its own provenance{named}; that claim was not checked here (verify it with "
             f"`normswap verify ORIGINAL {provenance['rotated_from']}`).\n")
+
+
+def auto_map(model_type: str, model_name: str, config_name: str, auto_class: str, provenance: dict) -> dict | None:
+    """The ``auto_map`` of a converted checkpoint whose model class is ``model_name`` (config class
+    ``config_name``): every entry names a class of ``modeling_normswap.py``; None when it has none
+    (an uncentred stream, which the RMSNorm class would not compute). ``AutoConfig`` is mapped only
+    for the ``normswap_<type>`` model type a checkpoint the stock class cannot hold gets."""
+    from normswap.modeling import build, remote
+
+    # the family's Auto class, and every other Auto class that maps this type to this class
+    # (AutoModelForImageClassification for a ViTForImageClassification)
+    autos = [auto_class, *build.auto_classes_for(model_type, model_name)]
+    if provenance["stock_loadable"] and not provenance.get("rotation", {}).get("centred", True):
+        return None
+    if provenance["stock_loadable"]:
+        return {auto: f"modeling_normswap.{remote.CLASS_PREFIX}{model_name}" for auto in autos}
+    return {
+        "AutoConfig": f"modeling_normswap.{remote.CLASS_PREFIX}{config_name}",
+        **{auto: f"modeling_normswap.{remote.OWN_TYPE_PREFIX}{model_name}" for auto in autos},
+    }
 
 
 def model_card(provenance: dict) -> str:

@@ -82,7 +82,7 @@ def convert_checkpoint(
 def main_dtype(plan: ConversionPlan) -> torch.dtype:
     """The least precise floating dtype of the output: it sets the verification tolerance (a
     checkpoint mixing float16 and float32 tensors is as exact as its float16 ones)."""
-    from normswap.dtypes import default_tolerance
+    from normswap.dtypes import dtype_name, least_precise
 
-    dtypes = {tensor.dtype for tensor in plan.tensors.values() if tensor.dtype.is_floating_point}
-    return max(dtypes, key=lambda dtype: default_tolerance(dtype), default=torch.float32)
+    dtypes = {dtype_name(tensor.dtype) for tensor in plan.tensors.values() if tensor.dtype.is_floating_point}
+    return getattr(torch, least_precise(dtypes))

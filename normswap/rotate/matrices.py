@@ -139,6 +139,17 @@ def save_rotation(path: Path, rotation: Rotation) -> None:
     path.chmod(0o644)  # as the weights: readable like the rest of the checkpoint
 
 
+def rotation_block(checkpoint: Path, config: dict) -> dict:
+    """The ``normswap.rotation`` block of a rotated checkpoint's ``config``, refused in one line
+    unless it is a mapping with the hash of the stored Q."""
+    block = config.get("normswap", {}).get("rotation")
+    if block is None:
+        raise NormswapError(f"{checkpoint} is not a rotated normswap checkpoint")
+    if not isinstance(block, dict) or not isinstance(block.get("matrix_sha256"), str):
+        raise NormswapError(f"{checkpoint}/config.json: normswap.rotation must be a mapping with a matrix_sha256")
+    return block
+
+
 def load_rotation(checkpoint: Path, dimension: int | None = None, config: dict | None = None) -> torch.Tensor:
     """Q of a rotated checkpoint, checked before use: a float64 ``dimension``-square matrix,
     orthogonal (|QᵀQ - I| < 1e-9), whose hash is the one its provenance records (``config``: its
@@ -146,11 +157,7 @@ def load_rotation(checkpoint: Path, dimension: int | None = None, config: dict |
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    block = (read_config(checkpoint) if config is None else config).get("normswap", {}).get("rotation")
-    if block is None:
-        raise NormswapError(f"{checkpoint} is not a rotated normswap checkpoint")
-    if not isinstance(block, dict) or not isinstance(block.get("matrix_sha256"), str):
-        raise NormswapError(f"{checkpoint}/config.json: normswap.rotation must be a mapping with a matrix_sha256")
+    block = rotation_block(checkpoint, read_config(checkpoint) if config is None else config)
     file = checkpoint / ROTATION_FILE
     if not file.is_file():
         raise NormswapError(f"{checkpoint} lacks {ROTATION_FILE}, the rotation it was made with")

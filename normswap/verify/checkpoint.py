@@ -8,7 +8,6 @@ against the conversion plan (``proof``), then runs the original and each load of
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Callable
 from functools import partial
@@ -24,12 +23,13 @@ from normswap.checkpoint.provenance import Provenance, family_config, original_m
 from normswap.checkpoint.side_files import check_side_files
 from normswap.checkpoint.source import CheckpointReader, first_non_finite, read_config, resolve_source
 from normswap.convert.plan import ConversionPlan
-from normswap.dtypes import default_tolerance, parse_dtype
-from normswap.errors import NormswapError, VerificationError
-from normswap.modeling import MODELING_FILE, build, modeling_sha256
+from normswap.dtypes import default_tolerance
+from normswap.errors import NormswapError
+from normswap.modeling import build
 from normswap.runtime.loaders import refusals
 from normswap.runtime.offload import Unsupported, wants_layerwise
 from normswap.runtime.reference import reference_model
+from normswap.verify import contents
 from normswap.verify import layerwise as by_layer
 from normswap.verify import proof as weights
 from normswap.verify.compare import within_tolerance
@@ -51,8 +51,9 @@ def verify_checkpoint(original: str | Path, converted: str | Path, *, atol: floa
 
     The ``remote_code`` figures are those of the RMSNorm class that ``modeling_normswap.py``
     defines. Its code is normswap's own (the checkpoint's file must be byte for byte the one
-    normswap wrote, by its recorded sha256, or verification fails); with ``trust_remote_code``
-    the checkpoint's file itself is imported and run instead.
+    this normswap writes, or verification fails); with ``trust_remote_code`` the checkpoint's file
+    itself is imported and run instead. Config.json, the side files and the weight files beside the
+    proven ones must be what normswap writes for this original too (``contents``).
 
     First, unless ``proof`` is False, every stored tensor is proven to be what the conversion plan
     makes it (``proof.prove_weights``): a failure raises ``VerificationError`` naming the tensor
@@ -72,9 +73,9 @@ def verify_checkpoint(original: str | Path, converted: str | Path, *, atol: floa
         return verify_rotated(original_dir, converted_dir, atol=atol, rtol=rtol, layerwise=layerwise, quiet=quiet,
                               trust_remote_code=trust_remote_code, reference_config=configs[0],
                               rotated_config=configs[1], proof=proof)
-    atol, rtol = tolerance(provenance, atol, rtol)
     identical: dict[str, str] = {}  # tensors the forward passes may read once for both checkpoints
     proven = _prove_converted(original_dir, converted_dir, provenance, configs[0], plan, identical) if proof else None
+    atol, rtol = tolerance(provenance, converted_dir, atol, rtol)
     del plan
     original_config = configs[0]
     probe, loaders, mode, note = run_comparison(
@@ -161,7 +162,7 @@ def _check_pair(original_dir: Path, converted_dir: Path,
                             "verify; its perplexity cost is in config.json under normswap.slicing.perplexity")
     provenance = None if block is None else Provenance.of(converted_config, converted_dir)
     check_reference(original_dir, original_config, converted_dir, provenance)
-    check_modeling_file(provenance, converted_dir)
+    contents.check_modeling_file(converted_dir)
     for path, config in ((original_dir, original_config), (converted_dir, converted_config)):
         validation.check_structure(path, config)
     architecture = architecture_for(family_config(original_config))
@@ -169,28 +170,16 @@ def _check_pair(original_dir: Path, converted_dir: Path,
         raise NormswapError(f"{converted_dir} was converted from a {provenance.original_model_type} model, "
                             f"but {original_dir} is a {original_model_type(original_config)} model")
     validation.check_same_shape(original_dir, original_config, converted_dir, converted_config)
+    contents.check_contents(original_dir, converted_dir, original_config, converted_config, provenance)
     return provenance, architecture, (original_config, converted_config)
 
 
-def tolerance(provenance: Provenance, atol: float | None, rtol: float | None) -> tuple[float, float]:
-    """(atol, rtol): those given, else the defaults for the dtype the conversion was stored in."""
-    checkpoint_dtype = parse_dtype(provenance.options.get("dtype")) or torch.float32
-    default_atol, default_rtol = default_tolerance(checkpoint_dtype)
+def tolerance(provenance: Provenance, converted_dir: Path, atol: float | None,
+              rtol: float | None) -> tuple[float, float]:
+    """(atol, rtol): those given, else the defaults for the dtype the conversion is stored in
+    (its tensors' headers: ``contents.stored_dtype``), never for the dtype it records."""
+    default_atol, default_rtol = default_tolerance(contents.stored_dtype(converted_dir, provenance))
     return default_atol if atol is None else atol, default_rtol if rtol is None else rtol
-
-
-def check_modeling_file(provenance: Provenance, path: Path) -> None:
-    """Fail verification unless ``modeling_normswap.py`` is byte for byte the file normswap wrote."""
-    file = path / MODELING_FILE
-    if not file.is_file():
-        raise VerificationError(f"{path} has no {MODELING_FILE}; it is not a complete normswap checkpoint")
-    expected = provenance.modeling_sha256 or modeling_sha256()
-    actual = hashlib.sha256(file.read_bytes()).hexdigest()
-    if actual != expected:
-        raise VerificationError(
-            f"{file} is not the file normswap wrote (sha256 {actual[:16]}..., expected {expected[:16]}...); "
-            "it was changed after conversion"
-        )
 
 
 def verification_mode(reference_dir: Path, architecture: Architecture,
@@ -318,11 +307,12 @@ def verify_rotated(reference: str | Path, rotated: str | Path, *, atol: float | 
     provenance = Provenance.of(rotated_config, rotated_dir)
     if provenance is None:
         raise NormswapError(f"{rotated_dir} is not a rotated normswap checkpoint")
+    contents.check_contents(reference_dir, rotated_dir, reference_config, rotated_config, provenance)
     rotation = rotation_matrix(rotated_dir, rotated_config)
     architecture, _, reference_block = family_of(reference_dir, reference_config)
-    atol, rtol = tolerance(provenance, atol, rtol)
     proven = (prove_rotated(reference_dir, rotated_dir, plan=plan, configs=(reference_config, rotated_config))
               if proof else None)
+    atol, rtol = tolerance(provenance, rotated_dir, atol, rtol)
     del plan
     if (reference_block or {}).get("stock_loadable", True):
         mode = verification_mode(reference_dir, architecture, layerwise)
