@@ -20,7 +20,7 @@ from normswap.checkpoint.provenance import family_config
 from normswap.checkpoint.source import read_config
 from normswap.errors import NormswapError
 from normswap.memory import release_memory
-from normswap.modeling import build, remote
+from normswap.modeling import build, online, remote
 
 
 def rmsnorm_class(path: Path, architecture: Architecture, config: dict | None = None) -> type:
@@ -55,6 +55,8 @@ def load_converted(path: Path, how: str, *, dtype: torch.dtype = torch.float32,
     architecture = architecture_for(family_config(config))
     if how == "stock":
         return build.load_pretrained(build.model_class(config, architecture.auto_class), path, dtype=dtype)
+    if how != "stock":
+        online.check_config(config, architecture.auto_class)
     if how == "rmsnorm":
         return build.load_pretrained(rmsnorm_class(path, architecture, config), path, dtype=dtype)
     if how == "remote":
