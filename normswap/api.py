@@ -54,7 +54,7 @@ def load(path: str | Path, **from_pretrained_kwargs) -> nn.Module:
     if not provenance.rmsnorm_exact:
         # a commuting rotation of an uncentred stream: only the stock LayerNorm class computes it
         return build.load_pretrained(base, path, **from_pretrained_kwargs)
-    online.check_config(config, architecture.auto_class)
+    online.check_config(config, architecture.auto_class, path)
     cls = registry.kernel_class(base, own_type=not provenance.stock_loadable)
     return build.load_pretrained(cls, path, **from_pretrained_kwargs)
 

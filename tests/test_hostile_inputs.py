@@ -453,8 +453,8 @@ PROCESSOR_PROBLEMS = {
         "rescale-string": ({"rescale_factor": "1/255"}, "'rescale_factor' must be a positive number"),
         "no-resize": ({"do_resize": False}, "'do_resize' false keeps each image's own size"),
         "other-family": ({"image_processor_type": "CLIPImageProcessor"}, "is not an image processor of a vit model"),
-        "mean-huge": ({"image_mean": [1e308] * 3}, "'image_mean' must lie within"),
-        "std-denormal": ({"image_std": [1e-320] * 3}, "'image_std' must lie within"),
+        "mean-huge": ({"image_mean": [1e308] * 3}, "'image_mean' must be of magnitude"),
+        "std-denormal": ({"image_std": [1e-320] * 3}, "'image_std' must be of magnitude"),
     },
     "clip": {
         "huge-crop": ({"crop_size": {"height": 50000, "width": 50000}}, "'crop_size' asks for 50000-pixel"),

@@ -141,6 +141,9 @@ def test_a_tampered_record_is_refused_by_every_reader(online_checkpoint, tmp_pat
     assert_one_line_error(code, err, "online_hadamard")
     with pytest.raises(NormswapError, match="online_hadamard"):
         normswap.load(copy)
+    if name == "no such module":  # eval's loaders, before any model is built
+        code, err = run_cli(capsys, "eval", str(copy), "--text", "bundled")
+        assert_one_line_error(code, err, "config.json: normswap.rotation.online_hadamard")
     if name not in ("huge size", "prime order", "fewer modules", "third column flipped"):  # what the checkpoint's own file can judge alone
         with pytest.raises(ValueError, match="online_hadamard"):
             T.AutoModelForCausalLM.from_pretrained(copy, trust_remote_code=True)

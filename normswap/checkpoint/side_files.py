@@ -209,8 +209,8 @@ def _check_images(data: dict, config: dict, where: str) -> None:
             raise NormswapError(f"{where}: 'image_std' holds 0, which divides every pixel by zero")
         low, high = NORMALISATION[key]
         if not all(low <= abs(item) <= high for item in values if not (key == "image_mean" and item == 0)):
-            raise NormswapError(f"{where}: '{key}' must lie within ±{low:g}..{high:g}, the range of pixel "
-                                f"normalisation (got {_show(value)})")
+            raise NormswapError(f"{where}: '{key}' must be of magnitude {low:g} to {high:g}, as pixel normalisation "
+                                f"is (got {_show(value)})")
 
 
 def _check_processor_type(name: object, config: dict, where: str) -> None:

@@ -12,6 +12,8 @@ without normswap (``remote.online_hadamard_factor``).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from torch import nn
 
 from normswap.errors import NormswapError
@@ -79,12 +81,15 @@ def check_record(spec: object, model: nn.Module) -> None:
                             "order or factor differ)")
 
 
-def check_config(config: dict, auto_class: str) -> None:
-    """``check_record`` for a converted config.json's record, where it has one, against the model
-    that config describes (built on meta, only then)."""
+def check_config(config: dict, auto_class: str, path: Path) -> None:
+    """``check_record`` for the record in ``path``'s config.json, where it has one, against the
+    model that config describes (built on meta, only then); the refusal names the file."""
     from normswap.modeling.build import meta_model
 
     block = config.get("normswap")
     rotation = block.get("rotation") if isinstance(block, dict) else None
     if isinstance(rotation, dict) and "online_hadamard" in rotation:
-        check_record(rotation["online_hadamard"], meta_model(config, auto_class))
+        try:
+            check_record(rotation["online_hadamard"], meta_model(config, auto_class))
+        except NormswapError as error:
+            raise NormswapError(f"{Path(path) / 'config.json'}: {error}") from None
