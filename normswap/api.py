@@ -19,7 +19,7 @@ from normswap.checkpoint.source import StateDictReader, read_config, resolve_sou
 from normswap.convert import card
 from normswap.dtypes import dtype_name
 from normswap.errors import NormswapError
-from normswap.modeling import build, registry, remote
+from normswap.modeling import build, online, registry, remote
 from normswap.rotate.options import DEFAULT_CALIBRATION_TOKENS, DEFAULT_FORM
 
 
@@ -54,6 +54,7 @@ def load(path: str | Path, **from_pretrained_kwargs) -> nn.Module:
     if not provenance.rmsnorm_exact:
         # a commuting rotation of an uncentred stream: only the stock LayerNorm class computes it
         return build.load_pretrained(base, path, **from_pretrained_kwargs)
+    online.check_config(config, architecture.auto_class, path)
     cls = registry.kernel_class(base, own_type=not provenance.stock_loadable)
     return build.load_pretrained(cls, path, **from_pretrained_kwargs)
 

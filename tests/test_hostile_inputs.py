@@ -458,6 +458,10 @@ PROCESSOR_PROBLEMS = {
         "mean-nan": ({"image_mean": [0.5, math.nan, 0.5]}, "'image_mean' must be a finite number"),
         "resample-unknown": ({"resample": 99}, "'resample' must be one of Pillow's filters"),
         "rescale-string": ({"rescale_factor": "1/255"}, "'rescale_factor' must be a positive number"),
+        "no-resize": ({"do_resize": False}, "'do_resize' false keeps each image's own size"),
+        "other-family": ({"image_processor_type": "CLIPImageProcessor"}, "is not an image processor of a vit model"),
+        "mean-huge": ({"image_mean": [1e308] * 3}, "'image_mean' must be of magnitude"),
+        "std-denormal": ({"image_std": [1e-320] * 3}, "'image_std' must be of magnitude"),
     },
     "clip": {
         "huge-crop": ({"crop_size": {"height": 50000, "width": 50000}}, "'crop_size' asks for 50000-pixel"),
@@ -678,3 +682,58 @@ def test_unexpected_error_is_one_line_with_its_traceback_saved(source, tmp_path,
     [trace] = list((tmp_path / "traces").iterdir())
     assert str(trace) in lines[0] and "Traceback" in trace.read_text() and "a bug" in trace.read_text()
     assert not out.exists() and sorted(path.name for path in tmp_path.iterdir()) == ["traces"]
+
+
+def _png(path: Path, side: int) -> Path:
+    from PIL import Image
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("L", (side, side), 7).save(path)
+    return path
+
+
+def test_image_pixels_bounded_from_the_header_and_only_what_is_needed_is_read(tmp_path, monkeypatch):
+    """An image over the pixel bound is refused before it is decoded; Pillow's bomb warning is the
+    same one-line refusal; a limit reads no image past it."""
+    from PIL import Image
+
+    from normswap.evaluation import media
+
+    _png(tmp_path / "set" / "a.png", 8)
+    _png(tmp_path / "set" / "b.png", 20)
+    monkeypatch.setattr(media, "MAX_IMAGE_PIXELS", 100)
+    assert len(media.read_images(str(tmp_path / "set"), limit=1).images) == 1
+    with pytest.raises(NormswapError, match="b.png is 20x20 pixels, over the 100"):
+        media.read_images(str(tmp_path / "set"))
+    monkeypatch.setattr(media, "MAX_IMAGE_PIXELS", 10**6)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 300)  # warns above 300 pixels, fails above 600
+    with pytest.raises(NormswapError, match="cannot read image file .*b.png"):
+        media.read_images(str(tmp_path / "set"))
+
+
+def test_calibration_text_is_read_as_a_bounded_prefix(tmp_path):
+    from normswap.rotate.calibration import CHARS_PER_TOKEN, read_calibration
+
+    (tmp_path / "big.txt").write_text("word " * 10000)
+    assert len(read_calibration(tmp_path / "big.txt", 10)) == 10 * CHARS_PER_TOKEN
+
+
+def test_positions_per_image_count_every_token_before_the_patches(tmp_path):
+    """DeiT runs a class and a distillation token before its patches; ViT one class token."""
+    import transformers as T
+    from helpers import save
+
+    from normswap.evaluation.calibration import positions_per_image
+
+    shape = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=24, image_size=16,
+                 patch_size=8)
+    for name, model, extra in (("deit", T.DeiTModel(T.DeiTConfig(**shape)), 2), ("vit", T.ViTModel(T.ViTConfig(**shape)), 1)):
+        path = save(model, tmp_path / name)
+        assert positions_per_image(path, json.loads((path / "config.json").read_text())) == 4 + extra
+
+
+def test_pixel_values_that_overflow_are_refused_before_calibration(media, tmp_path, capsys):
+    src = copy(media["vit"], tmp_path)
+    edit_json(src / "preprocessor_config.json", rescale_factor=1e300)
+    refused(capsys, tmp_path, "rotate", src, "--out", tmp_path / "out", "--method", "pca", "--calibration", "bundled",
+            needle="non-finite pixel values")

@@ -9,12 +9,12 @@ import torch
 from torch import nn
 
 from normswap.analysis.outliers import _Moments, linear_input_outliers
+from normswap.modeling.online import is_down_projection
 from normswap.rotate.quantise import (
     QUANTISERS,
     apply_quantiser,
     fake_quantise,
     fake_quantise_tokens,
-    is_down_projection,
     linear_layers,
     quantise_model,
 )

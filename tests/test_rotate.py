@@ -27,7 +27,8 @@ import normswap
 from normswap.api import rotate_checkpoint
 from normswap.convert import fold
 from normswap.errors import NormswapError
-from normswap.rotate import hadamard, matrices
+from normswap.modeling import hadamard
+from normswap.rotate import matrices
 from normswap.rotate.matrices import ROTATION_FILE, load_rotation
 
 BUNDLED = Path(normswap.__file__).parent / "data"

@@ -32,7 +32,8 @@ from test_bad_input import assert_one_line_error, run_cli
 from test_rotate import BUNDLED, CALIBRATION, TOKENIZER_FILES, make_source, method_params, rotated_runs
 
 from normswap.api import rotate_checkpoint
-from normswap.rotate import commuting, hadamard
+from normswap.modeling import hadamard
+from normswap.rotate import commuting
 from normswap.rotate.matrices import load_rotation
 
 # ---------------------------------------------------------------------------------------------

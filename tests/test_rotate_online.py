@@ -19,8 +19,8 @@ from test_architectures_causal import CASES
 from test_bad_input import assert_one_line_error, run_cli
 
 from normswap.api import rotate_checkpoint
+from normswap.modeling import hadamard
 from normswap.modeling.remote import hadamard_transform
-from normswap.rotate import hadamard
 
 VOCAB = 61
 
@@ -95,3 +95,55 @@ def test_refused_where_it_cannot_apply(tmp_path, capsys, inner, options, needle)
     code, err = run_cli(capsys, "rotate", str(src), "--out", str(out), "--online-hadamard", *options)
     assert_one_line_error(code, err, needle)
     assert not out.exists()
+
+
+@pytest.fixture(scope="module")
+def online_checkpoint(tmp_path_factory):
+    torch.manual_seed(0)
+    root = tmp_path_factory.mktemp("online")
+    src = save(make_hard(T.GPT2LMHeadModel(_gpt2(48))).eval(), root / "src")
+    rotate_checkpoint(src, root / "online", form="free", online_hadamard=True, verification="none")
+    return src, root / "online"
+
+
+def _tampered(out, tmp_path, edit):
+    import shutil
+
+    copy = tmp_path / "tampered"
+    shutil.copytree(out, copy)
+    config = json.loads((copy / "config.json").read_text())
+    edit(config["normswap"]["rotation"]["online_hadamard"])
+    (copy / "config.json").write_text(json.dumps(config))
+    return copy
+
+
+TAMPERINGS = {
+    "huge size": lambda o: o.update(size=10**39),
+    "prime order": lambda o: o.update(size=1000004, twos=0),
+    "flipped factor": lambda o: o.update(factor=["-" + row[1:] if row[0] == "+" else "+" + row[1:] for row in o["factor"]]),
+    "third column flipped": lambda o: o.update(factor=[r[:2] + ("-" if r[2] == "+" else "+") + r[3:] for r in o["factor"]]),
+    "junk factor": lambda o: o.update(factor=["x"]),
+    "fewer modules": lambda o: o.update(modules=o["modules"][:1]),
+    "no such module": lambda o: o.update(modules=["transformer.h.99.mlp.c_proj"]),
+    "twos 70": lambda o: o.update(twos=70),
+}
+
+
+@pytest.mark.parametrize("name", list(TAMPERINGS))
+def test_a_tampered_record_is_refused_by_every_reader(online_checkpoint, tmp_path, capsys, name):
+    """verify (the size bounded before any construction), normswap.load, and the checkpoint's own class."""
+    import normswap
+    from normswap.errors import NormswapError
+
+    src, out = online_checkpoint
+    copy = _tampered(out, tmp_path, TAMPERINGS[name])
+    code, err = run_cli(capsys, "verify", str(src), str(copy), "--quiet")
+    assert_one_line_error(code, err, "online_hadamard")
+    with pytest.raises(NormswapError, match="online_hadamard"):
+        normswap.load(copy)
+    if name == "no such module":  # eval's loaders, before any model is built
+        code, err = run_cli(capsys, "eval", str(copy), "--text", "bundled")
+        assert_one_line_error(code, err, "config.json: normswap.rotation.online_hadamard")
+    if name not in ("huge size", "prime order", "fewer modules", "third column flipped"):  # what the checkpoint's own file can judge alone
+        with pytest.raises(ValueError, match="online_hadamard"):
+            T.AutoModelForCausalLM.from_pretrained(copy, trust_remote_code=True)

@@ -22,7 +22,8 @@ import re
 import torch
 from torch import nn
 
-from normswap.rotate.quantise import QUANTISERS, apply_quantiser, is_down_projection, linear_layers
+from normswap.modeling.online import is_down_projection
+from normswap.rotate.quantise import QUANTISERS, apply_quantiser, linear_layers
 
 
 class _Moments:

@@ -41,6 +41,8 @@ AUDIO_LEVELS = {"dither": (0.0, 1.0), "padding_value": (-1.0, 1.0)}
 FEATURE_EXTRACTORS = {"whisper": ("WhisperFeatureExtractor", "WhisperProcessor")}
 MAX_IMAGE_SCALE = 8  # a processor may resize to at most this multiple of the model's image size
 MAX_IMAGE_SIDE = 4096  # ... or, for a model whose config names no image size, to this many pixels
+# |image_mean| and image_std bounds: pixels are normalised from [0, 1] or [0, 255] (a mean of 0 is allowed)
+NORMALISATION = {"image_mean": (1e-6, 1e3), "image_std": (1e-6, 1e3)}
 # generation settings that select a decoding strategy transformers fetches from the hub, or one
 # normswap does not run (it decodes greedily with one beam), and the value that leaves it off
 OFF_HUB_STRATEGIES = {
@@ -159,7 +161,7 @@ def check_processor(data: dict, config: dict, where: str) -> None:
         _check_extractor_class(data, extractors, where)
     if extractors is not None or "sampling_rate" in data or "feature_size" in data:
         _check_audio(data, config, where)
-    if any(key in data for key in ("size", "crop_size", "image_mean", "image_std")):
+    if any(key in data for key in ("size", "crop_size", "image_mean", "image_std", "image_processor_type", "do_resize")):
         _check_images(data, config, where)
 
 
@@ -224,6 +226,10 @@ def _check_images(data: dict, config: dict, where: str) -> None:
     if model_pair and final and "height" in final and "width" in final and (final["height"], final["width"]) != model_pair:
         raise NormswapError(f"{where}: the processor makes {final['height']}x{final['width']} images, but the model "
                             f"reads {model_pair[0]}x{model_pair[1]} (image_size)")
+    if data.get("do_resize") is False and not (data.get("do_center_crop") and "crop_size" in sizes):
+        raise NormswapError(f"{where}: 'do_resize' false keeps each image's own size, but the model reads "
+                            f"{'x'.join(map(str, model_pair or ('its',)))} images (image_size)")
+    _check_processor_type(data.get("image_processor_type"), config, where)
     if data.get("resample") is not None and data["resample"] not in range(6):
         raise NormswapError(f"{where}: 'resample' must be one of Pillow's filters 0 to 5 (got {_show(data['resample'])})")
     factor = data.get("rescale_factor")
@@ -239,6 +245,28 @@ def _check_images(data: dict, config: dict, where: str) -> None:
             raise NormswapError(f"{where}: '{key}' must be a finite number or {channels} of them (got {_show(value)})")
         if key == "image_std" and any(item == 0 for item in values):
             raise NormswapError(f"{where}: 'image_std' holds 0, which divides every pixel by zero")
+        low, high = NORMALISATION[key]
+        if not all(low <= abs(item) <= high for item in values if not (key == "image_mean" and item == 0)):
+            raise NormswapError(f"{where}: '{key}' must be of magnitude {low:g} to {high:g}, as pixel normalisation "
+                                f"is (got {_show(value)})")
+
+
+def _check_processor_type(name: object, config: dict, where: str) -> None:
+    """An image processor of the model's own family, or ViT's (which many vision checkpoints ship);
+    another family's brings its own sizes and steps."""
+    if name is None:
+        return
+    from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING_NAMES
+
+    family = str(config.get("model_type", "")).removeprefix("normswap_")
+    allowed = set()
+    for key in {family, "vit"} if family != "clip" else {family}:
+        names = IMAGE_PROCESSOR_MAPPING_NAMES.get(key) or ()
+        allowed |= {n.removesuffix("Pil").removesuffix("Fast") for n in (names.values() if isinstance(names, dict)
+                                                                          else names) if isinstance(n, str)}
+    if not isinstance(name, str) or name.removesuffix("Pil").removesuffix("Fast") not in allowed:
+        raise NormswapError(f"{where}: 'image_processor_type' {_show(name)} is not an image processor of a "
+                            f"{family} model ({', '.join(sorted(allowed))})")
 
 
 def _image_size(value: Any, key: str, limit: int, where: str) -> dict[str, int]:

@@ -90,22 +90,31 @@ def speech_inputs(source_dir: Path, config: dict, spec: str, max_tokens: int) ->
 
 
 def image_inputs(source_dir: Path, config: dict, spec: str, max_tokens: int, batch: int = 8) -> CalibrationInputs:
-    """Batches of ``batch`` images' pixel values; each image gives every patch and the class token."""
+    """Batches of ``batch`` images' pixel values; each image gives every position the model runs
+    (its patches and the class and distillation tokens). Only the images the cap needs are read."""
     from normswap.evaluation import vision
 
-    data = vision.prepare(source_dir, spec, None, config)
+    per_image = positions_per_image(source_dir, config)
+    data = vision.prepare(source_dir, spec, None, config, limit=max(1, -(-max_tokens // per_image)))
     pixels = data.pixel_values.float()
-    per_image = _positions_per_image(config)
-    count = min(len(pixels), max(1, -(-max_tokens // per_image)))
-    pixels = pixels[:count]
+    count = len(pixels)
     batches = [{"pixel_values": pixels[start:start + batch]} for start in range(0, count, batch)]
     record = {"images": data.images.name, "count": count, "tokens": count * per_image,
               "inputs_sha256": _digest([pixels])}
     return CalibrationInputs(batches, count * per_image, record)
 
 
-def _positions_per_image(config: dict) -> int:
+def positions_per_image(source_dir: Path, config: dict) -> int:
+    """The positions a vision model's stream holds per image: (image_size / patch_size)² patches and
+    the tokens before them, counted from the position table's length (ViT's class token, DeiT's class
+    and distillation tokens); one class token where the model has no absolute position table."""
+    from normswap.checkpoint.source import CheckpointReader
+
     size, patch = config.get("image_size"), config.get("patch_size")
-    if not isinstance(size, int) or not isinstance(patch, int) or patch <= 0:
+    if not isinstance(size, int) or not isinstance(patch, int) or patch <= 0 or size < patch:
         raise NormswapError("the model's config states no image_size and patch_size")
-    return (size // patch) ** 2 + 1
+    patches = (size // patch) ** 2
+    with CheckpointReader(source_dir) as reader:
+        tables = [info.shape for name, info in reader.tensors.items() if name.endswith("embeddings.position_embeddings")]
+    length = tables[0][-2] if tables and len(tables[0]) >= 2 else None
+    return patches + (length - patches if isinstance(length, int) and patches < length <= patches + 8 else 1)

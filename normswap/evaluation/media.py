@@ -10,6 +10,8 @@ Every problem is one ``NormswapError`` line, raised before any model is loaded.
 from __future__ import annotations
 
 import importlib
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -20,6 +22,8 @@ from normswap.errors import NormswapError
 from normswap.text import count
 
 BUNDLED = "bundled"
+# the most pixels one image may hold (about 33 M: a 24-megapixel photograph fits); each is decoded whole
+MAX_IMAGE_PIXELS = 1 << 25
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 
 # model type -> the input it takes; everything else reads text.
@@ -55,7 +59,7 @@ def _data_dir(name: str) -> Path:
 @dataclass
 class LabelledImage:
     name: str
-    image: object  # PIL.Image.Image, RGB
+    image: object  # PIL.Image.Image, RGB, or what read_images' prepare made of it
     label: str | None
 
 
@@ -101,19 +105,24 @@ def check_images(spec: str) -> None:
     _image_files(spec)
 
 
-def read_images(spec: str) -> ImageSet:
-    """Every image of ``spec`` as RGB, with its class subfolder's name as label where it has one."""
+def read_images(spec: str, limit: int | None = None, prepare: Callable[[object], object] | None = None) -> ImageSet:
+    """The images of ``spec`` (the first ``limit`` of them), with their class subfolder's name as label
+    where they have one: each RGB, or what ``prepare`` makes of it at once (so that only one decoded
+    image is held at a time). An image over ``MAX_IMAGE_PIXELS`` is refused from its header, before
+    it is decoded; Pillow's decompression-bomb warning is that same one-line refusal."""
     Image = _needs("PIL.Image", "reading images", "Pillow")
     name, files = _image_files(spec)
     result = ImageSet(name)
-    for file, label in files:
+    for file, label in files[:limit]:
         try:
-            with Image.open(file) as handle:
-                image = handle.convert("RGB")
-        except (OSError, Image.UnidentifiedImageError, ValueError, Image.DecompressionBombError) as error:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", Image.DecompressionBombWarning)
+                image = _decoded(Image, file)
+        except (OSError, Image.UnidentifiedImageError, ValueError, Image.DecompressionBombError,
+                Image.DecompressionBombWarning) as error:
             # a decompression bomb (Pillow's pixel limit) is refused like any unreadable file
             raise NormswapError(f"cannot read image file {file}: {str(error).splitlines()[0]}") from None
-        result.images.append(LabelledImage(file.stem, image, label))
+        result.images.append(LabelledImage(file.stem, image if prepare is None else prepare(image), label))
     return result
 
 
@@ -123,6 +132,16 @@ def _needs(module: str, purpose: str, package: str) -> ModuleType:
         return importlib.import_module(module)
     except ImportError:
         raise NormswapError(f"{purpose} needs {package}: pip install 'normswap[eval]'") from None
+
+
+def _decoded(Image: ModuleType, file: Path) -> object:
+    """``file`` as RGB, once its header's size is within ``MAX_IMAGE_PIXELS`` (Image.open is lazy)."""
+    with Image.open(file) as handle:
+        width, height = handle.size
+        if width * height > MAX_IMAGE_PIXELS:
+            raise NormswapError(f"image file {file} is {width}x{height} pixels, over the {MAX_IMAGE_PIXELS} "
+                                "normswap reads; scale it down")
+        return handle.convert("RGB")
 
 
 def checkpoint_processor(path: Path, auto_class: str, input_kind: str, what: str):

@@ -17,6 +17,7 @@ texts through its own tokenizer.
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,11 +70,19 @@ class ImageData:
         return self.images.describe()
 
 
-def prepare(path: Path, spec: str, tokenizer, config: dict) -> ImageData:
-    """Read ``spec`` and preprocess it for the checkpoint at ``path``."""
-    images = read_images(spec)
+def prepare(path: Path, spec: str, tokenizer, config: dict, limit: int | None = None) -> ImageData:
+    """Read ``spec`` (its first ``limit`` images) and preprocess it for the checkpoint at ``path``,
+    one image at a time; pixel values of another shape than the model reads, or not finite, are refused."""
     processor = image_processor(path)
-    pixels = processor([i.image for i in images.images], return_tensors="pt").pixel_values
+
+    def pixel_values(image: object) -> torch.Tensor:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # an overflow shows as non-finite pixels, refused below
+            return processor([image], return_tensors="pt").pixel_values[0]
+
+    images = read_images(spec, limit, pixel_values)
+    pixels = torch.stack([i.image for i in images.images])
+    _check_pixels(pixels, config, path)
     model_type = original_model_type(config)
     if model_type != "clip":
         targets, note = class_indices(images, config.get("id2label") or {})
@@ -91,6 +100,18 @@ def prepare(path: Path, spec: str, tokenizer, config: dict) -> ImageData:
     text_inputs = dict(tokenizer(texts, padding=True, truncation=True, max_length=limit, return_tensors="pt"))
     return ImageData(images, pixels, "clip", targets, texts, text_inputs,
                      note=None if labels is not None else "no class subfolders: each image's file name is its caption")
+
+
+def _check_pixels(pixels: torch.Tensor, config: dict, path: Path) -> None:
+    vision = config.get("vision_config") if isinstance(config.get("vision_config"), dict) else config
+    size, channels = vision.get("image_size"), vision.get("num_channels", 3)
+    expected = [channels, *(size if isinstance(size, list) else [size, size])]
+    where = path / "preprocessor_config.json"
+    if list(pixels.shape[1:]) != expected:
+        raise NormswapError(f"{where}: the image processor makes {'x'.join(map(str, pixels.shape[1:]))} pixel values, "
+                            f"but the model reads {'x'.join(map(str, expected))} (num_channels, image_size)")
+    if not bool(torch.isfinite(pixels).all()):
+        raise NormswapError(f"{where}: the image processor's normalisation makes non-finite pixel values")
 
 
 def _device_of(model) -> tuple[torch.device, torch.dtype]:

@@ -159,6 +159,10 @@ def load_pretrained(cls: type, path: Path | str, **kwargs) -> nn.Module:
         if type(error).__name__ != "UnknownModule":  # or the checkpoint's own copy of it under remote code)
             raise
         raise NormswapError(f"{Path(path) / 'config.json'}: {error}") from None
+    except ValueError as error:  # the RMSNorm class refuses a record it cannot run (remote.online_hadamard_factor)
+        if not str(error).startswith("online_hadamard:"):
+            raise
+        raise NormswapError(f"{Path(path) / 'config.json'}: normswap.rotation.{error}") from None
     finally:
         hf_logging.set_verbosity(verbosity)
         if bars:

@@ -8,15 +8,12 @@ A converted model is the stock transformers class for its family with every ``nn
 replaced by ``RMSNorm``. That is exact because normswap centred every tensor that writes the
 residual stream: a norm's input then has zero mean, and LayerNorm(x) = RMSNorm(x), eps included.
 A few families need a small structural change, which the checkpoint's ``config.normswap.structure``
-states and ``apply_structure`` performs:
-
-* ``identity``: modules replaced by ``nn.Identity`` (e.g. BLOOM's embedding norm, baked into the
-  embedding table);
-* ``centre_input``: modules whose first input is centred explicitly (Whisper's encoder, whose
-  stream starts as ``gelu(conv(...)) + positions``, a value no weight folding can centre);
-* ``centre_output``: modules whose output is centred explicitly (CLIP's ``pre_layrnorm``, a norm
-  whose output *is* the residual stream);
-* ``gain_plus_one``: norms that store γ - 1 and compute with γ (Nemotron's ``LayerNorm1P``).
+states and ``apply_structure`` performs: ``identity`` (modules replaced by ``nn.Identity``, e.g.
+BLOOM's embedding norm, baked into the embedding table), ``centre_input`` (modules whose first input
+is centred explicitly: Whisper's encoder, whose stream starts as ``gelu(conv(...)) + positions``, a
+value no weight folding can centre), ``centre_output`` (modules whose output is centred explicitly:
+CLIP's ``pre_layrnorm``, a norm whose output *is* the residual stream) and ``gain_plus_one`` (norms
+that store γ - 1 and compute with γ: Nemotron's ``LayerNorm1P``).
 
 With ``--online-hadamard`` every MLP down projection's input is turned by H/√n at run time, its
 weight stored with H folded in (``config.normswap.rotation.online_hadamard``, ``apply_online_hadamard``).
@@ -51,18 +48,9 @@ class RMSNorm(nn.Module):
 
     is_normswap_rmsnorm = True
 
-    def __init__(
-        self,
-        normalized_shape: int | tuple[int, ...],
-        eps: float = 1e-5,
-        weight: bool = True,
-        bias: bool = True,
-        device: torch.device | None = None,
-        dtype: torch.dtype | None = None,
-        *,
-        weight_shape: tuple[int, ...] | None = None,
-        gain_offset: float = 0.0,
-    ) -> None:
+    def __init__(self, normalized_shape: int | tuple[int, ...], eps: float = 1e-5, weight: bool = True,
+                 bias: bool = True, device: torch.device | None = None, dtype: torch.dtype | None = None, *,
+                 weight_shape: tuple[int, ...] | None = None, gain_offset: float = 0.0) -> None:
         super().__init__()
         if isinstance(normalized_shape, int):
             normalized_shape = (normalized_shape,)
@@ -113,14 +101,9 @@ def rmsnorm_like(layer_norm: nn.Module) -> RMSNorm:
     shape = tuple(getattr(layer_norm, "normalized_shape", ()) or reference.shape)
     own_class = not isinstance(layer_norm, nn.LayerNorm)
     factory = {} if reference is None else {"device": reference.device, "dtype": reference.dtype}
-    norm = RMSNorm(
-        shape[-1:] if own_class else shape,
-        eps=getattr(layer_norm, "eps", getattr(layer_norm, "variance_epsilon", 1e-5)),
-        weight=weight is not None,
-        bias=bias is not None,
-        weight_shape=None if reference is None else tuple(reference.shape),
-        **factory,
-    )
+    eps = getattr(layer_norm, "eps", getattr(layer_norm, "variance_epsilon", 1e-5))
+    norm = RMSNorm(shape[-1:] if own_class else shape, eps=eps, weight=weight is not None, bias=bias is not None,
+                   weight_shape=None if reference is None else tuple(reference.shape), **factory)
     if reference is not None and not reference.is_meta:
         with torch.no_grad():
             for name in ("weight", "bias"):
@@ -197,13 +180,31 @@ def hadamard_transform(x: torch.Tensor, factor: torch.Tensor, twos: int) -> torc
     return (y.reshape(x.shape) / x.shape[-1] ** 0.5).to(x.dtype)
 
 
+def online_hadamard_factor(model: nn.Module, spec: object) -> tuple[torch.Tensor, int]:
+    """(F, twos) of a recorded online Hadamard the model can run, else ValueError in one line: its
+    modules exist with input size n = 2^twos·m, F is m rows of m signs, F₀₀ = + and F·Fᵀ = m·I."""
+    spec = spec if isinstance(spec, dict) else {}
+    named, rows, twos = dict(model.named_modules()), spec.get("factor"), spec.get("twos")
+    paths = spec.get("modules") if isinstance(spec.get("modules"), list) else []
+    sizes = {getattr(named.get(p) if isinstance(p, str) else None, "in_features", None) or
+             getattr(named.get(p) if isinstance(p, str) else None, "nx", None) for p in paths}
+    fits = (len(sizes) == 1 and type(twos) is int and 0 <= twos < 64 and isinstance(rows, list) and rows != []
+            and spec.get("size") == len(rows) << twos == sizes.pop()
+            and all(isinstance(row, str) and len(row) == len(rows) and set(row) <= {"+", "-"} for row in rows)
+            and rows[0][0] == "+")  # as in every Hadamard matrix normswap builds
+    factor = torch.tensor([[1.0 if s == "+" else -1.0 for s in row] for row in rows], device="cpu") if fits else None
+    if factor is None or not torch.equal(factor @ factor.T, len(rows) * torch.eye(len(rows), device="cpu")):
+        raise ValueError("online_hadamard: the record's modules, size, twos and factor do not fit the model")
+    return factor, twos
+
+
 def apply_online_hadamard(model: nn.Module, spec: dict | None) -> None:
-    """x ← x·H/√n at the input of each of ``spec["modules"]`` (F made on the CPU, not the meta device)."""
-    if spec:
-        factor = torch.tensor([[1.0 if s == "+" else -1.0 for s in row] for row in spec["factor"]], device="cpu")
+    """x ← x·H/√n at the input of each of ``spec["modules"]``, the record checked first."""
+    if spec is not None:
+        factor, twos = online_hadamard_factor(model, spec)
         for path in spec["modules"]:
             model.get_submodule(path).register_forward_pre_hook(
-                lambda _module, args: (hadamard_transform(args[0], factor, int(spec["twos"])), *args[1:]))
+                lambda _module, args: (hadamard_transform(args[0], factor, twos), *args[1:]))
 
 
 class Shortcut(nn.Module):
@@ -317,10 +318,9 @@ def rms_class(base: type, own_type: bool = False) -> type:
 
 
 def list_for_pipelines(name: str, base_name: str) -> None:
-    """Name a model class beside its stock base in the task tables that transformers' pipelines
-    check a model's class name against (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` and the like), so
-    that ``pipeline("text-generation", model=...)`` does not log that the model is not supported.
-    The key is the class name, not a model type: the Auto classes never reach it."""
+    """Name a model class beside its stock base in the task tables transformers' pipelines check
+    (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``, ...; keyed by class name, which no Auto class reaches),
+    so that ``pipeline("text-generation", model=...)`` does not log that it is unsupported."""
     try:
         from transformers.models.auto import modeling_auto
     except ImportError:  # a transformers without this module checks no names either

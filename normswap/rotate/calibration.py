@@ -45,8 +45,14 @@ CALIBRATION_WINDOW = 512
 BATCH_WINDOWS = 8
 
 
-def read_calibration(path: str | Path) -> str:
-    return read_text_file(Path(path), "calibration text")
+# a calibration token spans at most this many characters of text (the tokenizer reads a bounded prefix)
+CHARS_PER_TOKEN = 32
+
+
+def read_calibration(path: str | Path, max_tokens: int | None = None) -> str:
+    """The calibration text; with ``max_tokens``, only the prefix that many tokens can span."""
+    return read_text_file(Path(path), "calibration text",
+                          max_chars=None if max_tokens is None else max_tokens * CHARS_PER_TOKEN)
 
 
 @dataclass
@@ -235,8 +241,9 @@ def rotated_norms(rotation_plan: RotationPlan, fixed: dict[str, str] | None) -> 
 
 def text_inputs(source_dir: Path, text_path: str | Path, max_tokens: int,
                 config: dict | None) -> tuple[torch.Tensor, dict]:
-    """The calibration text's first ``max_tokens`` token ids and its provenance record."""
-    text = read_calibration(text_path)
+    """The calibration text's first ``max_tokens`` token ids and its provenance record (the hash
+    of the text read: the whole file, or the prefix ``max_tokens`` tokens can span)."""
+    text = read_calibration(text_path, max_tokens)
     ids = calibration_ids(source_dir, text, str(text_path), config)[:max_tokens]
     return ids, {"text": Path(text_path).name, "tokens": int(ids.numel()),
                  "text_sha256": hashlib.sha256(text.encode()).hexdigest()}
@@ -260,5 +267,8 @@ def calibrate(source_dir: Path, rotation_plan: RotationPlan, spec: str | Path, m
     norms = rotated_norms(rotation_plan, fixed)
     measured = calibration_moments(source_dir, rotation_plan.architecture, norms, inputs, CALIBRATION_WINDOW, config)
     moment = sum(measured.moments[name] for name in norms)
+    if not bool(torch.isfinite(moment).all()):  # a Q from it would be NaN: name the input, not the rotation
+        raise NormswapError(f"--calibration {spec}: the model's stream on these inputs is not finite (their values "
+                            "or the checkpoint's input processing overflow); no rotation can be measured on it")
     return make(moment, {**record, **({"window": measured.window} if measured.window else {}),
                          "norms": len(norms), "mode": measured.mode})

@@ -1,6 +1,6 @@
 """Rotation matrices Q: how each is made, recorded and stored beside a rotated checkpoint.
 
-Q is ``hadamard`` (diag(±1)·H/√d, H from ``normswap.rotate.hadamard``), ``orthogonal`` (seeded Haar),
+Q is ``hadamard`` (diag(±1)·H/√d, H from ``normswap.modeling.hadamard``), ``orthogonal`` (seeded Haar),
 or ``pca`` (the principal directions of the stream on calibration text, ``normswap.rotate.calibration``).
 Q is saved beside the weights (``normswap_rotation.safetensors``, through the ``safetensors``
 package: one small tensor) so that the checkpoint can be verified, its activations mapped back
@@ -20,7 +20,7 @@ import torch
 from normswap.checkpoint.provenance import ROTATION_FILE
 from normswap.checkpoint.source import read_config
 from normswap.errors import NormswapError, quoted
-from normswap.rotate import hadamard
+from normswap.modeling import hadamard
 
 
 @dataclass(frozen=True, eq=False)

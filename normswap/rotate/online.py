@@ -3,7 +3,7 @@
 A residual rotation never reaches the input of an MLP's down projection (GPT-2's ``mlp.c_proj``,
 OPT's ``fc2``, ...): it is the MLP's hidden activation, after the non-linearity, where activation
 outliers are worst. QuaRot turns it at run time: with H the orthonormal Hadamard matrix of the
-down projection's input size n (``normswap.rotate.hadamard``, every order it builds, 3072 =
+down projection's input size n (``normswap.modeling.hadamard``, every order it builds, 3072 =
 2⁸·12 included) and row vectors,
 
     y = x·W = (x·H)·(Hᵀ·W)            (Conv1D W [n, d]; nn.Linear stores Wᵀ [d, n] → Wᵀ·H)
@@ -31,12 +31,15 @@ from torch import nn
 from normswap.architectures import Architecture
 from normswap.convert.plan import ConversionPlan
 from normswap.errors import NormswapError
+from normswap.modeling import hadamard
+from normswap.modeling.online import (
+    MAX_FACTOR,
+    check_record,
+    down_projection_modules,
+    is_down_projection,
+    spec_for,
+)
 from normswap.modeling.remote import hadamard_transform
-from normswap.rotate import hadamard
-from normswap.rotate.quantise import is_down_projection
-
-# the largest non-Sylvester factor F spelt into config.json (m² signs: 64 KiB at 256)
-MAX_FACTOR = 256
 
 
 @dataclass(frozen=True, eq=False)
@@ -52,18 +55,6 @@ class OnlineHadamard:
     def whole(self, value: torch.Tensor, read: object) -> torch.Tensor:
         moved = torch.movedim(value.double(), self.axis, -1).contiguous()
         return torch.movedim(hadamard_transform(moved, self.factor.double(), self.twos), -1, self.axis)
-
-
-def spec_for(modules: list[str], size: int) -> dict:
-    """The provenance record of an online Hadamard of order ``size`` at ``modules``."""
-    twos, factor = hadamard.kronecker_split(size)
-    return {"modules": modules, "size": size, "twos": twos, "construction": hadamard.describe(size),
-            "factor": ["".join("+" if value > 0 else "-" for value in row) for row in factor.tolist()]}
-
-
-def down_projection_modules(meta: nn.Module) -> list[str]:
-    """The module paths of the model's MLP down projections (``quantise.DOWN_PROJECTIONS``)."""
-    return [name for name, module in meta.named_modules() if is_down_projection(name) and hasattr(module, "weight")]
 
 
 def add_online_hadamard(plan: ConversionPlan, architecture: Architecture, meta: nn.Module) -> dict:
@@ -98,9 +89,6 @@ def add_online_hadamard(plan: ConversionPlan, architecture: Architecture, meta: 
 
 
 def check_spec(spec: object, meta: nn.Module) -> None:
-    """A recorded online Hadamard is the one normswap makes for this model (the proof's check)."""
-    if not isinstance(spec, dict) or not isinstance(spec.get("size"), int) or isinstance(spec.get("size"), bool):
-        raise NormswapError("normswap.rotation.online_hadamard must be a mapping with an integer size")
-    if hadamard.construction(spec["size"]) is None or spec != spec_for(down_projection_modules(meta), spec["size"]):
-        raise NormswapError("normswap.rotation.online_hadamard is not the online Hadamard normswap makes for this "
-                            "model (its modules, order or factor differ)")
+    """A recorded online Hadamard is the one normswap makes for this model (the proof's check, the
+    loaders' own: ``modeling.online.check_record``)."""
+    check_record(spec, meta)

@@ -142,7 +142,7 @@ def check_source(source_dir: Path, config: dict, form: str, calibration: str | P
     if media is not None:
         calibration = media.resolve(config, str(calibration))
     if architecture.probe in TEXT_PROBES:
-        read_calibration(calibration)
+        read_calibration(calibration, 1 << 12)  # its first characters: found, UTF-8, not empty
     return calibration
 
 

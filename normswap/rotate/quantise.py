@@ -92,16 +92,6 @@ def apply_quantiser(model: nn.Module, label: str, within: str | None = None) -> 
     return count
 
 
-# the MLP's down projection (its input is the MLP's hidden activation, which no residual rotation
-# touches), per family naming
-DOWN_PROJECTIONS = ("mlp.c_proj", "fc2", "dense_4h_to_h", "fc_out", "down_proj", "mlp.dense_4h_to_h")
-
-
-def is_down_projection(name: str) -> bool:
-    """Whether the linear layer ``name`` is an MLP's down projection (GPT-2's ``mlp.c_proj``, OPT's ``fc2``, ...)."""
-    return any(name == suffix or name.endswith("." + suffix) for suffix in DOWN_PROJECTIONS)
-
-
 @torch.no_grad()
 def fake_quantise_tokens(x: torch.Tensor, bits: int) -> torch.Tensor:
     """x̂ with every token (row over the last axis) quantised symmetrically to ``bits``, per token

@@ -20,7 +20,7 @@ from normswap.checkpoint.provenance import family_config
 from normswap.checkpoint.source import read_config
 from normswap.errors import NormswapError
 from normswap.memory import release_memory
-from normswap.modeling import build, remote
+from normswap.modeling import build, online, remote
 
 
 def rmsnorm_class(path: Path, architecture: Architecture, config: dict | None = None) -> type:
@@ -31,6 +31,7 @@ def rmsnorm_class(path: Path, architecture: Architecture, config: dict | None = 
     ``config`` is the checkpoint's config.json when the caller has read it.
     """
     config = read_config(path) if config is None else config
+    online.check_config(config, architecture.auto_class, path)
     base = build.model_class(config, architecture.auto_class)
     if base.__name__.startswith("Auto"):
         raise NormswapError(f"{path / 'config.json'}: 'architectures' names no model class this transformers has")
@@ -58,6 +59,7 @@ def load_converted(path: Path, how: str, *, dtype: torch.dtype = torch.float32,
     if how == "rmsnorm":
         return build.load_pretrained(rmsnorm_class(path, architecture, config), path, dtype=dtype)
     if how == "remote":
+        online.check_config(config, architecture.auto_class, path)
         auto = getattr(transformers, architecture.auto_class)
         return build.load_pretrained(auto, path, dtype=dtype, trust_remote_code=True)
     raise ValueError(how)

@@ -27,7 +27,7 @@ from normswap.checkpoint.names import canonical_names
 from normswap.checkpoint.source import CheckpointReader, read_config
 from normswap.errors import NormswapError
 from normswap.memory import map_large_allocations, release_memory
-from normswap.modeling import build
+from normswap.modeling import build, online
 from normswap.runtime.lockstep import SharedReads
 
 # Above this many bytes of float32 weights, automatic verification goes layer by layer
@@ -103,6 +103,7 @@ def converted_model(path: Path, architecture: Architecture, how: str, config: di
         return empty_model(cls, config)
     from accelerate import init_empty_weights
 
+    online.check_config(read_config(path) if config is None else config, architecture.auto_class, path)
     with _quiet():
         config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=True)
         with init_empty_weights():
