@@ -9,11 +9,13 @@ fetches one from the Hub: such a metric is code too. Tasks bundled with normswap
 trusted; a folder named by ``NORMSWAP_EVALS_DIR`` runs such code only with
 ``--trust-remote-code``, as a checkpoint's does. Without it, ``code_in`` names the first such
 construct and the task is refused; its templates are then rendered in Jinja's sandbox too
-(``sandboxed_templates``), which refuses any reach into Python internals that a check missed.
+(``sandboxed_templates``), which refuses any reach into Python internals that a check missed,
+and any string, list or output longer than ``TEMPLATE_LIMIT`` before it is built.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -86,7 +88,7 @@ def _metric_code(metric_list: Any, where: str) -> str | None:
     """What in a ``metric_list`` lm-eval would hand to ``evaluate.load`` (a metric name outside
     its registry, or any entry with ``hf_evaluate`` set), as a phrase naming it."""
     entries = metric_list if isinstance(metric_list, list) else [metric_list]
-    known = _registered_metrics()
+    known = registered("metric")
     for index, entry in enumerate(entries):
         if not isinstance(entry, dict):
             continue
@@ -97,10 +99,6 @@ def _metric_code(metric_list: Any, where: str) -> str | None:
             return (f"the metric {quoted(name)} at {where}[{index}], which is not in lm-eval's registry "
                     "(evaluate loads it by running its script)")
     return None
-
-
-def _registered_metrics() -> frozenset[str]:
-    return registered("metric")
 
 
 def registered(kind: str) -> frozenset[str]:
@@ -220,11 +218,12 @@ def _bounded(sandbox: type) -> type:
 
 
 def _width_checked(jinja_filter: Any) -> Any:
+    """``jinja_filter``, refusing integer arguments above ``TEMPLATE_LIMIT`` (``wraps`` keeps the
+    mark by which Jinja passes it the environment or context)."""
+
+    @functools.wraps(jinja_filter)
     def checked(*args: Any, **kwargs: Any) -> Any:
         _check_widths([*args[1:], *kwargs.values()])
         return jinja_filter(*args, **kwargs)
 
-    for attribute in ("jinja_pass_arg",):  # Jinja passes the environment or context by this mark
-        if hasattr(jinja_filter, attribute):
-            setattr(checked, attribute, getattr(jinja_filter, attribute))
     return checked
