@@ -59,12 +59,12 @@ def check_task(config: dict[str, Any], where: str) -> None:
     for key in ("num_fewshot", "repeats"):
         if isinstance(config.get(key), int) and config[key] < (1 if key == "repeats" else 0):
             raise NormswapError(f"{where}: '{key}' must not be {config[key]}")
-    for entry in config.get("metric_list") or []:
+    for entry in _data(config, "metric_list"):
         if not (isinstance(entry, dict) and isinstance(entry.get("metric"), str)):
             raise NormswapError(f"{where}: every entry of 'metric_list' must be a mapping with a 'metric' name "
                                 f"(got {_show(entry)})")
         _check_aggregation(entry, where)
-    for entry in config.get("filter_list") or []:
+    for entry in _data(config, "filter_list"):
         steps = entry.get("filter") if isinstance(entry, dict) else None
         if not (isinstance(entry.get("name") if isinstance(entry, dict) else None, str) and isinstance(steps, list)
                 and all(isinstance(step, dict) and isinstance(step.get("function"), str) for step in steps)):
@@ -72,18 +72,24 @@ def check_task(config: dict[str, Any], where: str) -> None:
                                 f"'filter' list of {{function: ...}} steps (got {_show(entry)})")
         for step in steps:
             _check_filter(step, where)
-    _check_generation(config.get("generation_kwargs") or {}, where)
+    _check_generation(_data(config, "generation_kwargs", {}), where)
+
+
+def _data(config: dict[str, Any], key: str, empty: Any = ()) -> Any:
+    """``config[key]`` where it is data; ``empty`` where it is absent or code (a ``!function`` tag)."""
+    value = config.get(key)
+    return empty if value is None or isinstance(value, Tagged) else value
 
 
 def _check_aggregation(entry: dict[str, Any], where: str) -> None:
+    if not isinstance(entry.get("higher_is_better", True), bool):
+        raise NormswapError(f"{where}: 'higher_is_better' of the metric {_show(entry['metric'])} must be true or false")
     aggregation = entry.get("aggregation")
     if aggregation is None or isinstance(aggregation, Tagged):
         return  # lm-eval's default for the metric, or code (``task_code`` decides whether it runs)
     if not isinstance(aggregation, str) or aggregation not in registered("aggregation"):
         raise NormswapError(f"{where}: the aggregation {_show(aggregation)} of the metric {_show(entry['metric'])} "
                             f"is not one lm-eval registers ({', '.join(sorted(registered('aggregation')))})")
-    if not isinstance(entry.get("higher_is_better", True), bool):
-        raise NormswapError(f"{where}: 'higher_is_better' of the metric {_show(entry['metric'])} must be true or false")
 
 
 def _check_filter(step: dict[str, Any], where: str) -> None:
