@@ -185,8 +185,17 @@ def test_bloom_embedding_norm_is_baked_and_stock_refuses(tmp_path):
          "norms write the stream"),
         (lambda: transformers.PhiConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                         intermediate_size=64, qk_layernorm=True, **SMALL), "qk_layernorm"),
+        # rotary positions turn pairs of a head's coordinates: refused before any weight is read
+        (lambda: transformers.GPTJConfig(n_layer=2, n_embd=32, n_head=4, rotary_dim=99, **SMALL),
+         "'rotary_dim' = 99 exceeds the head dimension 8"),
+        (lambda: transformers.CodeGenConfig(n_layer=2, n_embd=32, n_head=4, rotary_dim=3, **SMALL),
+         "gives 3 rotary coordinates per head, an odd number"),
+        (lambda: transformers.PhiConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                        intermediate_size=64, partial_rotary_factor=2.0, **SMALL),
+         "'rope_parameters.partial_rotary_factor' must be a number from 0 to 1"),
     ],
-    ids=["opt-post-ln", "opt-no-final-norm", "bloom-post-ln-residual", "phi-qk-layernorm"],
+    ids=["opt-post-ln", "opt-no-final-norm", "bloom-post-ln-residual", "phi-qk-layernorm", "gptj-rotary_dim-above-head",
+         "codegen-rotary_dim-odd", "phi-partial_rotary_factor-above-1"],
 )
 def test_refusals(tmp_path, overrides, reason):
     config = overrides()

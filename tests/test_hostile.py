@@ -178,6 +178,9 @@ CONFIG_CASES = {
     "n_positions-zero": (_set(n_positions=0), "'n_positions' must be a positive integer"),
     "n_inner-negative": (_set(n_inner=-4), "'n_inner' must be a positive integer"),
     "n_inner-mismatch": (_set(n_inner=48), "implies"),
+    "rotary_dim-above-head": (_set(rotary_dim=99), "'rotary_dim' = 99 exceeds the head dimension 8"),
+    "rotary_pct-negative": (_set(rotary_pct=-0.5), "'rotary_pct' must be a number from 0 to 1"),
+    "partial_rotary_factor-odd": (_set(rope_parameters={"partial_rotary_factor": 0.375}), "an odd number"),
     "tie-string": (_set(tie_word_embeddings="false"), "'tie_word_embeddings' must be true or false"),
     "eps-nan": (_set(layer_norm_epsilon=math.nan), "'layer_norm_epsilon' must be a non-negative number"),
     "activation-unknown": (_set(activation_function="not_an_activation"), "activation"),
@@ -609,6 +612,27 @@ def test_user_folder_is_never_replaced(source, tmp_path, capsys):
         assert_refused(code, err, "--overwrite")
     guard.unchanged()
     assert sorted(path.name for path in tmp_path.iterdir()) == ["mine"]
+
+
+def test_empty_user_folder_is_kept_and_filled(source, tmp_path, capsys, monkeypatch):
+    """An empty --out the user made keeps its inode and mode (a private folder stays private); an
+    install that fails part way moves its entries back, leaving the folder empty and kept."""
+    from normswap.checkpoint import renames
+
+    out = tmp_path / "private"
+    out.mkdir(mode=0o700)
+    before = os.stat(out)
+    _fail_on(monkeypatch, renames, "_move", errno.EACCES, match=lambda args: args[1].name == "config.json")
+    code, _, err = run_cli(capsys, "convert", source, "--out", out, "--quiet", "--verify", "none")
+    assert_refused(code, err, "nothing was written")
+    assert list(out.iterdir()) == [] and os.stat(out).st_ino == before.st_ino
+    monkeypatch.undo()
+    code, _, err = run_cli(capsys, "convert", source, "--out", out, "--quiet", "--verify", "none")
+    assert code == 0, err
+    after = os.stat(out)
+    assert (after.st_ino, after.st_mode) == (before.st_ino, before.st_mode)
+    assert output.marked_kind(out) == "checkpoint" and (out / "model.safetensors").is_file()
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["private"]
 
 
 def test_marker_that_is_a_link_does_not_count(source, tmp_path, capsys, converted):

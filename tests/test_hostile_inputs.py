@@ -9,6 +9,7 @@ and that nothing was written. Most cases are refused before torch work starts.
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import shutil
@@ -268,6 +269,16 @@ def _task_folder(tmp_path: Path, change=None, raw: bytes | None = None) -> Path:
     return folder
 
 
+def _generating(text: str, max_gen_toks: int) -> str:
+    return (text.replace("output_type: loglikelihood", "output_type: generate_until")
+            + f"generation_kwargs: {{until: ['\\n'], max_gen_toks: {max_gen_toks}}}\n")
+
+
+def _template(text: str, template: str) -> str:
+    lines = text.splitlines()
+    return "\n".join(f'doc_to_text: "{template}"' if line.startswith("doc_to_text:") else line for line in lines) + "\n"
+
+
 TASK_PROBLEMS = {
     "missing-data-file": (lambda text: text.replace("data/persuasion_lastword.jsonl", "data/absent.jsonl"),
                           "does not exist"),
@@ -278,6 +289,17 @@ TASK_PROBLEMS = {
     "unknown-key": (lambda text: text + "doc_to_txt: x\n", "'doc_to_txt' is not a key"),
     "output_type": (lambda text: text.replace("output_type: loglikelihood", "output_type: exec"), "'output_type' must be"),
     "num_fewshot-string": (lambda text: text + "num_fewshot: '5'\n", "'num_fewshot' must be an integer"),
+    "aggregation-unregistered": (lambda text: text.replace("aggregation: mean", "aggregation: nonexistent_agg"),
+                                 "is not one lm-eval registers"),
+    "filter-unregistered": (lambda text: text + "filter_list: [{name: x, filter: [{function: nofilter}]}]\n",
+                            "the filter 'nofilter' is not one lm-eval registers"),
+    "custom-filter-string": (lambda text: text + "filter_list: [{name: x, filter: [{function: custom, "
+                             "filter_fn: os.system}]}]\n", "'filter_fn' must be Python code (a !function tag)"),
+    "max_gen_toks-huge": (lambda text: _generating(text, 10**12), "'max_gen_toks' must be an integer from 1 to"),
+    "template-repetition": (lambda text: _template(text, "{{ 'a' * 100000000000 }}"),
+                            "a task template builds a repetition of 100,000,000,000 items"),
+    "template-output": (lambda text: _template(text, "{% for i in range(100000) %}{{ 'a' * 999 }}{% endfor %}"),
+                        "characters of output"),
     "alias-bomb": (lambda text: text + ALIAS_BOMB.replace("a:", "x_a:", 1), "cannot read task file"),
 }
 
@@ -289,9 +311,26 @@ def test_task_yaml_checked_before_lm_eval_builds_it(tmp_path, capsys, monkeypatc
     else:
         change, needle = TASK_PROBLEMS[problem]
         folder = _task_folder(tmp_path, change)
+    if problem.startswith("template"):  # rendered once datasets has read the data: its bars, imported
+        # by earlier tests in this process, no longer read the TQDM_DISABLE that --no-progress sets
+        monkeypatch.setattr(importlib.import_module("datasets.utils.tqdm"), "_hf_datasets_progress_bars_disabled", True)
     monkeypatch.setenv("NORMSWAP_EVALS_DIR", str(folder))
     refused(capsys, tmp_path, "eval", "normswap:austen-gpt2", "--tasks", "persuasion_lastword", "--no-perplexity",
             "--limit", "4", "--no-progress", needle=needle)
+
+
+def test_max_gen_toks_must_leave_room_for_a_prompt():
+    from types import SimpleNamespace
+
+    from normswap.evaluation.task_schema import check_generation_fits
+
+    def task(**kwargs):
+        return SimpleNamespace(task_name="t", config=SimpleNamespace(output_type="generate_until", generation_kwargs=kwargs))
+
+    check_generation_fits([task(max_gen_toks=255), "a-group-name"], 256, 256)
+    for tasks in ([task(max_gen_toks=256)], [task()]):
+        with pytest.raises(NormswapError, match="leaves no room for a prompt in the model's max length 256"):
+            check_generation_fits(tasks, 256, 256)
 
 
 def test_task_class_that_is_no_code_is_refused_even_when_code_is_trusted(tmp_path, capsys, monkeypatch):

@@ -15,8 +15,10 @@ Every command that writes a folder (``convert``, ``run``) goes through ``claimed
    process id and start time (``<out>.normswap-tmp-<pid>-<start>-<token>``) and which holds
    ``temporaries.TMP_MARKER`` with the same token. A later command for the same ``--out`` removes
    such folders whose process is gone, and says so; a folder without the marker is never removed.
-4. Install: the temporary folder is renamed onto the claimed empty folder (the rename fails, and
-   nothing is replaced, if anything was put into it meanwhile), or swapped with the old
+4. Install: the temporary folder is renamed onto the claimed empty folder this command created
+   (the rename fails, and nothing is replaced, if anything was put into it meanwhile); an empty
+   folder that was there already is kept, with its mode and owner, and filled entry by entry,
+   the marker last (``renames.move_entries``); or the temporary folder is swapped with the old
    normswap folder in one ``renameat2(RENAME_EXCHANGE)`` under ``--overwrite``. A folder that
    was replaced at ``--out`` while the command ran is never touched. The old folder is removed
    by ``removal.remove_tree``, which never follows a link or leaves its filesystem; what it
@@ -33,8 +35,6 @@ Before any of this, ``check_free_space`` refuses a filesystem too small for the 
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import errno
 import fcntl
 import os
@@ -48,6 +48,7 @@ from pathlib import Path
 from normswap.checkpoint.marker import KINDS as KINDS  # re-exported
 from normswap.checkpoint.marker import MARKER, describe_foreign, foreign_paths, marked_kind, write_marker
 from normswap.checkpoint.removal import mount_points, mounts_inside, remove_tree
+from normswap.checkpoint.renames import exchange, move_entries
 from normswap.checkpoint.space import check_free_space as check_free_space  # re-exported
 from normswap.checkpoint.space import progress_bar as progress_bar  # re-exported
 from normswap.checkpoint.temporaries import TMP_MARKER, drop_marker, make_temporary, remove_stale_temporaries
@@ -131,6 +132,7 @@ class Claim:
         self.kind = kind
         self._fd = fd
         self.installed = False
+        self.made_out = False  # whether this command created --out (else it was an empty folder already)
 
     def install(self) -> None:
         """Write the marker and move the temporary folder to ``--out`` (see the module docstring)."""
@@ -144,10 +146,13 @@ class Claim:
                 if marked_kind(self.out) != self.kind or mounts_inside(self.out) or foreign_paths(self.out):
                     raise NormswapError(f"something was written into --out {self.out} while normswap worked; "
                                         "left it as it is, nothing was written")
-                _exchange(self.tmp, self.out)  # the old folder is now at self.tmp, removed below
+                exchange(self.tmp, self.out)  # the old folder is now at self.tmp, removed below
             else:
                 try:
-                    os.rename(self.tmp, self.out)
+                    if self.made_out:
+                        os.rename(self.tmp, self.out)
+                    else:  # the user's own folder: kept, filled entry by entry
+                        move_entries(self.tmp, self.out, last=MARKER)
                 except OSError as error:
                     if error.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
                         raise NormswapError(f"something was written into --out {self.out} while normswap "
@@ -201,6 +206,7 @@ def claimed_output(out: Path, *, inputs: Sequence[Path], overwrite: bool, kind: 
                 fd = _lock(out)
                 check_out(out, inputs, overwrite, kind=kind)  # again, now that nobody else can write here
                 claim = Claim(out, make_temporary(out), fd, kind, log)
+                claim.made_out = out in created
             yield claim
     finally:
         with _signals_held(in_main_thread):
@@ -295,31 +301,6 @@ def _same_folder(fd: int, path: Path) -> bool:
         return False
     mine = os.fstat(fd)
     return (here.st_dev, here.st_ino) == (mine.st_dev, mine.st_ino)
-
-
-_RENAME_EXCHANGE = 2
-_AT_FDCWD = -100
-
-
-def _exchange(tmp: Path, out: Path) -> None:
-    """Swap two folders atomically (Linux ``renameat2``); elsewhere two renames, signals held."""
-    libc_name = ctypes.util.find_library("c")
-    renameat2 = getattr(ctypes.CDLL(libc_name, use_errno=True), "renameat2", None) if libc_name else None
-    if renameat2 is not None:
-        result = renameat2(_AT_FDCWD, os.fsencode(tmp), _AT_FDCWD, os.fsencode(out), _RENAME_EXCHANGE)
-        if result == 0:
-            return
-        code = ctypes.get_errno()
-        if code not in (errno.ENOSYS, errno.EINVAL):
-            raise OSError(code, os.strerror(code), str(out))
-    aside = tmp.with_name(tmp.name + "old")
-    os.rename(out, aside)
-    try:
-        os.rename(tmp, out)
-    except OSError:
-        os.rename(aside, out)
-        raise
-    os.rename(aside, tmp)
 
 
 @contextmanager

@@ -37,6 +37,12 @@ DIVISIBLE = (
     ("n_embd", "n_head"), ("hidden_size", "num_attention_heads"), ("hidden_size", "n_head"),
     ("hidden_size", "num_heads"), ("d_model", "encoder_attention_heads"), ("d_model", "decoder_attention_heads"),
 )
+# the share of each head that rotary positions turn (transformers reads it at the top level or
+# among the rope parameters): a number in [0, 1]
+ROTARY_FRACTIONS = ("partial_rotary_factor", "rotary_pct")
+ROPE_BLOCKS = ("rope_parameters", "rope_scaling")
+HEAD_COUNTS = ("n_head", "num_attention_heads", "num_heads")
+WIDTHS = ("n_embd", "hidden_size", "d_model")
 LAYER_COUNTS = ("n_layer", "num_hidden_layers", "num_layers", "encoder_layers", "decoder_layers")
 SUB_CONFIGS = ("text_config", "vision_config")
 # the index of a residual block in a tensor name: transformer.h.3., model.layers.3., encoder.layer.3.
@@ -86,6 +92,7 @@ def _check_values(config: dict, where: str, prefix: str) -> None:
                 if config[width] % config[heads]:
                     raise NormswapError(f"{where}: '{prefix}{width}' = {config[width]} is not divisible by "
                                         f"'{prefix}{heads}' = {config[heads]}")
+    _check_rotary(config, where, prefix)
     for key in SUB_CONFIGS:
         sub = config.get(key)
         if sub is None:
@@ -93,6 +100,39 @@ def _check_values(config: dict, where: str, prefix: str) -> None:
         if not isinstance(sub, dict):
             raise NormswapError(f"{where}: '{prefix}{key}' must be a mapping (got {_show(sub)})")
         _check_values(sub, where, f"{prefix}{key}.")
+
+
+def _check_rotary(config: dict, where: str, prefix: str) -> None:
+    """Rotary positions turn pairs of a head's coordinates: the turned part (``rotary_dim``, or the
+    head dimension times a fraction) must be even and fit in the head, or the model's first
+    forward fails on mismatched shapes."""
+    head = _head_dim(config)
+    fractions = [(f"{prefix}{key}", config.get(key)) for key in ROTARY_FRACTIONS]
+    fractions += [(f"{prefix}{block}.{key}", config[block].get(key)) for block in ROPE_BLOCKS
+                  if isinstance(config.get(block), dict) for key in ROTARY_FRACTIONS]
+    turned = []
+    for key, value in fractions:
+        if value is not None and not (_number(value) and 0 <= value <= 1):
+            raise NormswapError(f"{where}: '{key}' must be a number from 0 to 1 (got {_show(value)})")
+        if value is not None and head is not None:
+            turned.append((key, int(head * value), f" ({head} x {value:g})"))
+    rotary_dim = config.get("rotary_dim")
+    if _positive_int(rotary_dim) and head is not None and rotary_dim > head:
+        raise NormswapError(f"{where}: '{prefix}rotary_dim' = {rotary_dim} exceeds the head dimension {head}")
+    if _positive_int(rotary_dim):
+        turned.append((f"{prefix}rotary_dim", rotary_dim, ""))
+    for key, size, how in turned:
+        if size % 2:
+            raise NormswapError(f"{where}: '{key}' gives {size} rotary coordinates per head{how}, an odd "
+                                "number; rotary positions turn coordinates in pairs")
+
+
+def _head_dim(config: dict) -> int | None:
+    if _positive_int(config.get("head_dim")):
+        return config["head_dim"]
+    width = next((config[key] for key in WIDTHS if _positive_int(config.get(key))), None)
+    heads = next((config[key] for key in HEAD_COUNTS if _positive_int(config.get(key))), None)
+    return width // heads if width and heads else None
 
 
 def check_layer_count(config: dict, tensor_names: Iterable[str], where: str) -> None:

@@ -294,11 +294,13 @@ def run_tasks(lm, task_manager, tasks: list, *, limit: int | float | None = None
     import lm_eval
 
     from normswap.evaluation.task_code import sandboxed_templates
+    from normswap.evaluation.task_schema import check_generation_fits
     from normswap.runtime.reference import transformers_errors_only
 
     for name in ("lm_eval", "lm_eval.api.task", "lm_eval.evaluator"):
         logging.getLogger(name).setLevel(logging.WARNING)
     check_fraction(limit, tasks)
+    check_generation_fits(tasks, lm.max_length, lm.max_gen_toks)
     try:
         with (_no_git_probe(), _versions_only_env_info(), transformers_errors_only(), sandboxed_templates(sandboxed),
               _template_errors()):

@@ -9,18 +9,20 @@ fetches one from the Hub: such a metric is code too. Tasks bundled with normswap
 trusted; a folder named by ``NORMSWAP_EVALS_DIR`` runs such code only with
 ``--trust-remote-code``, as a checkpoint's does. Without it, ``code_in`` names the first such
 construct and the task is refused; its templates are then rendered in Jinja's sandbox too
-(``sandboxed_templates``), which refuses any reach into Python internals that a check missed.
+(``sandboxed_templates``), which refuses any reach into Python internals that a check missed,
+and any string, list or output longer than ``TEMPLATE_LIMIT`` before it is built.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import yaml
 
-from normswap.errors import quoted
+from normswap.errors import NormswapError, quoted
 
 # keys through which lm-eval builds a class or reads another file (which may hold a tag); the
 # other keys run code only through a ``!function`` tag, found as ``Tagged``
@@ -86,7 +88,7 @@ def _metric_code(metric_list: Any, where: str) -> str | None:
     """What in a ``metric_list`` lm-eval would hand to ``evaluate.load`` (a metric name outside
     its registry, or any entry with ``hf_evaluate`` set), as a phrase naming it."""
     entries = metric_list if isinstance(metric_list, list) else [metric_list]
-    known = _registered_metrics()
+    known = registered("metric")
     for index, entry in enumerate(entries):
         if not isinstance(entry, dict):
             continue
@@ -99,12 +101,14 @@ def _metric_code(metric_list: Any, where: str) -> str | None:
     return None
 
 
-def _registered_metrics() -> frozenset[str]:
-    """The metric names lm-eval computes itself (its registry, filled when its metrics module loads)."""
-    import lm_eval.api.metrics  # noqa: F401 (registers the metrics)
-    from lm_eval.api.registry import metric_registry
+def registered(kind: str) -> frozenset[str]:
+    """The names in one of lm-eval's registries (``metric``, ``aggregation``, ``filter``), filled
+    when its metrics and filters modules load."""
+    import lm_eval.api.metrics  # noqa: F401 (registers the metrics and aggregations)
+    import lm_eval.filters  # noqa: F401 (registers the filters)
+    from lm_eval.api import registry
 
-    return frozenset(metric_registry)
+    return frozenset(getattr(registry, f"{kind}_registry"))
 
 
 def _reaches_internals(template: str) -> bool:
@@ -143,10 +147,83 @@ def sandboxed_templates(enabled: bool) -> Iterator[None]:
     from lm_eval import utils
 
     original = utils.env
-    sandbox = SandboxedEnvironment(loader=BaseLoader, undefined=StrictUndefined, keep_trailing_newline=True)
+    sandbox = _bounded(SandboxedEnvironment)(loader=BaseLoader, undefined=StrictUndefined, keep_trailing_newline=True)
     sandbox.filters.update(original.filters)
+    for name in _WIDTH_FILTERS:
+        sandbox.filters[name] = _width_checked(sandbox.filters[name])
     utils.env = sandbox
     try:
         yield
     finally:
         utils.env = original
+
+
+# the longest string or list (and the widest integer, in bits) a sandboxed template may build:
+# far above any prompt, far below what would exhaust memory
+TEMPLATE_LIMIT = 1_000_000
+# filters whose integer arguments set the size of what they build
+_WIDTH_FILTERS = ("center", "indent", "format", "wordwrap", "truncate")
+
+
+def _too_large(what: str) -> NormswapError:
+    return NormswapError(f"a task template builds {what} (at most {TEMPLATE_LIMIT:,} may be built)")
+
+
+def _check_binop(operator: str, left: Any, right: Any) -> None:
+    """Refuse, before Python computes it, an operation whose result would exceed ``TEMPLATE_LIMIT``."""
+    sized = (str, list, tuple)
+    if operator == "*" and isinstance(left, int) and isinstance(right, sized):
+        left, right = right, left
+    if operator == "*" and isinstance(left, sized) and isinstance(right, int) and len(left) * right > TEMPLATE_LIMIT:
+        raise _too_large(f"a repetition of {len(left) * right:,} items")
+    if operator == "+" and isinstance(left, sized) and isinstance(right, sized) and len(left) + len(right) > TEMPLATE_LIMIT:
+        raise _too_large(f"a concatenation of {len(left) + len(right):,} items")
+    if operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right * left.bit_length() > TEMPLATE_LIMIT:
+        raise _too_large(f"a power of about {right * left.bit_length():,} bits")
+    if operator == "%" and isinstance(left, str):
+        _check_widths(right if isinstance(right, tuple) else (right,))
+
+
+def _check_widths(arguments: Any) -> None:
+    for value in arguments:
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > TEMPLATE_LIMIT:
+            raise _too_large(f"text {abs(value):,} characters wide")
+
+
+def _bounded(sandbox: type) -> type:
+    """Jinja's sandbox, which also refuses operations (and output) larger than ``TEMPLATE_LIMIT``
+    and turns arithmetic errors (``1 / 0``) into one line."""
+
+    class BoundedSandbox(sandbox):
+        intercepted_binops = frozenset(sandbox.default_binop_table)
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            _check_binop(operator, left, right)
+            try:
+                return super().call_binop(context, operator, left, right)
+            except ArithmeticError as error:
+                raise NormswapError(f"a task template fails: {type(error).__name__}: {error}") from None
+
+        @staticmethod
+        def concat(chunks: Any) -> str:
+            parts, size = [], 0
+            for chunk in chunks:
+                size += len(chunk)
+                if size > TEMPLATE_LIMIT:
+                    raise _too_large(f"over {TEMPLATE_LIMIT:,} characters of output")
+                parts.append(chunk)
+            return "".join(parts)
+
+    return BoundedSandbox
+
+
+def _width_checked(jinja_filter: Any) -> Any:
+    """``jinja_filter``, refusing integer arguments above ``TEMPLATE_LIMIT`` (``wraps`` keeps the
+    mark by which Jinja passes it the environment or context)."""
+
+    @functools.wraps(jinja_filter)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        _check_widths([*args[1:], *kwargs.values()])
+        return jinja_filter(*args, **kwargs)
+
+    return checked
