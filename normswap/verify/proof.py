@@ -206,7 +206,8 @@ def _prove_recomputed(tensor: TensorPlan, shared: ShardSource, output: Checkpoin
                   if expected.dim() else output.get(tensor.name))
         rounded = shared.buffer("rounded", nbytes).view(tensor.dtype).view(expected.shape)
         rounded.copy_(expected)  # rounded to nearest as ``Tensor.to`` rounds
-        peak = float(expected.abs().max()) if expected.numel() else 0.0  # NaN when any value is NaN
+        # the largest magnitude, NaN when any value is NaN (aminmax: one pass, no temporary)
+        peak = max(abs(float(bound)) for bound in torch.aminmax(expected)) if expected.numel() else 0.0
         if math.isfinite(peak) and peak > torch.finfo(tensor.dtype).max:
             _refuse_overflow(tensor, start, expected, rounded)
         if math.isfinite(peak) and torch.equal(_words(rounded), _words(stored)):  # bit-exact and finite
