@@ -919,16 +919,15 @@ def _converted_copy(converted: Path, tmp_path: Path) -> Path:
     return target
 
 
-def test_verify_passes_and_runs_no_checkpoint_code(source, converted, tmp_path, capsys):
+def test_verify_refuses_and_runs_no_checkpoint_code(source, converted, tmp_path, capsys):
     conv = _converted_copy(converted, tmp_path)
     marker = tmp_path / "ran"
-    # code appended to the modeling file of a copy, and an auto_map naming another file
+    # a code file beside the weights, and an auto_map naming it
     (conv / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
     edit_config(conv, lambda config: config["auto_map"].update(
         {key: "evil.Anything" for key in config["auto_map"]}))
-    code, stdout, err = run_cli(capsys, "verify", source, conv, "--quiet")
-    assert code == 0, err
-    assert "verified" in stdout
+    code, _, err = run_cli(capsys, "verify", source, conv, "--quiet")
+    assert_refused(code, err, "auto_map", exit_code=3)
     assert not marker.exists()
 
 
@@ -1279,13 +1278,9 @@ def test_impossible_numbers_are_refused_before_any_work(capsys, args, needle):
 
 @pytest.mark.parametrize("mode, needle", [("--full", "rerun with --verify layerwise"), ("--layerwise", "worst block ")])
 def test_failed_verify_names_the_block_or_how_to_find_it(source, converted, tmp_path, capsys, mode, needle):
-    """A converted checkpoint whose config changes every norm (eps) passes the weights proof;
-    the comparison fails, and the one error line says where to look."""
-    bad = tmp_path / "bad"
-    shutil.copytree(converted, bad)
-    config = json.loads((bad / "config.json").read_text())
-    (bad / "config.json").write_text(json.dumps({**config, "layer_norm_epsilon": 0.5}))
-    code, _, err = run_cli(capsys, "verify", source, bad, mode, "--quiet")
+    """A faithful conversion held to a zero tolerance: the weights proof and the contents checks
+    pass, float32 rounding fails the comparison, and the one error line says where to look."""
+    code, _, err = run_cli(capsys, "verify", source, converted, mode, "--atol", "0", "--rtol", "0", "--quiet")
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 3 and "Traceback" not in err
     assert "does not match the original within tolerance" in lines[-1] and needle in lines[-1]
