@@ -70,9 +70,9 @@ def verify_checkpoint(original: str | Path, converted: str | Path, *, atol: floa
     original_dir, converted_dir = resolve_source(original), Path(converted).expanduser()
     provenance, architecture, configs = _check_pair(original_dir, converted_dir, converted)
     if provenance.rotation is not None:  # its stream is C·h·Q, not C·h
-        return verify_rotated(original_dir, converted_dir, atol=atol, rtol=rtol, layerwise=layerwise, quiet=quiet,
-                              trust_remote_code=trust_remote_code, reference_config=configs[0],
-                              rotated_config=configs[1], proof=proof)
+        return _compare_rotated(original_dir, converted_dir, provenance, configs, atol=atol, rtol=rtol,
+                                layerwise=layerwise, quiet=quiet, trust_remote_code=trust_remote_code, proof=proof,
+                                plan=None)
     identical: dict[str, str] = {}  # tensors the forward passes may read once for both checkpoints
     proven = _prove_converted(original_dir, converted_dir, provenance, configs[0], plan, identical) if proof else None
     atol, rtol = tolerance(provenance, converted_dir, atol, rtol)
@@ -162,7 +162,6 @@ def _check_pair(original_dir: Path, converted_dir: Path,
                             "verify; its perplexity cost is in config.json under normswap.slicing.perplexity")
     provenance = None if block is None else Provenance.of(converted_config, converted_dir)
     check_reference(original_dir, original_config, converted_dir, provenance)
-    contents.check_modeling_file(converted_dir)
     for path, config in ((original_dir, original_config), (converted_dir, converted_config)):
         validation.check_structure(path, config)
     architecture = architecture_for(family_config(original_config))
@@ -299,8 +298,6 @@ def verify_rotated(reference: str | Path, rotated: str | Path, *, atol: float | 
     the stock class, and with the RMSNorm class too where its stream is centred (a folded source);
     the outputs that come out rotated (``rotated_outputs``) are not compared. ``reference_config``
     and ``rotated_config`` are the two config.json files when the caller has read them."""
-    from normswap.rotate.plan import family_of
-
     reference_dir, rotated_dir = resolve_source(reference), Path(rotated)
     reference_config = read_config(reference_dir) if reference_config is None else reference_config
     rotated_config = read_config(rotated_dir) if rotated_config is None else rotated_config
@@ -308,6 +305,18 @@ def verify_rotated(reference: str | Path, rotated: str | Path, *, atol: float | 
     if provenance is None:
         raise NormswapError(f"{rotated_dir} is not a rotated normswap checkpoint")
     contents.check_contents(reference_dir, rotated_dir, reference_config, rotated_config, provenance)
+    return _compare_rotated(reference_dir, rotated_dir, provenance, (reference_config, rotated_config), atol=atol,
+                            rtol=rtol, layerwise=layerwise, quiet=quiet, trust_remote_code=trust_remote_code,
+                            proof=proof, plan=plan)
+
+
+def _compare_rotated(reference_dir: Path, rotated_dir: Path, provenance: Provenance, configs: tuple[dict, dict], *,
+                     atol: float | None, rtol: float | None, layerwise: bool | None, quiet: bool,
+                     trust_remote_code: bool, proof: bool, plan: ConversionPlan | None) -> dict:
+    """``verify_rotated`` once the pair's contents are checked: the proof, then the comparison."""
+    from normswap.rotate.plan import family_of
+
+    reference_config, rotated_config = configs
     rotation = rotation_matrix(rotated_dir, rotated_config)
     architecture, _, reference_block = family_of(reference_dir, reference_config)
     proven = (prove_rotated(reference_dir, rotated_dir, plan=plan, configs=(reference_config, rotated_config))
