@@ -1,5 +1,3 @@
-import sys
+from normswap.cli import entry
 
-from normswap.cli import main
-
-sys.exit(main())
+entry()

@@ -50,13 +50,30 @@ def default_threads() -> int | None:
     return max(1, cores - busy_elsewhere())
 
 
+_PINNED: list[int] = []  # counts held by enclosing ``pinned_threads`` blocks, innermost last
+
+
+@contextmanager
+def pinned_threads(count: int) -> Iterator[None]:
+    """Hold torch's intra-op pool at ``count`` threads for the block, whatever a nested
+    ``cpu_threads()`` would choose: for two streams of work run side by side in two Python
+    threads, each on its own core (the count is process-wide, so neither may change it)."""
+    with cpu_threads(count) as effective:  # an enclosing pin wins over ``count``
+        _PINNED.append(effective)
+        try:
+            yield
+        finally:
+            _PINNED.pop()
+
+
 @contextmanager
 def cpu_threads(count: int | None = None) -> Iterator[int]:
-    """Run the block with ``count`` intra-op threads (default: ``default_threads()``); restores torch's."""
+    """Run the block with ``count`` intra-op threads (default: ``default_threads()``, or the count
+    an enclosing ``pinned_threads`` holds); restores torch's."""
     import torch
 
     before = torch.get_num_threads()
-    chosen = count if count is not None else default_threads()
+    chosen = _PINNED[-1] if _PINNED else count if count is not None else default_threads()
     if chosen is not None and chosen != before:
         torch.set_num_threads(chosen)
     try:

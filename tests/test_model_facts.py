@@ -17,6 +17,7 @@ from test_architectures_causal import CASES as CAUSAL_CASES
 from normswap.architectures import ARCHITECTURES
 from normswap.architectures.facts import ModelFacts, facts_of_model
 from normswap.convert.names import resolve_structure
+from normswap.errors import NormswapError
 from normswap.modeling import build
 
 GPT2_SMALL = {"n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 16, "vocab_size": 61}
@@ -218,3 +219,25 @@ def test_convert_and_rotate_plan_without_building_the_class(tmp_path, command, m
     assert main([command[0], "normswap:austen-gpt2", "--out", str(out), *command[1:], "--verify", "none",
                  "--quiet"]) == 0
     assert (out / "config.json").is_file()
+
+
+def _outcome(function, *args):
+    try:
+        return function(*args)
+    except NormswapError as error:
+        return str(error)
+
+
+def test_class_names_from_the_tables_are_the_classes_names():
+    """``class_names`` reads the Auto tables instead of importing a family's modeling code; for
+    every family, its default class and each class it declares facts for, the names are those
+    the classes themselves give, and a class of another family is still refused."""
+    for model_type, architecture in ARCHITECTURES.items():
+        configs = [{"model_type": model_type}]
+        configs += [{"model_type": model_type, "architectures": [name]} for name in architecture.classes
+                    if isinstance(name, str) and hasattr(transformers, name)]
+        for config in configs:
+            assert _outcome(build.class_names, config, architecture.auto_class) == _outcome(
+                build.names_from_classes, config, architecture.auto_class), config
+    with pytest.raises(NormswapError, match="names BloomForCausalLM, a bloom class"):
+        build.class_names({"model_type": "gpt2", "architectures": ["BloomForCausalLM"]}, "AutoModelForCausalLM")

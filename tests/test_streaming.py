@@ -27,6 +27,7 @@ from normswap.convert import fold
 from normswap.convert.steps import Centre, FoldGain
 from normswap.errors import NormswapError, VerificationError
 from normswap.runtime import offload as verify_offload
+from normswap.verify.layerwise import sampled_blocks
 
 VOCAB = 97
 ROOT = Path(__file__).resolve().parents[1]
@@ -303,3 +304,38 @@ def test_layerwise_pinpoints_a_corrupted_block(tmp_path):
     others = max(layer["block_max_abs_diff"] for layer in layers if layer["layer"] != 2)
     assert others < 1e-4 and layers[2]["block_max_abs_diff"] > 100 * others
     assert layers[1]["max_abs_diff"] < 1e-4 < layers[3]["max_abs_diff"]  # free run: damage starts at block 2
+
+
+def test_sampled_blocks_are_the_first_of_every_kind():
+    assert sampled_blocks({}, 48) == [0, 1]
+    assert sampled_blocks({}, 2) == [0, 1] and sampled_blocks({}, 1) == [0]
+    kinds = ["full", "full", "full", "sliding", "full", "sliding"]
+    assert sampled_blocks({"layer_types": kinds, "n_layer": 6}, 6) == [0, 1, 2, 3]
+    assert sampled_blocks({"attention_layers": ["global", "local"] * 4, "other": [1, 2]}, 8) == [0, 1]
+
+
+def test_a_proven_checkpoint_runs_sampled_blocks_beside_the_proof(tmp_path, monkeypatch, capsys):
+    src = tiny_gpt2(tmp_path / "src", n_layer=5)
+    out = tmp_path / "rms"
+    normswap.convert_checkpoint(src, out, verification="none")
+    monkeypatch.setattr(verify_offload, "LAYERWISE_ABOVE_BYTES", 0)  # auto picks block by block
+    sampled = normswap.verify_checkpoint(src, out)
+    assert sampled["passed"] and sampled["mode"] == "layerwise" and sampled["proof"]["recomputed"]
+    assert sampled["blocks"] == {"run": [0, 1], "of": 5}
+    assert [layer["layer"] for layer in sampled["loaders"]["stock"]["layers"]] == [0, 1]
+    every = normswap.verify_checkpoint(src, out, layerwise=True)  # asked for: every block
+    assert "blocks" not in every and len(every["loaders"]["remote_code"]["layers"]) == 5
+    assert "blocks" not in normswap.verify_checkpoint(src, out, proof=False)  # unproven weights: every block
+    assert main(["verify", str(src), str(out)]) == 0
+    assert "compared blocks 0, 1 of 5 layer by layer" in capsys.readouterr().out
+
+    # a wrong weight in a block the forward passes skip fails the proof that runs beside them
+    state = load_file(out / "model.safetensors")
+    state["transformer.h.2.mlp.c_proj.weight"][3] *= 1.5
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(VerificationError, match=r"weights proof: transformer\.h\.2\.mlp\.c_proj\.weight\[3, "):
+        normswap.verify_checkpoint(src, out)
+    state["transformer.h.0.attn.c_proj.weight"] *= 3.0  # one the forward passes read, and fail on, too
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(VerificationError, match=r"weights proof: transformer\.h\.0\.attn\.c_proj\.weight"):
+        normswap.verify_checkpoint(src, out)

@@ -21,6 +21,7 @@ import normswap
 from normswap.architectures import architecture_for
 from normswap.checkpoint.source import CheckpointReader, read_config
 from normswap.convert.planning import plan_conversion
+from normswap.memory import BufferPool
 from normswap.runtime.lockstep import SharedReads, run_in_lockstep
 from normswap.verify.compare import compare_by_sequence, compare_outputs
 from normswap.verify.layerwise import compare_layerwise
@@ -73,10 +74,10 @@ def test_each_shared_weight_is_read_once(tmp_path, monkeypatch):
     reads: Counter[str] = Counter()
     read_as = CheckpointReader.read_as
 
-    def counted(self, name, dtype):
+    def counted(self, name, dtype, **options):
         if self.path == out and ".h." in name:
             reads[name] += 1
-        return read_as(self, name, dtype)
+        return read_as(self, name, dtype, **options)
 
     monkeypatch.setattr(CheckpointReader, "read_as", counted)
     compare_layerwise(src, out, architecture, stock_loadable=True, passes=lambda figures: True, shared_reads=False)
@@ -98,9 +99,9 @@ def test_a_weight_both_checkpoints_hold_is_read_once_for_all_models(tmp_path, mo
     reads: Counter[tuple[str, str]] = Counter()
     read_as = CheckpointReader.read_as
 
-    def counted(self, name, dtype):
+    def counted(self, name, dtype, **options):
         reads["src" if self.path == src else "out", name] += 1
-        return read_as(self, name, dtype)
+        return read_as(self, name, dtype, **options)
 
     monkeypatch.setattr(CheckpointReader, "read_as", counted)
     _, alone = compare_layerwise(src, out, architecture, stock_loadable=True, passes=lambda figures: True)
@@ -191,3 +192,22 @@ def test_position_chunks_give_the_whole_batch_figures():
         assert chunked.keys() == whole.keys()
         for key, value in whole.items():
             assert chunked[key] == pytest.approx(value, rel=1e-12, abs=1e-15), key
+
+
+def test_the_buffer_pool_hands_out_only_memory_nothing_uses():
+    pool = BufferPool(min_bytes=0)
+    first = pool.empty((1024,), torch.float32)
+    address = first.data_ptr()
+    assert pool.empty((1024,), torch.float32).data_ptr() != address  # ``first`` still holds it
+    del first
+    again = pool.empty((32, 32), torch.float32)  # same size, another shape
+    assert again.data_ptr() == address and again.shape == (32, 32) and again.is_contiguous()
+    held = nn.Parameter(again)  # a module's parameter keeps it in use
+    del again
+    assert pool.empty((1024,), torch.float32).data_ptr() != address
+    del held
+    storage = pool.empty((1024,), torch.float32).untyped_storage()  # the pool's own storage object, held
+    assert pool.empty((1024,), torch.float32).data_ptr() != storage.data_ptr()
+    del storage
+    assert pool.empty((4096,), torch.uint8).data_ptr() == address
+    assert BufferPool().empty((4,), torch.float32).numel() == 4  # below the size pooled: plain memory

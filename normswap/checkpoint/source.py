@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import resources
@@ -193,15 +193,18 @@ class CheckpointReader:
                 return self._handle(info.shard).read_rows(name, start, count, buffer)
             return self._handle(info.shard)[name].narrow(0, start, count)
 
-    def read_as(self, name: str, dtype: torch.dtype, slice_bytes: int = 8 << 20) -> torch.Tensor:
+    def read_as(self, name: str, dtype: torch.dtype, slice_bytes: int = 8 << 20,
+                empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None) -> torch.Tensor:
         """The tensor ``name`` converted to ``dtype``, read in row slices of about ``slice_bytes``,
-        so that the source-dtype copy never exists whole beside the converted one."""
+        so that the source-dtype copy never exists whole beside the converted one. ``empty(shape,
+        dtype)`` makes the output tensor (``memory.BufferPool.empty`` reuses memory), by default
+        ``torch.empty``."""
         import torch
 
         info = self.tensors[name]
         if len(info.shape) == 0 or info.shape[0] == 0 or not self.is_safetensors:
             return self.get(name).to(dtype)
-        out = torch.empty(info.shape, dtype=dtype)
+        out = torch.empty(info.shape, dtype=dtype) if empty is None else empty(tuple(info.shape), dtype)
         rows = max(1, slice_bytes // max(1, info.nbytes // info.shape[0]))
         with self._staging_lock:  # one slice buffer, kept: fresh buffers fault in new pages every read
             row = info.nbytes // info.shape[0]

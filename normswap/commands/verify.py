@@ -98,10 +98,14 @@ def describe_mode(result: dict) -> str:
     if result.get("mode") != "layerwise":
         return "compared whole models" + (f"; {result['note']}" if result.get("note") else "")
     worst = result["worst_layer"]
+    blocks = result.get("blocks")
+    how = ("compared layer by layer" if not blocks else
+           f"compared blocks {', '.join(map(str, blocks['run']))} of {blocks['of']} layer by layer (the weights proof "
+           "covers every block; --verify layerwise runs them all)")
     if "block_max_abs_diff" in worst:
-        return (f"compared layer by layer; worst block: {worst['layer']} ({worst['loader']} loader, own max |Δ| = "
+        return (f"{how}; worst block: {worst['layer']} ({worst['loader']} loader, own max |Δ| = "
                 f"{worst['block_max_abs_diff']:.3g}, {worst['relative']:.3g} of the stream's max |h|)")
-    return (f"compared layer by layer; worst block: {worst['layer']} ({worst['loader']} loader, stream max |Δ| "
+    return (f"{how}; worst block: {worst['layer']} ({worst['loader']} loader, stream max |Δ| "
             f"after it = {worst['max_abs_diff']:.3g}, {worst['relative']:.3g} of the stream's max |h|)")
 
 

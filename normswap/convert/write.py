@@ -32,9 +32,11 @@ from normswap.checkpoint.files import SIDE_FILES, copy_inside_file
 from normswap.checkpoint.source import CheckpointReader, RecentReads
 from normswap.convert import fold
 from normswap.convert.plan import ConversionPlan, TensorPlan
+from normswap.threads import cpu_threads
 
 Read = Callable[[str], torch.Tensor]
 Progress = Callable[[int], None]
+
 
 class ShardSource:
     """What the writer needs from the checkpoint: cached reads, and the fast paths it allows.
@@ -187,12 +189,8 @@ def tensors_by_shard(plan: ConversionPlan) -> dict[str, list[TensorPlan]]:
 def one_thread() -> Iterator[None]:
     """Run torch ops on one thread: slice math is memory-bound, and on a busy machine every
     multi-threaded op waits for its slowest thread (measured: 6x slower on 2 shared cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with cpu_threads(1):
         yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def copy_side_files(source_dir: Path, out_dir: Path) -> list[str]:

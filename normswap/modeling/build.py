@@ -52,7 +52,18 @@ def model_class(config: dict, default_auto_class: str) -> type:
 
 def class_names(config: dict, default_auto_class: str) -> tuple[str, str]:
     """(model class name, config class name) that ``meta_model`` would build for ``config``, read
-    from transformers' tables without building the model."""
+    from transformers' tables without building the model.
+
+    The names come from the Auto classes' model-type tables when those settle them (every name
+    there is a class of that model type), so the family's modeling code is not imported: for
+    GPT-2 that import alone costs seconds. A name the tables do not place is looked up as
+    ``model_class`` looks it up."""
+    names = _names_from_tables(config, default_auto_class)
+    return names if names is not None else names_from_classes(config, default_auto_class)
+
+
+def names_from_classes(config: dict, default_auto_class: str) -> tuple[str, str]:
+    """``class_names`` from the classes themselves (``model_class``), importing their code."""
     cls = model_class(config, default_auto_class)
     model_type = config.get("model_type")
     if model_type not in transformers.CONFIG_MAPPING:
@@ -64,6 +75,31 @@ def class_names(config: dict, default_auto_class: str) -> tuple[str, str]:
         except KeyError:
             raise NormswapError(f"transformers' {cls.__name__} has no class for model type '{model_type}'") from None
     return cls.__name__, config_class.__name__
+
+
+def _names_from_tables(config: dict, default_auto_class: str) -> tuple[str, str] | None:
+    """``class_names`` from the tables alone, or None when they do not settle it: an
+    ``architectures`` entry that no table lists under this model type (another family's class,
+    or a class no Auto class maps) is left to ``model_class``."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING_NAMES:
+        return None
+    own = set()
+    for table in _auto_model_tables().values():
+        entry = table.get(model_type)
+        own.update([entry] if isinstance(entry, str) else entry if isinstance(entry, (list, tuple)) else [])
+    architectures = config.get("architectures") or []
+    if not isinstance(architectures, list):
+        return None
+    if architectures:
+        first = architectures[0]
+        return (first, CONFIG_MAPPING_NAMES[model_type]) if isinstance(first, str) and first in own else None
+    auto = _auto_model_tables().get(default_auto_class, {}).get(model_type)
+    if isinstance(auto, (list, tuple)):
+        auto = auto[0] if auto else None
+    return (auto, CONFIG_MAPPING_NAMES[model_type]) if isinstance(auto, str) else None
 
 
 def meta_model(config: dict, default_auto_class: str) -> nn.Module:
@@ -118,11 +154,14 @@ def auto_classes_for(model_type: str, class_name: str) -> list[str]:
 
 @functools.cache
 def _auto_model_tables() -> dict[str, dict]:
-    """Auto class name -> its model-type -> class-name table (listing transformers costs ~0.3 s)."""
+    """Auto class name -> its model-type -> class-name table, from the module that defines the
+    Auto classes (listing ``dir(transformers)`` instead costs ~0.3 s)."""
+    from transformers.models.auto import modeling_auto
+
     tables = {}
-    for name in dir(transformers):
+    for name, value in vars(modeling_auto).items():
         if name.startswith("AutoModel"):
-            mapping = getattr(getattr(transformers, name, None), "_model_mapping", None)
+            mapping = getattr(value, "_model_mapping", None)
             table = getattr(mapping, "_model_mapping", None)
             if isinstance(table, dict):
                 tables[name] = table

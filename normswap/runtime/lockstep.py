@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from normswap.errors import NormswapError
+from normswap.memory import BufferPool
 
 T = TypeVar("T")
 
@@ -34,10 +35,11 @@ class SharedReads:
     Each reader declares the sources it will read (``expect``); a source more than one read is
     expected of is kept from its first read until its last, then dropped."""
 
-    def __init__(self) -> None:
+    def __init__(self, pool: BufferPool | None = None) -> None:
         self.expected: Counter[Hashable] = Counter()
         self.kept: dict[Hashable, list] = {}  # source -> [tensor, reads still to come]
         self.lock = threading.Lock()
+        self.pool = pool  # when given, the float32 copies' memory, reused block after block
 
     def expect(self, sources: Iterable[Hashable]) -> None:
         self.expected.update(sources)

@@ -72,40 +72,54 @@ def _quiet() -> Iterator[None]:
             logger.setLevel(level)
 
 
-def empty_model(cls: type, config: transformers.PretrainedConfig) -> nn.Module:
-    """``cls`` built with its parameters on meta (buffers stay real), in float32, eval mode."""
+def empty_model(cls: type, config: transformers.PretrainedConfig, layers: int | None = None) -> nn.Module:
+    """``cls`` built with its parameters on meta (buffers stay real), in float32, eval mode; with
+    ``layers``, its first ``layers`` blocks only (``first_blocks``)."""
     from accelerate import init_empty_weights
 
+    first_blocks(config, layers)
     with _quiet(), init_empty_weights():
         model = cls.from_config(config) if cls.__name__.startswith("Auto") else cls(config)
     return _float32_tied(model)
 
 
-def original_model(path: Path, architecture: Architecture, config: dict | None = None) -> nn.Module:
-    """The original checkpoint's model class, empty (``config``: its config.json, if read already)."""
+def first_blocks(config: transformers.PretrainedConfig, layers: int | None) -> None:
+    """Have ``config`` build the first ``layers`` blocks of its model (``num_hidden_layers``):
+    the model of those blocks, each with its own index, kind and weight names, the final norm and
+    the head. Whether the class obeyed is for the caller to check (``find_blocks``)."""
+    if layers is not None:
+        config.num_hidden_layers = layers
+
+
+def original_model(path: Path, architecture: Architecture, config: dict | None = None,
+                   layers: int | None = None) -> nn.Module:
+    """The original checkpoint's model class, empty (``config``: its config.json, if read already;
+    ``layers``: build that many first blocks only)."""
     config = read_config(path) if config is None else config
-    return empty_model(build.model_class(config, architecture.auto_class), build.config_object(config))
+    return empty_model(build.model_class(config, architecture.auto_class), build.config_object(config), layers)
 
 
-def converted_model(path: Path, architecture: Architecture, how: str, config: dict | None = None) -> nn.Module:
+def converted_model(path: Path, architecture: Architecture, how: str, config: dict | None = None,
+                    layers: int | None = None) -> nn.Module:
     """The converted checkpoint's model, empty: the stock class (``stock``), normswap's RMSNorm
     class (``rmsnorm``), or the checkpoint's own code (``remote``, runs it). ``config``: its
-    config.json, if read already."""
+    config.json, if read already; ``layers``: build that many first blocks only."""
     if how == "stock":
         return empty_model(build.model_class(read_config(path) if config is None else config, architecture.auto_class),
-                           transformers.AutoConfig.from_pretrained(path))
+                           transformers.AutoConfig.from_pretrained(path), layers)
     if how == "rmsnorm":
         from normswap.runtime.loaders import rmsnorm_class
 
         cls = rmsnorm_class(path, architecture, config)
         with _quiet():
             config = cls.config_class.from_pretrained(path)
-        return empty_model(cls, config)
+        return empty_model(cls, config, layers)
     from accelerate import init_empty_weights
 
     online.check_config(read_config(path) if config is None else config, architecture.auto_class, path)
     with _quiet():
         config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=True)
+        first_blocks(config, layers)
         with init_empty_weights():
             model = getattr(transformers, architecture.auto_class).from_config(config, trust_remote_code=True)
     # a normswap_<type> config may resolve to normswap's kernel class, whose fused block forwards
@@ -139,6 +153,7 @@ class Float32Weights(Mapping):
         from accelerate.utils import find_tied_parameters
 
         self.reader, self.shared, self.shared_key = reader, shared, shared_key
+        self.pool = shared.pool if shared is not None else None
         model_keys = set(model.state_dict().keys())
         names = canonical_names(list(reader.tensors), model_keys, model.base_model_prefix,
                                 build.checkpoint_renamer(model))
@@ -162,7 +177,8 @@ class Float32Weights(Mapping):
 
     def _read(self, source: str) -> torch.Tensor:
         dtype = self.reader.tensors[source].dtype
-        return self.reader.read_as(source, torch.float32 if dtype.is_floating_point else dtype)
+        return self.reader.read_as(source, torch.float32 if dtype.is_floating_point else dtype,
+                                   empty=None if self.pool is None else self.pool.empty)
 
     def __contains__(self, name: object) -> bool:
         # Mapping's default reads the tensor to answer; accelerate asks before every read.
@@ -204,7 +220,7 @@ def device_map_for(model: nn.Module, blocks_path: str, device: str = "disk") -> 
         for name, child in module.named_children():
             full = f"{prefix}.{name}" if prefix else name
             if full == blocks_path:
-                units.update({f"{full}.{index}": device for index in range(len(child))})
+                units.update({f"{full}.{key}": device for key in child._modules})
             elif blocks_path.startswith(full + "."):
                 visit(child, full)
             else:
@@ -243,10 +259,15 @@ class HeadByVocabularyChunk(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = hidden.new_empty(*hidden.shape[:-1], self.vocab)
+        info = self.reader.tensors[self.source]
+        # one raw and one float32 slice, reused: fresh ones would fault in new pages every slice
+        raw = torch.empty(self.rows * (info.nbytes // self.vocab), dtype=torch.uint8)
+        weight = torch.empty(self.rows, info.shape[1], dtype=torch.float32, device=hidden.device)
         for start in range(0, self.vocab, self.rows):
             count = min(self.rows, self.vocab - start)
-            weight = self.reader.read_rows(self.source, start, count).to(hidden.device, torch.float32)
-            logits[..., start: start + count] = hidden @ weight.T
+            rows = weight[:count]
+            rows.copy_(self.reader.read_rows(self.source, start, count, raw if self.reader.is_safetensors else None))
+            logits[..., start: start + count] = hidden @ rows.T
         return logits
 
 

@@ -5,7 +5,8 @@
 - ``rotated``: ``verify_rotated``, the same for a rotated checkpoint (its stream is C·h·Q).
 - ``pairs``: what a checkpoint is verified against (its original, or the folded conversion a
   rotation was made from) and which outputs are compared.
-- ``proof``: the algebraic proof of every stored tensor against the plan, before any model runs.
+- ``proof``: the algebraic proof of every stored tensor against the plan, before any model runs
+  (block by block: beside the forward passes).
 - ``probes``: the inputs both models run on.
 - ``compare``: tolerances and the figures of a comparison.
 - ``loaders``: the ways a converted checkpoint is loaded, and the loop over them.

@@ -29,6 +29,7 @@ from normswap.modeling import build
 from normswap.runtime.loaders import refusals
 from normswap.runtime.offload import Unsupported, wants_layerwise
 from normswap.runtime.reference import reference_model
+from normswap.threads import default_threads, pinned_threads
 from normswap.verify import contents
 from normswap.verify import layerwise as by_layer
 from normswap.verify import proof as weights
@@ -57,9 +58,10 @@ def verify_checkpoint(original: str | Path, converted: str | Path, *, atol: floa
 
     First, unless ``proof`` is False, every stored tensor is proven to be what the conversion plan
     makes it (``proof.prove_weights``): a failure raises ``VerificationError`` naming the tensor
-    and element, before any model runs. ``plan`` is the conversion's plan when the caller has it
-    (``convert`` does); else it is rebuilt from the original with the options the conversion
-    recorded.
+    and element, before any model runs (block by block, the proof runs beside the forward passes,
+    which then run the first blocks only and stop once it fails: ``proven_and_compared``).
+    ``plan`` is the conversion's plan when the caller has it (``convert`` does); else it is
+    rebuilt from the original with the options the conversion recorded.
     """
     from normswap.modeling.registry import register_auto_classes
     from normswap.verify import check_tolerance
@@ -73,22 +75,71 @@ def verify_checkpoint(original: str | Path, converted: str | Path, *, atol: floa
         return _compare_rotated(original_dir, converted_dir, provenance, configs, atol=atol, rtol=rtol,
                                 layerwise=layerwise, quiet=quiet, trust_remote_code=trust_remote_code, proof=proof,
                                 plan=None)
-    identical: dict[str, str] = {}  # tensors the forward passes may read once for both checkpoints
-    proven = _prove_converted(original_dir, converted_dir, provenance, configs[0], plan, identical) if proof else None
     atol, rtol = tolerance(provenance, converted_dir, atol, rtol)
-    del plan
+    mode = verification_mode(original_dir, architecture, layerwise)
+    if proof and plan is None:
+        plan = weights.rebuilt_conversion_plan(original_dir, configs[0], provenance.options,
+                                               stored_tensors(converted_dir))
     original_config = configs[0]
-    probe, loaders, mode, note = run_comparison(
-        original_dir, converted_dir, architecture,
-        reference=lambda: build.load_pretrained(build.model_class(original_config, architecture.auto_class),
-                                                original_dir, dtype=torch.float32),
-        stock_loadable=provenance.stock_loadable, trust_remote_code=trust_remote_code,
-        layerwise=verification_mode(original_dir, architecture, layerwise), quiet=quiet, tolerance=(atol, rtol),
-        configs=configs, identical=identical,
-    )
+
+    def compare(identical: dict[str, str], check: Callable[[], None] | None) -> tuple:
+        return run_comparison(
+            original_dir, converted_dir, architecture,
+            reference=lambda: build.load_pretrained(build.model_class(original_config, architecture.auto_class),
+                                                    original_dir, dtype=torch.float32),
+            stock_loadable=provenance.stock_loadable, trust_remote_code=trust_remote_code, layerwise=mode,
+            quiet=quiet, tolerance=(atol, rtol), configs=configs, identical=identical, check=check,
+            every_block=layerwise is True or not proof,
+        )
+
+    proven, (probe, loaders, mode, note) = proven_and_compared(
+        original_dir, converted_dir, plan if proof else None, mode, compare,
+        prepare=lambda: build.model_class(original_config, architecture.auto_class), beside=layerwise is not True)
     return summarise(probe, loaders, atol=atol, rtol=rtol, mode=mode, note=note,
                      method=provenance.method, paths=(original_dir, converted_dir),
                      **({"proof": proven} if proven is not None else {}))
+
+
+def proven_and_compared(reference_dir: Path, converted_dir: Path, plan: ConversionPlan | None,
+                        mode: tuple[str, str | None],
+                        compare: Callable[[dict[str, str], Callable[[], None] | None], tuple],
+                        prepare: Callable[[], object] | None = None, beside: bool = True,
+                        ) -> tuple[dict | None, tuple]:
+    """(proof figures or None, ``compare(identical, check)``): the weights proof of ``plan``
+    (none without one), then the forward comparison.
+
+    A whole-model comparison runs after the proof, so that a wrong weight fails before any model
+    runs, and so does a block-by-block one of every block (not ``beside``: its forward passes
+    take every core). A block-by-block one of the first blocks (``mode``, ``beside``) runs beside
+    the proof (``proof.ProofInThread``): the proof's thread on one core, the comparison on the
+    others, and this thread joins the proof's work once the comparison is done. The
+    forward passes share reads with the proof only through the disk cache,
+    and each tensor the plan keeps byte for byte (``identical``, proven so by the proof) is read
+    once for both checkpoints. ``check`` stops the comparison at its next block once the proof
+    has failed, and the proof's failure is raised before the comparison's. ``prepare()`` runs
+    before the proof starts: importing the original's model class (seconds of Python for
+    transformers' modeling code) beside the proof would keep the interpreter lock from the proof's
+    thread. An interrupt stops the proof too."""
+    if plan is None:
+        return None, compare({}, None)
+    if mode[0] != "layerwise" or not beside:
+        identical: dict[str, str] = {}
+        proven = weights.prove_weights(reference_dir, converted_dir, plan, identical)
+        return proven, compare(identical, None)
+    identical = weights.planned_identical(plan, reference_dir)
+    if prepare is not None:
+        prepare()
+    cores = default_threads() or torch.get_num_threads()  # the user's thread count, when set
+    with pinned_threads(max(1, cores - 1)):  # one core left to the proof's thread
+        proving = weights.ProofInThread(weights.WeightsProof(reference_dir, converted_dir, plan))
+        try:
+            compared = compare(identical, proving.check)
+        except Exception as error:
+            raise proving.outcome(error) from None
+        except BaseException:
+            proving.cancel()
+            raise
+        return proving.result(), compared
 
 
 @checked
@@ -106,11 +157,11 @@ def prove_checkpoint(original: str | Path, converted: str | Path, *, plan: Conve
 
 
 def _prove_converted(original_dir: Path, converted_dir: Path, provenance: Provenance, original_config: dict,
-                     plan: ConversionPlan | None, identical: dict[str, str] | None = None) -> dict:
+                     plan: ConversionPlan | None) -> dict:
     if plan is None:
         plan = weights.rebuilt_conversion_plan(original_dir, original_config, provenance.options,
                                                stored_tensors(converted_dir))
-    return weights.prove_weights(original_dir, converted_dir, plan, identical)
+    return weights.prove_weights(original_dir, converted_dir, plan)
 
 
 def prove_rotated(reference: str | Path, rotated: str | Path, *, plan: ConversionPlan | None = None,
@@ -203,7 +254,8 @@ def run_comparison(reference_dir: Path, converted_dir: Path, architecture: Archi
                    tolerance: tuple[float, float] | None = None,
                    configs: tuple[dict | None, dict | None] = (None, None), rmsnorm_form: bool = True,
                    skip: frozenset[str] = frozenset(), identical: dict[str, str] | None = None,
-                   ) -> tuple[Probe, dict[str, dict], str, str | None]:
+                   check: Callable[[], None] | None = None,
+                   every_block: bool = True) -> tuple[Probe, dict[str, dict], str, str | None]:
     """(probe, figures per loader, mode, note): block by block when ``layerwise`` (a
     ``verification_mode`` answer) says so and the model allows it, else whole models.
 
@@ -212,7 +264,9 @@ def run_comparison(reference_dir: Path, converted_dir: Path, architecture: Archi
     Without ``rmsnorm_form`` only the stock class loads the checkpoint (an uncentred stream, which no
     RMSNorm class computes); outputs in ``skip`` are not compared. ``identical``: tensors the
     weights proof found byte-identical in both checkpoints (converted name -> original name),
-    which a block-by-block run reads once for both."""
+    which a block-by-block run reads once for both; ``check`` runs after every block of one (it
+    raises to stop the run). Without ``every_block`` a block-by-block run runs the sampled blocks
+    only (``layerwise.sampled_blocks``): for a checkpoint whose weights the proof covers."""
     rms_how = ("remote" if trust_remote_code else "rmsnorm") if rmsnorm_form else None
     mode, note = layerwise
     refused = refusals(converted_dir, stock_loadable, configs[1])
@@ -224,7 +278,8 @@ def run_comparison(reference_dir: Path, converted_dir: Path, architecture: Archi
                                                          passes=None if tolerance is None else
                                                          partial(within_tolerance, atol=tolerance[0],
                                                                  rtol=tolerance[1]), configs=configs,
-                                                         identical=identical)
+                                                         identical=identical, check=check,
+                                                         every_block=every_block)
             return probe, {**refused, **compared}, mode, note
         except Unsupported as error:
             mode, note = "full", f"layer by layer unavailable ({error}); compared whole models"
@@ -259,7 +314,14 @@ def summarise(probe: Probe, loaders: dict[str, dict], *, atol: float, rtol: floa
         "mode": mode,
         **({"note": note} if note else {}),
         **({"worst_layer": _worst_layer(loaders)} if mode == "layerwise" else {}),
+        **_blocks_run(loaders),
     }
+
+
+def _blocks_run(loaders: dict[str, dict]) -> dict:
+    """``{"blocks": {"run": [...], "of": n}}`` when a block-by-block comparison ran sampled blocks."""
+    blocks = next((figures["blocks"] for figures in loaders.values() if "blocks" in figures), None)
+    return {} if blocks is None else {"blocks": blocks}
 
 
 def _refuse_non_finite(original_dir: Path, converted_dir: Path) -> None:
@@ -302,7 +364,7 @@ def verify_rotated(reference: str | Path, rotated: str | Path, *, atol: float | 
     reference_config = read_config(reference_dir) if reference_config is None else reference_config
     rotated_config = read_config(rotated_dir) if rotated_config is None else rotated_config
     provenance = Provenance.of(rotated_config, rotated_dir)
-    if provenance is None:
+    if provenance is None or provenance.rotation is None:
         raise NormswapError(f"{rotated_dir} is not a rotated normswap checkpoint")
     contents.check_contents(reference_dir, rotated_dir, reference_config, rotated_config, provenance)
     return _compare_rotated(reference_dir, rotated_dir, provenance, (reference_config, rotated_config), atol=atol,
@@ -319,10 +381,10 @@ def _compare_rotated(reference_dir: Path, rotated_dir: Path, provenance: Provena
     reference_config, rotated_config = configs
     rotation = rotation_matrix(rotated_dir, rotated_config)
     architecture, _, reference_block = family_of(reference_dir, reference_config)
-    proven = (prove_rotated(reference_dir, rotated_dir, plan=plan, configs=(reference_config, rotated_config))
-              if proof else None)
+    if proof and plan is None:
+        plan = weights.rebuilt_rotation_plan(reference_dir, reference_config, provenance.rotation or {}, rotation,
+                                             provenance.options, stored_tensors(rotated_dir))
     atol, rtol = tolerance(provenance, rotated_dir, atol, rtol)
-    del plan
     if (reference_block or {}).get("stock_loadable", True):
         mode = verification_mode(reference_dir, architecture, layerwise)
     else:
@@ -334,14 +396,21 @@ def _compare_rotated(reference_dir: Path, rotated_dir: Path, provenance: Provena
         return (by_layer.centred64(hidden) if centred else hidden.double()) @ rotation
 
     rms_how = "remote" if trust_remote_code else "rmsnorm"
-    probe, loaders, mode, note = run_comparison(
-        reference_dir, rotated_dir, architecture,
-        reference=lambda: reference_model(reference_dir, architecture, rms_how=rms_how, config=reference_config),
-        stock_loadable=form == "commuting" and provenance.stock_loadable, trust_remote_code=trust_remote_code,
-        layerwise=mode, quiet=quiet, stream_map=stream_map, tolerance=(atol, rtol),
-        configs=(reference_config, rotated_config), rmsnorm_form=centred,
-        skip=uncompared_outputs(architecture, reference_config, rotation_block, rotated_dir),
-    )
+    skip = uncompared_outputs(architecture, reference_config, rotation_block, rotated_dir)
+
+    def compare(identical: dict[str, str], check: Callable[[], None] | None) -> tuple:
+        return run_comparison(
+            reference_dir, rotated_dir, architecture,
+            reference=lambda: reference_model(reference_dir, architecture, rms_how=rms_how, config=reference_config),
+            stock_loadable=form == "commuting" and provenance.stock_loadable, trust_remote_code=trust_remote_code,
+            layerwise=mode, quiet=quiet, stream_map=stream_map, tolerance=(atol, rtol),
+            configs=(reference_config, rotated_config), rmsnorm_form=centred, skip=skip, check=check,
+            every_block=layerwise is True or not proof,
+        )
+
+    proven, (probe, loaders, mode, note) = proven_and_compared(
+        reference_dir, rotated_dir, plan if proof else None, mode, compare,
+        prepare=lambda: build.model_class(reference_config, architecture.auto_class), beside=layerwise is not True)
     return summarise(probe, loaders, atol=atol, rtol=rtol, mode=mode, note=note, method="exact",
                      paths=(reference_dir, rotated_dir), reference="source",
                      **({"proof": proven} if proven is not None else {}))

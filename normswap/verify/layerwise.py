@@ -29,8 +29,10 @@ import torch
 from torch import nn
 
 from normswap.architectures import Architecture
+from normswap.checkpoint.source import read_config
 from normswap.errors import NormswapError
-from normswap.memory import release_memory
+from normswap.memory import BufferPool, release_memory
+from normswap.modeling import build
 from normswap.runtime.loaders import checked_form, loader_runs
 from normswap.runtime.lockstep import SharedReads, run_in_lockstep
 from normswap.runtime.offload import (
@@ -202,6 +204,61 @@ def _progress(total: int, quiet: bool):
 Judge = Callable[[dict], bool]  # whether a loader's logit figures are within the tolerance
 
 
+def sampled_blocks(config: dict, count: int) -> list[int]:
+    """The blocks a sampled comparison runs, of ``count``: the first ones, up to the first block
+    of each kind that a per-layer list in ``config`` names (``layer_types``, GPT-Neo's
+    ``attention_layers``: any list of ``count`` scalars), and at least two.
+
+    Once the weights proof has shown every stored tensor to be the plan's value, what a forward
+    pass still has to show is that each loader's class, built from this config, computes the
+    original's function from those weights. Blocks of one kind are one function of their
+    weights, so a block of every kind shows it; two show the stream handed from block to block.
+    The blocks are a prefix, so the model of those blocks is the original's first blocks, each
+    with its own index, feeding the final norm and the head (``offload.first_blocks``)."""
+    last = min(1, count - 1)
+    for value in config.values():
+        if isinstance(value, list) and len(value) == count and all(
+                isinstance(kind, (str, int, float, bool)) for kind in value):
+            firsts: dict = {}
+            for index, kind in enumerate(value):
+                firsts.setdefault(kind, index)
+            last = max(last, *firsts.values())
+    return list(range(last + 1))
+
+
+def _block_count(config) -> int | None:
+    """The number of blocks a transformers config builds (``num_hidden_layers``), or None."""
+    count = getattr(config, "num_hidden_layers", None)
+    return count if isinstance(count, int) and count > 0 else None
+
+
+def _with_blocks(make: Callable[[int | None], nn.Module], blocks_path: str, indices: list[int]) -> nn.Module:
+    """``make(len(indices))``, the model of the first blocks, as the original's class built it (a
+    converted checkpoint's class is the original's, or normswap's subclass of it); a class that
+    builds more blocks is cut to them (``keep_blocks``)."""
+    model = make(len(indices))
+    found = find_blocks(model, blocks_path)
+    if found is None:
+        raise Unsupported(f"the converted model has no block list at {blocks_path}")
+    if len(found[1]) < len(indices):
+        raise Unsupported(f"the converted model builds {len(found[1])} blocks, not the {len(indices)} compared")
+    keep_blocks(model, blocks_path, indices)
+    return model
+
+
+def keep_blocks(model: nn.Module, blocks_path: str, indices: list[int]) -> None:
+    """Make ``model`` run only the blocks ``indices`` of its list at ``blocks_path``, in order.
+    The kept blocks keep their names (``transformer.h.1``), so each reads its own weights."""
+    blocks = model.get_submodule(blocks_path)
+    if indices == list(range(len(blocks))):
+        return
+    kept = nn.ModuleList()
+    for index in indices:
+        kept.add_module(str(index), blocks[index])
+    parent, _, attribute = blocks_path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, attribute, kept)
+
+
 @dataclass
 class _Converted:
     """What every run of the converted checkpoint needs."""
@@ -215,13 +272,17 @@ class _Converted:
     step: Callable[[], None]
     stream_map: StreamMap
     config: dict | None = None  # the converted checkpoint's config.json, read once by the caller
+    blocks: list[int] | None = None  # the blocks run (``keep_blocks``), all when None
 
     def run(self, model: nn.Module, teacher_forced: bool) -> tuple[list[dict], torch.Tensor]:
         return trace_converted(model, model.get_submodule(self.blocks_path), self.inputs, self.original, self.step,
                                self.stream_map, teacher_forced)
 
     def load(self, how: str) -> nn.Module:
-        return checked_form(how, converted_model(self.path, self.architecture, how, self.config))
+        if self.blocks is None:
+            return checked_form(how, converted_model(self.path, self.architecture, how, self.config))
+        return _with_blocks(lambda layers: checked_form(
+            how, converted_model(self.path, self.architecture, how, self.config, layers)), self.blocks_path, self.blocks)
 
 
 def _one_by_one(converted: _Converted, runs: list[tuple[str, str]], teacher_forced: bool) -> Iterator[tuple]:
@@ -233,6 +294,12 @@ def _one_by_one(converted: _Converted, runs: list[tuple[str, str]], teacher_forc
         del model
         release_memory()
         yield label, layers, logits
+
+
+def _pool(converted: _Converted) -> BufferPool | None:
+    """Memory reused for the weights of block after block, when every block runs: it saves the
+    page faults of fresh memory each block, at the cost of keeping it mapped throughout."""
+    return BufferPool() if converted.blocks is None else None
 
 
 def _turns(model: nn.Module, blocks_path: str) -> list[nn.Module]:
@@ -249,7 +316,7 @@ def _beside_original(original: nn.Module, original_dir: Path, converted: _Conver
     byte as the original does (``identical``: converted name -> original name, as the weights
     proof found) is read and converted once for all the models."""
     models = [converted.load(how) for _, how in runs]
-    shared = SharedReads()
+    shared = SharedReads(_pool(converted))
 
     def original_key(name: str) -> tuple[str, str]:
         return "original", name
@@ -277,7 +344,7 @@ def _beside_original(original: nn.Module, original_dir: Path, converted: _Conver
 def _together(converted: _Converted, runs: list[tuple[str, str]], teacher_forced: bool) -> Iterator[tuple]:
     """(label, per-block figures, logits) for each load, all run in lockstep on shared weight reads."""
     models = [converted.load(how) for _, how in runs]
-    shared = SharedReads()
+    shared = SharedReads(_pool(converted))
     with ExitStack() as stack:
         for model in models:
             stack.enter_context(dispatched(model, converted.path, converted.blocks_path, converted.device, shared))
@@ -295,7 +362,9 @@ def compare_layerwise(original_dir: Path, converted_dir: Path, architecture: Arc
                       stock_loadable: bool, quiet: bool = True, rms_how: str | None = "rmsnorm",
                       stream_map: StreamMap = centred64, passes: Judge | None = None,
                       shared_reads: bool = True, configs: tuple[dict | None, dict | None] = (None, None),
-                      identical: Mapping[str, str] | None = None) -> tuple[Probe, dict[str, dict]]:
+                      identical: Mapping[str, str] | None = None,
+                      check: Callable[[], None] | None = None,
+                      every_block: bool = True) -> tuple[Probe, dict[str, dict]]:
     """The probe and, per load of the converted checkpoint (``loaders.loader_runs``), the logit
     figures plus per-block figures and the worst layer.
 
@@ -314,13 +383,30 @@ def compare_layerwise(original_dir: Path, converted_dir: Path, architecture: Arc
     the block whose stream error is largest relative to the stream. Without ``passes`` every
     load runs teacher-forced too. Raises ``Unsupported`` when the model cannot be run this way.
     ``configs``: the two checkpoints' config.json files, when the caller has read them.
+    ``check`` runs after every block any model runs; what it raises stops every model. Without
+    ``every_block``, the models run the ``sampled_blocks`` only, and the figures name the blocks
+    run under ``blocks`` (for a checkpoint whose weights are proven).
     """
     device, identical = execution_device(), identical or {}
-    original = original_model(original_dir, architecture, configs[0])
+    config = read_config(original_dir) if configs[0] is None else configs[0]
+    built_config = build.config_object(config)
+    total = _block_count(built_config) if not every_block and architecture.blocks else None
+    # to_dict: with the per-layer lists a config computes (GPT-Neo's attention_layers)
+    indices = None if total is None else sampled_blocks(built_config.to_dict(), total)
+    original = None
+    if indices is not None and len(indices) < total:  # build those first blocks only
+        original = original_model(original_dir, architecture, config, len(indices))
+        found = find_blocks(original, architecture.blocks)
+        if found is None or len(found[1]) != len(indices):  # the class builds every block: run them all
+            original = None
+    if original is None:
+        original, indices = original_model(original_dir, architecture, config), None
     found = find_blocks(original, architecture.blocks)
     if found is None:
         raise Unsupported("no list of residual blocks found in the model")
     blocks_path, blocks = found
+    if indices is None:
+        total, indices = len(blocks), list(range(len(blocks)))
     probe = build_probe(architecture.probe, original.config, original_dir)
     inputs = {name: value.to(device) for name, value in probe.inputs.items()}
     runs = loader_runs(stock_loadable, rms_how)
@@ -329,11 +415,14 @@ def compare_layerwise(original_dir: Path, converted_dir: Path, architecture: Arc
     def step() -> None:
         bar.update()
         release_memory(collect=False)
+        if check is not None:
+            check()
 
     try:
         trace = Trace()
+        sampled = len(indices) < total
         converted = _Converted(converted_dir, architecture, blocks_path, device, inputs, trace, step, stream_map,
-                               configs[1])
+                               configs[1], indices if sampled else None)
         if shared_reads and passes is not None:
             results = _beside_original(original, original_dir, converted, runs, identical)
         else:
@@ -349,7 +438,10 @@ def compare_layerwise(original_dir: Path, converted_dir: Path, architecture: Arc
                 bar.total += len(trace.inputs)
                 (_, layers, logits), = _one_by_one(converted, [(label, dict(runs)[label])], teacher_forced=True)
                 figures = compare_by_sequence(trace.logits, logits, probe.inputs.get("input_ids"))
-            loaders[label] = {**figures, "worst_layer": worst_layer(layers), "layers": layers}
+            for layer in layers:
+                layer["layer"] = indices[layer["layer"]]
+            loaders[label] = {**figures, "worst_layer": worst_layer(layers), "layers": layers,
+                              **({"blocks": {"run": indices, "of": total}} if sampled else {})}
     finally:
         bar.close()
     return probe, loaders

@@ -26,6 +26,8 @@ distance, in ulps, from the correctly rounded value.
 from __future__ import annotations
 
 import math
+import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,10 +35,11 @@ import torch
 
 from normswap.checkpoint.source import CheckpointReader, TensorInfo
 from normswap.convert.plan import ConversionPlan, TensorPlan
-from normswap.convert.write import ShardSource, expected_blocks, one_thread, tensors_by_shard
+from normswap.convert.write import ShardSource, expected_blocks, tensors_by_shard
 from normswap.dtypes import parse_dtype
 from normswap.errors import VerificationError
 from normswap.memory import map_large_allocations
+from normswap.threads import default_threads, pinned_threads
 
 # a stored value may differ from the correctly rounded plan value by at most this many ulps
 ULP_LIMIT = 1.0
@@ -45,38 +48,175 @@ ULP_LIMIT = 1.0
 # below float32's rounding of that largest value
 ZERO_FLOOR = 2.0 ** -36
 CHUNK_BYTES = 16 << 20
+PROOF_SLICE_ELEMENTS = 2 << 20
+# above this many bytes of tensors, two workers prove them (one core each)
+PARALLEL_BYTES = 256 << 20
 
 
 def prove_weights(source_dir: Path, converted_dir: Path, plan: ConversionPlan,
-                  identical: dict[str, str] | None = None) -> dict:
+                  identical: dict[str, str] | None = None, workers: int | None = None) -> dict:
     """Prove every tensor of ``converted_dir`` is what ``plan`` makes it from ``source_dir``.
 
     Returns the counts (``byte_identical``, ``recomputed``), the limit and the worst tensor with
     its distance in ulps from the correctly rounded value; raises ``VerificationError`` naming the
     first tensor, element and values that are wrong. ``identical``, when given, receives each
-    tensor proven byte-identical to its source: converted name -> source name."""
-    # block-sized float64 temporaries come and go per tensor: give them their own mappings, so
-    # the heap does not keep a depth-proportional high-water mark
-    map_large_allocations()
-    counts = {"tensors": len(plan.tensors), "byte_identical": 0, "recomputed": 0}
-    worst = {"tensor": None, "ulp": 0.0, "dtype": None, "elements_off_by_rounding": 0}
-    with CheckpointReader(source_dir) as source, CheckpointReader(converted_dir) as output, one_thread():
-        check_inventory(plan, output)
-        shared = ShardSource(source)
-        for tensors in tensors_by_shard(plan).values():
-            for tensor in tensors:
-                if _same_bytes_expected(tensor, source):
-                    _prove_identical(tensor, source, output, shared)
-                    counts["byte_identical"] += 1
-                    if identical is not None:
-                        identical[tensor.name] = tensor.source
-                    continue
-                units, off = _prove_recomputed(tensor, shared, output)
-                counts["recomputed"] += 1
-                worst["elements_off_by_rounding"] += off
-                if units > worst["ulp"]:
-                    worst.update(tensor=tensor.name, ulp=units, dtype=tensor.dtype_name)
-    return {**counts, "limit_ulp": ULP_LIMIT, "worst": worst}
+    tensor proven byte-identical to its source: converted name -> source name. ``workers``
+    threads share the work (``WeightsProof``; default: two for a checkpoint above
+    ``PARALLEL_BYTES`` on a machine with two cores, else one)."""
+    proof = WeightsProof(source_dir, converted_dir, plan)
+    if workers is None:
+        cores = default_threads() or torch.get_num_threads()  # the user's thread count, when set
+        workers = 2 if proof.nbytes > PARALLEL_BYTES and cores >= 2 else 1
+    threads = [threading.Thread(target=proof.work, name="weights proof", daemon=True) for _ in range(workers - 1)]
+    with pinned_threads(1):  # one intra-op thread per worker, set once for all of them
+        try:
+            for thread in threads:
+                thread.start()
+            proof.work()
+        finally:  # an interrupt here stops the other workers too, at their next tensor
+            if sys.exc_info()[0] is not None:
+                proof.cancel()
+            for thread in threads:
+                thread.join()
+    return proof.figures(identical)
+
+
+class WeightsProof:
+    """The proof of one checkpoint against its plan, as work any number of threads share.
+
+    Each ``work()`` call (one per thread) takes the next tensor in the plan's order until none is
+    left, on one core: the work is reads and elementwise float64 arithmetic, which release the
+    interpreter lock. A tensor that is not streamed by rows is computed whole in float64; one
+    such tensor at a time is, whatever the number of workers, so that memory holds one. ``figures()`` gives those of a single pass whatever the split: the first
+    wrong tensor in the plan's order (a worker stops taking tensors past the first failure found,
+    and every tensor before it is proven by someone), and the worst tensor by ulps, the first of
+    equals."""
+
+    def __init__(self, source_dir: Path, converted_dir: Path, plan: ConversionPlan) -> None:
+        # block-sized float64 temporaries come and go per tensor: give them their own mappings,
+        # so the heap does not keep a depth-proportional high-water mark
+        map_large_allocations()
+        with CheckpointReader(converted_dir) as output:
+            check_inventory(plan, output)
+        self.paths, self.plan = (source_dir, converted_dir), plan
+        self.tensors = [tensor for group in tensors_by_shard(plan).values() for tensor in group]
+        self.nbytes = sum(tensor.nbytes for tensor in self.tensors)
+        self.results: list[tuple[int, float | None, int]] = []  # (index, ulps or None if identical, off)
+        self.failures: list[tuple[int, BaseException]] = []
+        self._next, self._first_failure = 0, len(self.tensors)
+        self._lock = threading.Lock()
+        self._whole = threading.Lock()  # held while a tensor is computed whole
+
+    def cancel(self) -> None:
+        """Stop every worker at its next tensor (an interrupt: no figures are wanted)."""
+        with self._lock:
+            self._first_failure = -1
+
+    def _take(self) -> int | None:
+        with self._lock:
+            index, self._next = self._next, self._next + 1
+            return index if index < len(self.tensors) and index < self._first_failure else None
+
+    def _failed(self, index: int, error: BaseException) -> None:
+        with self._lock:
+            self.failures.append((index, error))
+            self._first_failure = min(self._first_failure, index)
+
+    @property
+    def failure(self) -> BaseException | None:
+        """The first failure in the plan's order among those found so far."""
+        with self._lock:
+            return min(self.failures, key=lambda failure: failure[0])[1] if self.failures else None
+
+    def work(self) -> None:
+        """Prove tensors, the next one not taken each time, until none is left or one fails."""
+        index: int | None = -1  # a failure to open the checkpoints comes before every tensor
+        try:
+            with CheckpointReader(self.paths[0]) as source, CheckpointReader(self.paths[1]) as output:
+                shared = ShardSource(source)
+                while (index := self._take()) is not None:
+                    tensor = self.tensors[index]
+                    if _same_bytes_expected(tensor, source):
+                        _prove_identical(tensor, source, output, shared)
+                        result = (index, None, 0)
+                    elif shared.row_streamable(tensor):
+                        result = (index, *_prove_recomputed(tensor, shared, output))
+                    else:
+                        with self._whole:
+                            result = (index, *_prove_recomputed(tensor, shared, output))
+                    with self._lock:
+                        self.results.append(result)
+        except Exception as error:  # raised by figures(), in the calling thread
+            # a failure closing the checkpoints, once every tensor was taken, comes after them all
+            self._failed(len(self.tensors) if index is None else index, error)
+
+    def figures(self, identical: dict[str, str] | None = None) -> dict:
+        """The proof's figures once every ``work()`` has returned (see ``prove_weights``)."""
+        if self.failure is not None:
+            raise self.failure
+        counts = {"tensors": len(self.plan.tensors), "byte_identical": 0, "recomputed": 0}
+        worst = {"tensor": None, "ulp": 0.0, "dtype": None, "elements_off_by_rounding": 0}
+        for index, units, off in sorted(self.results, key=lambda result: result[0]):
+            tensor = self.tensors[index]
+            if units is None:
+                counts["byte_identical"] += 1
+                if identical is not None:
+                    identical[tensor.name] = tensor.source
+                continue
+            counts["recomputed"] += 1
+            worst["elements_off_by_rounding"] += off
+            if units > worst["ulp"]:
+                worst.update(tensor=tensor.name, ulp=units, dtype=tensor.dtype_name)
+        return {**counts, "limit_ulp": ULP_LIMIT, "worst": worst}
+
+
+def planned_identical(plan: ConversionPlan, source_dir: Path) -> dict[str, str]:
+    """The tensors ``plan`` keeps byte for byte as the source holds them (converted name ->
+    source name): those ``prove_weights`` compares byte for byte."""
+    with CheckpointReader(source_dir) as source:
+        return {name: tensor.source for name, tensor in plan.tensors.items() if _same_bytes_expected(tensor, source)}
+
+
+class ProofInThread:
+    """A ``WeightsProof`` worked on by a thread of its own, beside other work (a block-by-block
+    comparison, on the other core), then by the calling thread too once that is done.
+
+    ``check()`` raises the proof's failure as soon as there is one, so the work beside it can
+    stop at its next step; ``result()`` joins in the proof's work, waits for it and returns its
+    figures or raises its failure. ``outcome(error)`` is what the caller raises when the work
+    beside it failed with ``error``: the proof's failure first, since a wrong weight explains a
+    failing model."""
+
+    def __init__(self, proof: WeightsProof) -> None:
+        self.proof = proof
+        self._thread = threading.Thread(target=proof.work, name="weights proof", daemon=True)
+        self._thread.start()
+
+    def check(self) -> None:
+        failure = self.proof.failure
+        if failure is not None:
+            raise failure
+
+    def _finish(self) -> None:
+        try:
+            self.proof.work()
+        except BaseException:  # an interrupt: the thread stops at its next tensor
+            self.cancel()
+            raise
+        self._thread.join()
+
+    def cancel(self) -> None:
+        """Stop the proof (an interrupt), and wait for its thread to finish its tensor."""
+        self.proof.cancel()
+        self._thread.join()
+
+    def result(self) -> dict:
+        self._finish()
+        return self.proof.figures()
+
+    def outcome(self, error: BaseException) -> BaseException:
+        self._finish()
+        return self.proof.failure or error
 
 
 def rebuilt_conversion_plan(original_dir: Path, original_config: dict, options: dict,
@@ -199,18 +339,19 @@ def _prove_recomputed(tensor: TensorPlan, shared: ShardSource, output: Checkpoin
     """(worst distance in ulps from the correctly rounded plan value, elements not bit-exact)."""
     row = max(1, math.prod(tensor.shape[1:]))
     worst, off = 0.0, 0
-    for start, expected in expected_blocks(tensor, shared):
+    for start, expected in expected_blocks(tensor, shared, PROOF_SLICE_ELEMENTS):
         count = expected.shape[0] if expected.dim() else 1
         nbytes = count * row * tensor.dtype.itemsize
         stored = (_stored_rows(output, tensor.name, start, count, shared.buffer("stored", nbytes))
                   if expected.dim() else output.get(tensor.name))
         rounded = shared.buffer("rounded", nbytes).view(tensor.dtype).view(expected.shape)
         rounded.copy_(expected)  # rounded to nearest as ``Tensor.to`` rounds
-        # the largest magnitude, NaN when any value is NaN (aminmax: one pass, no temporary)
-        peak = max(abs(float(bound)) for bound in torch.aminmax(expected)) if expected.numel() else 0.0
-        if math.isfinite(peak) and peak > torch.finfo(tensor.dtype).max:
+        # finite when no value is NaN (which rounds to NaN) or rounds to infinity (aminmax of the
+        # rounded values: one pass over the narrow dtype, no temporary)
+        finite = not expected.numel() or all(math.isfinite(float(bound)) for bound in torch.aminmax(rounded))
+        if not finite:
             _refuse_overflow(tensor, start, expected, rounded)
-        if math.isfinite(peak) and torch.equal(_words(rounded), _words(stored)):  # bit-exact and finite
+        elif torch.equal(_words(rounded), _words(stored)):  # bit-exact and finite
             continue
         differs = ~(rounded == stored)
         units = _units(stored[differs], rounded[differs], expected, tensor.dtype)
@@ -222,9 +363,9 @@ def _prove_recomputed(tensor: TensorPlan, shared: ShardSource, output: Checkpoin
 
 def _refuse_overflow(tensor: TensorPlan, start: int, expected: torch.Tensor, rounded: torch.Tensor) -> None:
     """A finite value the plan makes that the output dtype cannot hold (it rounds to infinity)."""
-    overflowed = torch.isinf(rounded)
+    overflowed = torch.isinf(rounded) & torch.isfinite(expected)
     if not bool(overflowed.any()):
-        return  # above the largest value, but within half an ulp of it: rounds to it
+        return  # every infinity is the plan's own (or a NaN): the elementwise comparison judges it
     first = overflowed.nonzero()[0].tolist()
     value = float(expected[tuple(first)])
     if expected.dim():
