@@ -64,9 +64,9 @@ def prove_weights(source_dir: Path, converted_dir: Path, plan: ConversionPlan,
     threads share the work (``WeightsProof``; default: two for a checkpoint above
     ``PARALLEL_BYTES`` on a machine with two cores, else one)."""
     proof = WeightsProof(source_dir, converted_dir, plan)
-    if workers is None:
-        cores = default_threads() or torch.get_num_threads()  # the user's thread count, when set
-        workers = 2 if proof.nbytes > PARALLEL_BYTES and cores >= 2 else 1
+    if workers is None:  # the core count is read (from the load average) only for a big checkpoint
+        big = proof.nbytes > PARALLEL_BYTES
+        workers = 2 if big and (default_threads() or torch.get_num_threads()) >= 2 else 1
     threads = [threading.Thread(target=proof.work, name="weights proof", daemon=True) for _ in range(workers - 1)]
     with pinned_threads(1):  # one intra-op thread per worker, set once for all of them
         try:
