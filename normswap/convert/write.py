@@ -22,7 +22,6 @@ import json
 import math
 import os
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -166,7 +165,9 @@ def write_weights(out_dir: Path, plan: ConversionPlan, reader: CheckpointReader,
     """
     source = ShardSource(reader)
     total = 0
-    with one_thread():
+    # slice math is memory-bound, and on a busy machine every multi-threaded op waits for its
+    # slowest thread
+    with cpu_threads(1):
         for shard, tensors in tensors_by_shard(plan).items():
             total += write_shard(out_dir / shard, tensors, source, progress)
     if len(plan.shards) > 1:
@@ -183,14 +184,6 @@ def tensors_by_shard(plan: ConversionPlan) -> dict[str, list[TensorPlan]]:
     for tensor in plan.tensors.values():
         by_shard[tensor.shard].append(tensor)
     return by_shard
-
-
-@contextmanager
-def one_thread() -> Iterator[None]:
-    """Run torch ops on one thread: slice math is memory-bound, and on a busy machine every
-    multi-threaded op waits for its slowest thread (measured: 6x slower on 2 shared cores)."""
-    with cpu_threads(1):
-        yield
 
 
 def copy_side_files(source_dir: Path, out_dir: Path) -> list[str]:

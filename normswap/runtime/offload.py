@@ -266,7 +266,7 @@ class HeadByVocabularyChunk(nn.Module):
         for start in range(0, self.vocab, self.rows):
             count = min(self.rows, self.vocab - start)
             rows = weight[:count]
-            rows.copy_(self.reader.read_rows(self.source, start, count, raw if self.reader.is_safetensors else None))
+            rows.copy_(self.reader.read_rows(self.source, start, count, raw))
             logits[..., start: start + count] = hidden @ rows.T
         return logits
 
