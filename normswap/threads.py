@@ -97,3 +97,102 @@ def on_idle_cores(function: Callable[P, R]) -> Callable[P, R]:
             return function(*args, **kwargs)
 
     return wrapper
+
+
+# above this many bytes of tensors, two workers share a checkpoint's tensors (one core each)
+PARALLEL_BYTES = 256 << 20
+
+
+def tensor_workers(nbytes: int) -> int:
+    """How many threads share the tensors of a checkpoint of ``nbytes`` (``WorkQueue``): two on a
+    machine with two idle cores (or the user's thread count, when set) once it is big enough that
+    the second thread pays for itself, else one. The load average is read only in that case."""
+    if nbytes <= PARALLEL_BYTES:
+        return 1
+    import torch
+
+    return 2 if (default_threads() or torch.get_num_threads()) >= 2 else 1
+
+
+class WorkQueue:
+    """Items ``0 .. count-1`` taken in order by any number of threads, each on the next one not
+    taken, with the outcome of a single pass: the failure reported is the first in item order (a
+    thread stops taking items past the first failure found, and every item before it is done by
+    someone), whatever the split."""
+
+    def __init__(self, count: int) -> None:
+        import threading
+
+        self.count = count
+        self.lock = threading.Lock()  # also guards what the workers record
+        self._next, self._stop = 0, count
+        self._failures: list[tuple[int, BaseException]] = []
+
+    def take(self) -> int | None:
+        """The next item to do, or None when none is left (or one before it failed)."""
+        with self.lock:
+            index, self._next = self._next, self._next + 1
+            return index if index < self.count and index < self._stop else None
+
+    def fail(self, index: int, error: BaseException) -> None:
+        with self.lock:
+            self._failures.append((index, error))
+            self._stop = min(self._stop, index)
+
+    def cancel(self) -> None:
+        """Stop every worker at its next item (an interrupt: no outcome is wanted)."""
+        with self.lock:
+            self._stop = -1
+
+    @property
+    def failure(self) -> BaseException | None:
+        """The first failure in item order among those found so far."""
+        with self.lock:
+            return min(self._failures, key=lambda failure: failure[0])[1] if self._failures else None
+
+    def run(self, work: Callable[[WorkQueue], None], workers: int) -> None:
+        """``work(self)`` in ``workers`` threads, this one included, one intra-op thread each;
+        returns once every one has, then raises the first failure. ``work`` takes items until
+        ``take()`` gives None and reports each failure with ``fail``. An interrupt in this thread
+        stops the others at their next item, and this thread waits for them before it raises:
+        what they write with must not be closed under them."""
+        import threading
+
+        finished = [threading.Event() for _ in range(workers - 1)]
+
+        def worker(done: threading.Event) -> None:
+            try:
+                work(self)
+            finally:
+                done.set()
+
+        threads = [threading.Thread(target=worker, args=(done,), name="tensor worker", daemon=True)
+                   for done in finished]
+        with pinned_threads(1):
+            started = 0
+            try:
+                for thread in threads:
+                    thread.start()
+                    started += 1
+                work(self)
+            except BaseException:
+                self.cancel()
+                raise
+            finally:
+                self._wait(finished[:started])
+        if self.failure is not None:
+            raise self.failure
+
+    def _wait(self, finished: list) -> None:
+        # each worker's own event, not Thread.join: a join that an interrupt cuts short can mark a
+        # thread that is still running as stopped
+        interrupted: BaseException | None = None
+        for done in finished:
+            while not done.is_set():
+                try:
+                    done.wait()
+                except BaseException as error:  # another interrupt while waiting: wait on
+                    self.cancel()
+                    interrupted = interrupted or error
+        if interrupted is not None:
+            raise interrupted

@@ -11,6 +11,8 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -214,6 +216,86 @@ def test_same_input_gives_byte_identical_output(tmp_path):
         hashes.append(tree_hash(tmp_path / name))
     assert hashes[0] == hashes[1]
     assert any(name.endswith(".safetensors") for name in hashes[0])
+
+
+def test_workers_share_the_writing_and_the_proof_with_the_outcome_of_one(tmp_path, monkeypatch):
+    """Threads sharing the tensors write the bytes one thread writes, prove with its figures, and
+    report the failure it would: the first in plan order, whichever thread met it."""
+    from normswap.convert import write
+    from normswap.convert.planning import plan_conversion
+    from normswap.verify.proof import prove_weights
+
+    src = tiny_gpt2(tmp_path / "src", shard_size="40KB")
+    config = json.loads((src / "config.json").read_text())
+    with CheckpointReader(src) as reader:
+        plan = plan_conversion(src, config, reader, method="exact", fold_gains=True, dtype=None, build_class=False)[1]
+        trees, figures = [], []
+        for workers in (1, 2, 3):
+            out = tmp_path / f"out{workers}"
+            out.mkdir()
+            write.write_weights(out, plan, reader, workers=workers)
+            trees.append(tree_hash(out))
+            figures.append(prove_weights(src, tmp_path / "out1", plan, workers=workers))
+        assert len(trees[0]) > 2 and trees[1] == trees[0] and trees[2] == trees[0]
+        assert figures[1] == figures[0] and figures[2] == figures[0]
+
+        names = list(write.tensors_by_shard(plan).values())
+        early, late = names[0][1].name, names[-1][-1].name
+        written = write.write_tensor
+
+        def failing(fd, position, tensor, source, whole=None):
+            if tensor.name in (early, late):
+                raise NormswapError(f"cannot write {tensor.name}")
+            written(fd, position, tensor, source, whole)
+
+        monkeypatch.setattr(write, "write_tensor", failing)
+        for workers in (1, 2):
+            out = tmp_path / f"failed{workers}"
+            out.mkdir()
+            with pytest.raises(NormswapError, match=f"cannot write {early}$"):
+                write.write_weights(out, plan, reader, workers=workers)
+
+        # an interrupt while the other worker still writes: this thread waits for it to finish its
+        # tensor before the files it writes into are closed, and it takes no other
+        busy, taken, still_open = threading.Event(), [], []
+
+        def slow(fd, position, tensor, source, whole=None):
+            if threading.current_thread() is not threading.main_thread():
+                taken.append(tensor.name)
+                busy.set()
+                time.sleep(0.6)
+                still_open.append(os.path.exists(f"/proc/self/fd/{fd}"))
+            written(fd, position, tensor, source, whole)
+
+        class Interrupted(BaseException):
+            pass
+
+        def interrupted(signum, frame):
+            raise Interrupted
+
+        monkeypatch.setattr(write, "write_tensor", slow)
+        out = tmp_path / "interrupted"
+        out.mkdir()
+        threading.Thread(target=lambda: (busy.wait(), time.sleep(0.2), os.kill(os.getpid(), signal.SIGUSR1)),
+                         daemon=True).start()
+        previous = signal.signal(signal.SIGUSR1, interrupted)
+        try:
+            with pytest.raises(Interrupted):
+                write.write_weights(out, plan, reader, workers=2)
+        finally:
+            signal.signal(signal.SIGUSR1, previous)
+        assert len(taken) == 1 and still_open == [True]
+
+    damaged = tmp_path / "out2" / names[-1][-1].shard
+    data = bytearray(damaged.read_bytes())
+    data[-2] ^= 0x40
+    damaged.write_bytes(bytes(data))
+    messages = []
+    for workers in (1, 2):
+        with pytest.raises(VerificationError) as failure:
+            prove_weights(src, tmp_path / "out2", plan, workers=workers)
+        messages.append(str(failure.value))
+    assert messages[0] == messages[1] and late in messages[0]
 
 
 def _peak_rss_growth(function) -> int:

@@ -212,24 +212,32 @@ def encode_header(tensors: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> tu
     return len(encoded).to_bytes(8, "little") + encoded, offsets
 
 
-@contextmanager
-def created_file(path: Path, size: int) -> Iterator[int]:
-    """A descriptor of ``path``, created (or truncated) at its final ``size``, closed after.
+def create_sized(path: Path, size: int) -> int:
+    """A write descriptor of ``path``, created (or truncated) at its final ``size``; the caller
+    closes it.
 
     The file is sized first, sparse (``ftruncate``), and then filled at known offsets: space
     reserved with ``posix_fallocate`` instead is held as unwritten extents, and on ext4 turning
     each written page's extent from unwritten to written makes the writes many times slower than
-    filling a sparse file. A full disk is refused before any work by the free-space
-    check of the whole output (``space.check_free_space``); running out of space while writing
-    (another process filling the disk) still becomes a one-line ``NormswapError``.
+    filling a sparse file. A full disk is refused before any work by the free-space check of the
+    whole output (``space.check_free_space``); running out of space while writing (another
+    process filling the disk) still becomes a one-line ``NormswapError`` (``space_errors``).
     """
-    try:
+    with space_errors(path):
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # the umask decides
         try:
             os.ftruncate(fd, size)
-            yield fd
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        return fd
+
+
+@contextmanager
+def space_errors(path: Path) -> Iterator[None]:
+    """A full disk (or quota) while writing ``path`` becomes one ``NormswapError`` line."""
+    try:
+        yield
     except OSError as error:
         if error.errno in (errno.ENOSPC, errno.EDQUOT):
             raise NormswapError(f"no space left on the device while writing {path.name}; nothing was written") from None

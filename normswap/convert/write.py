@@ -18,9 +18,11 @@ weight, the next tensor written, once). The file format itself is ``safetensors_
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -31,7 +33,7 @@ from normswap.checkpoint.files import SIDE_FILES, copy_inside_file
 from normswap.checkpoint.source import CheckpointReader, RecentReads
 from normswap.convert import fold
 from normswap.convert.plan import ConversionPlan, TensorPlan
-from normswap.threads import cpu_threads
+from normswap.threads import WorkQueue, tensor_workers
 
 Read = Callable[[str], torch.Tensor]
 Progress = Callable[[int], None]
@@ -76,35 +78,82 @@ class ShardSource:
         )
 
 
-def write_shard(path: Path, plans: list[TensorPlan], source: ShardSource | Read,
-                progress: Progress | None = None) -> int:
-    """Stream ``plans`` into one safetensors file at ``path``; returns the bytes of tensor data."""
-    if not isinstance(source, ShardSource):
-        source = ShardSource(read=source)
-    header, offsets = safetensors_io.encode_header([(plan.name, plan.dtype, plan.shape) for plan in plans])
-    total = sum(plan.nbytes for plan in plans)
-    with safetensors_io.created_file(path, len(header) + total) as fd:
-        safetensors_io.write_at(fd, 0, memoryview(header))
-        for plan, offset in zip(plans, offsets, strict=True):
-            write_tensor(fd, len(header) + offset, plan, source)
-            if progress is not None:
-                progress(plan.nbytes)
-    return total
+class OutputShards:
+    """The output shard files of ``by_shard`` (shard name -> its tensors, in their order), each
+    created sized (sparse) with its header written when its first tensor is placed, and closed
+    once its last one is written: tensors can be written in any order, by any thread."""
+
+    def __init__(self, out_dir: Path, by_shard: dict[str, list[TensorPlan]]) -> None:
+        self.out_dir = out_dir
+        self._layout: dict[str, tuple[bytes, int]] = {}
+        self._position: dict[str, tuple[str, int]] = {}
+        for shard, plans in by_shard.items():
+            header, offsets = safetensors_io.encode_header([(plan.name, plan.dtype, plan.shape) for plan in plans])
+            self._layout[shard] = header, len(header) + sum(plan.nbytes for plan in plans)
+            for plan, offset in zip(plans, offsets, strict=True):
+                self._position[plan.name] = shard, len(header) + offset
+        self._left = {shard: len(plans) for shard, plans in by_shard.items()}
+        self._open: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def place(self, plan: TensorPlan) -> tuple[int, int]:
+        """(descriptor, offset) to write ``plan``'s bytes at."""
+        shard, position = self._position[plan.name]
+        with self._lock:
+            if shard not in self._open:
+                header, size = self._layout[shard]
+                fd = safetensors_io.create_sized(self.out_dir / shard, size)
+                self._open[shard] = fd
+                with safetensors_io.space_errors(self.out_dir / shard):
+                    safetensors_io.write_at(fd, 0, memoryview(header))
+            return self._open[shard], position
+
+    def written(self, plan: TensorPlan) -> None:
+        shard, _ = self._position[plan.name]
+        with self._lock:
+            self._left[shard] -= 1
+            if not self._left[shard]:
+                os.close(self._open.pop(shard))
+
+    def create_empty(self) -> None:
+        """The file of every shard that holds no tensor (its header alone)."""
+        for shard, left in self._left.items():
+            if not left:
+                header, size = self._layout[shard]
+                fd = safetensors_io.create_sized(self.out_dir / shard, size)
+                try:
+                    with safetensors_io.space_errors(self.out_dir / shard):
+                        safetensors_io.write_at(fd, 0, memoryview(header))
+                finally:
+                    os.close(fd)
+
+    def close(self) -> None:
+        """Close what is still open: after a failure, whose error is the one to report."""
+        with self._lock:
+            for fd in self._open.values():
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            self._open.clear()
 
 
-def write_tensor(fd: int, position: int, plan: TensorPlan, source: ShardSource) -> None:
+def write_tensor(fd: int, position: int, plan: TensorPlan, source: ShardSource,
+                 whole: threading.Lock | None = None) -> None:
     """Write one tensor's bytes at ``position``: copied when unchanged, streamed by rows when the
-    steps allow, else computed whole."""
+    steps allow, else computed whole (holding ``whole``, when given, meanwhile)."""
     where = source.unchanged(plan)
     if where is not None and safetensors_io.copy_range(where[0], where[1], fd, position, plan.nbytes):
         return
     if source.row_streamable(plan):
         _stream_rows(fd, position, plan, source)
         return
-    value = fold.compute_tensor(plan, source.read)
-    if tuple(value.shape) != tuple(plan.shape):
-        raise AssertionError(f"{plan.name}: computed shape {tuple(value.shape)} != {plan.shape}")
-    safetensors_io.write_at(fd, position, safetensors_io.bytes_of(value))
+    with whole if whole is not None else contextlib.nullcontext():
+        value = fold.compute_tensor(plan, source.read)
+        if tuple(value.shape) != tuple(plan.shape):
+            raise AssertionError(f"{plan.name}: computed shape {tuple(value.shape)} != {plan.shape}")
+        safetensors_io.write_at(fd, position, safetensors_io.bytes_of(value))
+        del value  # before another thread computes the next whole tensor
 
 
 def _stream_rows(fd: int, position: int, plan: TensorPlan, source: ShardSource) -> None:
@@ -157,19 +206,45 @@ def expected_blocks(plan: TensorPlan, source: ShardSource,
 
 
 def write_weights(out_dir: Path, plan: ConversionPlan, reader: CheckpointReader,
-                  progress: Progress | None = None) -> None:
+                  progress: Progress | None = None, workers: int | None = None) -> None:
     """Every output shard, plus ``model.safetensors.index.json`` when there are several.
 
-    The index follows transformers: ``metadata.total_size`` is the bytes of tensor data and
-    ``weight_map`` names each tensor's shard, keys sorted.
+    ``workers`` threads (default ``threads.tensor_workers``; one for a pickled source) share the
+    tensors, each writing the next one in plan order at its place: writing into the page cache
+    is bound by the memory copies of the core that makes them, so a second core adds its own.
+    Only one tensor at a time is computed whole, so that memory holds one. The bytes are
+    the same whatever the split. The index follows transformers: ``metadata.total_size`` is the
+    bytes of tensor data and ``weight_map`` names each tensor's shard, keys sorted.
     """
-    source = ShardSource(reader)
-    total = 0
-    # slice math is memory-bound, and on a busy machine every multi-threaded op waits for its
-    # slowest thread
-    with cpu_threads(1):
-        for shard, tensors in tensors_by_shard(plan).items():
-            total += write_shard(out_dir / shard, tensors, source, progress)
+    by_shard = tensors_by_shard(plan)
+    order = [tensor for tensors in by_shard.values() for tensor in tensors]
+    total = sum(tensor.nbytes for tensor in order)
+    if workers is None:
+        workers = tensor_workers(total) if getattr(reader, "is_safetensors", False) else 1
+    files, queue = OutputShards(out_dir, by_shard), WorkQueue(len(order))
+    whole, reported = threading.Lock(), threading.Lock()
+
+    def work(queue: WorkQueue) -> None:
+        source = ShardSource(reader)  # its own buffers and recent reads; the reader is shared
+        while (index := queue.take()) is not None:
+            tensor = order[index]
+            try:
+                fd, position = files.place(tensor)
+                with safetensors_io.space_errors(out_dir / tensor.shard):
+                    write_tensor(fd, position, tensor, source, whole)
+                    files.written(tensor)  # closing a finished shard may report a full disk too
+                if progress is not None:
+                    with reported:
+                        progress(tensor.nbytes)
+            except Exception as error:  # raised by ``run``, in the calling thread
+                queue.fail(index, error)
+                return
+
+    try:
+        files.create_empty()
+        queue.run(work, workers)
+    finally:
+        files.close()
     if len(plan.shards) > 1:
         index = {
             "metadata": {"total_size": total},

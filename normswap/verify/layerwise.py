@@ -337,7 +337,9 @@ def _beside_original(original: nn.Module, original_dir: Path, converted: _Conver
             [_turns(original, converted.blocks_path), *[_turns(model, converted.blocks_path) for model in models]])
         shared.clear()
     del models, results[0]
-    release_memory()
+    # the cycle collector frees the models' module graphs, which matters after every block ran;
+    # a few sampled blocks hold little, and with transformers loaded a collection takes a while
+    release_memory(collect=converted.blocks is None)
     return [(label, layers, logits) for (label, _), (layers, logits) in zip(runs, results, strict=True)]
 
 

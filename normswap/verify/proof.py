@@ -26,7 +26,6 @@ distance, in ulps, from the correctly rounded value.
 from __future__ import annotations
 
 import math
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,7 +38,7 @@ from normswap.convert.write import ShardSource, expected_blocks, tensors_by_shar
 from normswap.dtypes import parse_dtype
 from normswap.errors import VerificationError
 from normswap.memory import map_large_allocations
-from normswap.threads import default_threads, pinned_threads
+from normswap.threads import WorkQueue, tensor_workers
 
 # a stored value may differ from the correctly rounded plan value by at most this many ulps
 ULP_LIMIT = 1.0
@@ -49,8 +48,6 @@ ULP_LIMIT = 1.0
 ZERO_FLOOR = 2.0 ** -36
 CHUNK_BYTES = 16 << 20
 PROOF_SLICE_ELEMENTS = 2 << 20
-# above this many bytes of tensors, two workers prove them (one core each)
-PARALLEL_BYTES = 256 << 20
 
 
 def prove_weights(source_dir: Path, converted_dir: Path, plan: ConversionPlan,
@@ -61,23 +58,11 @@ def prove_weights(source_dir: Path, converted_dir: Path, plan: ConversionPlan,
     its distance in ulps from the correctly rounded value; raises ``VerificationError`` naming the
     first tensor, element and values that are wrong. ``identical``, when given, receives each
     tensor proven byte-identical to its source: converted name -> source name. ``workers``
-    threads share the work (``WeightsProof``; default: two for a checkpoint above
-    ``PARALLEL_BYTES`` on a machine with two cores, else one)."""
+    threads share the work (``WeightsProof``; default ``threads.tensor_workers``)."""
     proof = WeightsProof(source_dir, converted_dir, plan)
-    if workers is None:  # the core count is read (from the load average) only for a big checkpoint
-        big = proof.nbytes > PARALLEL_BYTES
-        workers = 2 if big and (default_threads() or torch.get_num_threads()) >= 2 else 1
-    threads = [threading.Thread(target=proof.work, name="weights proof", daemon=True) for _ in range(workers - 1)]
-    with pinned_threads(1):  # one intra-op thread per worker, set once for all of them
-        try:
-            for thread in threads:
-                thread.start()
-            proof.work()
-        finally:  # an interrupt here stops the other workers too, at their next tensor
-            if sys.exc_info()[0] is not None:
-                proof.cancel()
-            for thread in threads:
-                thread.join()
+    if workers is None:
+        workers = tensor_workers(proof.nbytes)
+    proof.queue.run(lambda queue: proof.work(), workers)
     return proof.figures(identical)
 
 
@@ -102,31 +87,17 @@ class WeightsProof:
         self.tensors = [tensor for group in tensors_by_shard(plan).values() for tensor in group]
         self.nbytes = sum(tensor.nbytes for tensor in self.tensors)
         self.results: list[tuple[int, float | None, int]] = []  # (index, ulps or None if identical, off)
-        self.failures: list[tuple[int, BaseException]] = []
-        self._next, self._first_failure = 0, len(self.tensors)
-        self._lock = threading.Lock()
+        self.queue = WorkQueue(len(self.tensors))
         self._whole = threading.Lock()  # held while a tensor is computed whole
 
     def cancel(self) -> None:
         """Stop every worker at its next tensor (an interrupt: no figures are wanted)."""
-        with self._lock:
-            self._first_failure = -1
-
-    def _take(self) -> int | None:
-        with self._lock:
-            index, self._next = self._next, self._next + 1
-            return index if index < len(self.tensors) and index < self._first_failure else None
-
-    def _failed(self, index: int, error: BaseException) -> None:
-        with self._lock:
-            self.failures.append((index, error))
-            self._first_failure = min(self._first_failure, index)
+        self.queue.cancel()
 
     @property
     def failure(self) -> BaseException | None:
         """The first failure in the plan's order among those found so far."""
-        with self._lock:
-            return min(self.failures, key=lambda failure: failure[0])[1] if self.failures else None
+        return self.queue.failure
 
     def work(self) -> None:
         """Prove tensors, the next one not taken each time, until none is left or one fails."""
@@ -134,7 +105,7 @@ class WeightsProof:
         try:
             with CheckpointReader(self.paths[0]) as source, CheckpointReader(self.paths[1]) as output:
                 shared = ShardSource(source)
-                while (index := self._take()) is not None:
+                while (index := self.queue.take()) is not None:
                     tensor = self.tensors[index]
                     if _same_bytes_expected(tensor, source):
                         _prove_identical(tensor, source, output, shared)
@@ -144,11 +115,11 @@ class WeightsProof:
                     else:
                         with self._whole:
                             result = (index, *_prove_recomputed(tensor, shared, output))
-                    with self._lock:
+                    with self.queue.lock:
                         self.results.append(result)
         except Exception as error:  # raised by figures(), in the calling thread
             # a failure closing the checkpoints, once every tensor was taken, comes after them all
-            self._failed(len(self.tensors) if index is None else index, error)
+            self.queue.fail(len(self.tensors) if index is None else index, error)
 
     def figures(self, identical: dict[str, str] | None = None) -> dict:
         """The proof's figures once every ``work()`` has returned (see ``prove_weights``)."""
