@@ -314,8 +314,9 @@ def _peak_rss_growth(function) -> int:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc peak-RSS reset")
-@pytest.mark.xfail(reason="the weights proof's peak RSS still grows with depth (about half the extra weights "
-                          "on this 24-layer model); the 1.5B convert peaks at 705 MB", strict=False)
+@pytest.mark.xfail(reason="peak RSS grows by 12-14% of the extra weights on this 24-layer model, close to the "
+                          "15% bound, so a loaded machine can cross it; the 1.5B convert peaks at 709 MB",
+                   strict=False)
 def test_peak_memory_does_not_grow_with_depth(tmp_path):
     """A 24-layer checkpoint converts, and verifies layer by layer, within about the memory of a
     2-layer one: the 22 extra blocks (~280 MB of weights) must not show up in the peak RSS.
