@@ -13,8 +13,9 @@ In one run, each step a fresh process, repeated ``--repeat`` times (min and medi
   converted once first) and ``normswap run recipes/austen-gpt2.yaml``, each also with
   ``--plain-lm-eval`` (lm-eval's own HFLM path), interleaved, with the speed-up between them;
 * ``convert``: for a synthetic fp16 GPT-2 checkpoint (``--convert-sizes``; default the 1.5B one,
-  3.1 GB in 4 shards), ``cp`` of its files, ``convert --verify none``, ``verify`` alone and the
-  default ``convert`` (layer-by-layer verification included), with peak RSS (``bench_convert.py``);
+  3.1 GB in 4 shards), ``cp`` of its files, the stock class's import (``verify``'s share that is
+  transformers' start-up), ``convert --verify none``, ``verify`` alone and the default ``convert``
+  (layer-by-layer verification included), with peak RSS (``bench_convert.py``);
 * install sizes: the dependency closure of the core and of each extra (from the metadata of the
   distributions installed in this environment), sized from their installed files.
 

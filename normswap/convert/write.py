@@ -35,7 +35,6 @@ from normswap.convert import fold
 from normswap.convert.plan import ConversionPlan, TensorPlan
 from normswap.threads import WorkQueue, tensor_workers
 
-Read = Callable[[str], torch.Tensor]
 Progress = Callable[[int], None]
 
 
@@ -50,10 +49,10 @@ class ShardSource:
     Both need a safetensors source; anything else is computed whole with ``compute_tensor``.
     """
 
-    def __init__(self, reader: CheckpointReader | None = None, read: Read | None = None) -> None:
+    def __init__(self, reader: CheckpointReader) -> None:
         self.reader = reader
-        self.read = read if read is not None else RecentReads(reader.get)
-        self._direct = reader is not None and getattr(reader, "is_safetensors", False)
+        self.read = RecentReads(reader.get)
+        self._direct = reader.is_safetensors
         self._buffers: dict[str, torch.Tensor] = {}
 
     def buffer(self, role: str, nbytes: int) -> torch.Tensor:
@@ -101,11 +100,7 @@ class OutputShards:
         shard, position = self._position[plan.name]
         with self._lock:
             if shard not in self._open:
-                header, size = self._layout[shard]
-                fd = safetensors_io.create_sized(self.out_dir / shard, size)
-                self._open[shard] = fd
-                with safetensors_io.space_errors(self.out_dir / shard):
-                    safetensors_io.write_at(fd, 0, memoryview(header))
+                self._open[shard] = self._created(shard)
             return self._open[shard], position
 
     def written(self, plan: TensorPlan) -> None:
@@ -119,13 +114,19 @@ class OutputShards:
         """The file of every shard that holds no tensor (its header alone)."""
         for shard, left in self._left.items():
             if not left:
-                header, size = self._layout[shard]
-                fd = safetensors_io.create_sized(self.out_dir / shard, size)
-                try:
-                    with safetensors_io.space_errors(self.out_dir / shard):
-                        safetensors_io.write_at(fd, 0, memoryview(header))
-                finally:
-                    os.close(fd)
+                os.close(self._created(shard))
+
+    def _created(self, shard: str) -> int:
+        """A descriptor of ``shard``'s new file: created at its full size, its header written."""
+        header, size = self._layout[shard]
+        fd = safetensors_io.create_sized(self.out_dir / shard, size)
+        try:
+            with safetensors_io.space_errors(self.out_dir / shard):
+                safetensors_io.write_at(fd, 0, memoryview(header))
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     def close(self) -> None:
         """Close what is still open: after a failure, whose error is the one to report."""
