@@ -181,7 +181,7 @@ FIGURES: list[Figure] = [
 SKIPPED: dict[str, str] = {
     "python3 -m pytest -q tests/test_architectures_causal.py tests/test_architectures_encoders.py":
         "a bound the tests assert themselves (the test command runs them)",
-    "python3 scripts/bench_cli.py --only convert --convert-sizes gpt2-xl --convert-repeat 3":
+    "python3 scripts/bench_cli.py --only convert --convert-sizes gpt2-xl --convert-repeat 5":
         "builds a 3.1 GB synthetic checkpoint and measures time (minutes)",
     "bash scripts/gpu_check.sh": "needs an NVIDIA GPU (figures measured on an H200)",
     'python3 -m pytest -q tests/test_rotate_commuting.py -k "generate or lm_eval"':
