@@ -303,6 +303,9 @@ def _weight_shards(path: Path) -> list[str]:
 class StateDictReader:
     """The ``CheckpointReader`` interface over tensors already in memory (``convert_model``)."""
 
+    # No file behind the tensors: the writer computes each one rather than copying bytes.
+    is_safetensors = False
+
     def __init__(self, state_dict: dict[str, torch.Tensor], shard: str = "model.safetensors") -> None:
         self._state = state_dict
         self.tensors = {

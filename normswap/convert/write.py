@@ -221,7 +221,7 @@ def write_weights(out_dir: Path, plan: ConversionPlan, reader: CheckpointReader,
     order = [tensor for tensors in by_shard.values() for tensor in tensors]
     total = sum(tensor.nbytes for tensor in order)
     if workers is None:
-        workers = tensor_workers(total) if getattr(reader, "is_safetensors", False) else 1
+        workers = tensor_workers(total) if reader.is_safetensors else 1
     files, queue = OutputShards(out_dir, by_shard), WorkQueue(len(order))
     whole, reported = threading.Lock(), threading.Lock()
 
