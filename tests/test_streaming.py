@@ -29,6 +29,8 @@ from normswap.convert import fold
 from normswap.convert.steps import Centre, FoldGain
 from normswap.errors import NormswapError, VerificationError
 from normswap.runtime import offload as verify_offload
+from normswap.verify import proof as weights_proof
+from normswap.verify.checkpoint import proven_and_compared
 from normswap.verify.layerwise import sampled_blocks
 
 VOCAB = 97
@@ -387,6 +389,97 @@ def test_layerwise_pinpoints_a_corrupted_block(tmp_path):
     others = max(layer["block_max_abs_diff"] for layer in layers if layer["layer"] != 2)
     assert others < 1e-4 and layers[2]["block_max_abs_diff"] > 100 * others
     assert layers[1]["max_abs_diff"] < 1e-4 < layers[3]["max_abs_diff"]  # free run: damage starts at block 2
+
+
+@pytest.fixture
+def proof_process(monkeypatch):
+    """Every proof beside a comparison runs in a forked process; yields the processes started."""
+    started = []
+    original = weights_proof.proof_in_process
+
+    def spy(proof):
+        proving = original(proof)
+        started.append(proving)
+        return proving
+
+    monkeypatch.setattr(weights_proof, "PROCESS_BYTES", 0)
+    monkeypatch.setattr(weights_proof, "default_threads", lambda: 2)
+    monkeypatch.setattr(weights_proof, "proof_in_process", spy)
+    monkeypatch.setattr(verify_offload, "LAYERWISE_ABOVE_BYTES", 0)  # auto picks block by block
+    return started
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the proof's own process is forked on Linux only")
+def test_a_proof_in_its_own_process_answers_as_the_thread_does(tmp_path, monkeypatch, proof_process):
+    src = tiny_gpt2(tmp_path / "src", n_layer=4)
+    out = tmp_path / "rms"
+    normswap.convert_checkpoint(src, out, verification="none")
+    result = normswap.verify_checkpoint(src, out)
+    assert [type(proving).__name__ for proving in proof_process] == ["ProofInProcess"]
+    assert result["passed"] and result["blocks"] == {"run": [0, 1], "of": 4}
+    assert result["proof"] == normswap.prove_checkpoint(src, out)  # the figures of the proof in this process
+
+    # a wrong weight in a block the forward passes skip: the process's failure, as the thread raises it
+    state = load_file(out / "model.safetensors")
+    state["transformer.h.3.mlp.c_proj.weight"][5] *= 1.5
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(VerificationError) as in_process:
+        normswap.verify_checkpoint(src, out)
+    with pytest.raises(VerificationError) as alone:
+        normswap.prove_checkpoint(src, out)
+    assert str(in_process.value) == str(alone.value) and "transformer.h.3.mlp.c_proj.weight[5, " in str(alone.value)
+    assert main(["verify", str(src), str(out)]) == 3
+    assert all(proving.done() for proving in proof_process)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the proof's own process is forked on Linux only")
+def test_the_proof_process_dies_is_cancelled_or_fails_in_one_error(tmp_path, monkeypatch, proof_process):
+    src = tiny_gpt2(tmp_path / "src", n_layer=2)
+    out = tmp_path / "rms"
+    normswap.convert_checkpoint(src, out, verification="none")
+    with CheckpointReader(out) as reader:
+        plan = weights_proof.rebuilt_conversion_plan(src, json.loads((src / "config.json").read_text()), {},
+                                                     reader.tensors)
+
+    def started(work) -> weights_proof.ProofInProcess:
+        monkeypatch.setattr(weights_proof.WeightsProof, "work", work)  # the forked copy inherits it
+        return weights_proof.ProofInProcess(weights_proof.WeightsProof(src, out, plan))
+
+    killed = started(lambda self: os._exit(9))  # no answer: one line saying how the process ended
+    with pytest.raises(NormswapError, match=r"weights proof's process exited with status 9 before it answered"):
+        killed.result()
+    with pytest.raises(ChildProcessError):
+        os.waitpid(killed.pid, os.WNOHANG)  # reaped
+
+    def broken(self):
+        raise ZeroDivisionError("a bug")
+
+    with pytest.raises(RuntimeError, match="ZeroDivisionError in the weights proof's process: a bug") as bug:
+        started(broken).result()
+    assert "ZeroDivisionError" in "".join(bug.value.__notes__)  # the copy's traceback
+
+    def unreadable(self):
+        raise OSError(errno.EIO, "Input/output error", str(out / "model.safetensors"))
+
+    with pytest.raises(OSError) as io_error:
+        started(unreadable).result()
+    assert io_error.value.errno == errno.EIO and io_error.value.filename == str(out / "model.safetensors")
+
+    slow = started(lambda self: time.sleep(60))  # an interrupt in this process ends the copy at once
+    begun = time.monotonic()
+    slow.cancel()
+    assert time.monotonic() - begun < 5 and slow.done()
+    with pytest.raises(ChildProcessError):
+        os.waitpid(slow.pid, os.WNOHANG)
+
+    def interrupted(identical, check):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(weights_proof.WeightsProof, "work", lambda self: time.sleep(60))
+    with pytest.raises(KeyboardInterrupt):
+        proven_and_compared(src, out, plan, ("layerwise", None), interrupted)
+    with pytest.raises(ChildProcessError):
+        os.waitpid(proof_process[-1].pid, os.WNOHANG)
 
 
 def test_sampled_blocks_are_the_first_of_every_kind():

@@ -63,12 +63,10 @@ def verify_checkpoint(original: str | Path, converted: str | Path, *, atol: floa
     ``plan`` is the conversion's plan when the caller has it (``convert`` does); else it is
     rebuilt from the original with the options the conversion recorded.
     """
-    from normswap.modeling.registry import register_auto_classes
     from normswap.verify import check_tolerance
 
     check_tolerance("atol", atol)
     check_tolerance("rtol", rtol)
-    register_auto_classes()  # the converted model's normswap_<type> config must resolve
     original_dir, converted_dir = resolve_source(original), Path(converted).expanduser()
     provenance, architecture, configs = _check_pair(original_dir, converted_dir, converted)
     if provenance.rotation is not None:  # its stream is C·h·Q, not C·h
@@ -94,7 +92,7 @@ def verify_checkpoint(original: str | Path, converted: str | Path, *, atol: floa
 
     proven, (probe, loaders, mode, note) = proven_and_compared(
         original_dir, converted_dir, plan if proof else None, mode, compare,
-        prepare=lambda: build.model_class(original_config, architecture.auto_class), beside=layerwise is not True)
+        prepare=partial(import_classes, original_config, architecture), beside=layerwise is not True)
     return summarise(probe, loaders, atol=atol, rtol=rtol, mode=mode, note=note,
                      method=provenance.method, paths=(original_dir, converted_dir),
                      **({"proof": proven} if proven is not None else {}))
@@ -106,40 +104,58 @@ def proven_and_compared(reference_dir: Path, converted_dir: Path, plan: Conversi
                         prepare: Callable[[], object] | None = None, beside: bool = True,
                         ) -> tuple[dict | None, tuple]:
     """(proof figures or None, ``compare(identical, check)``): the weights proof of ``plan``
-    (none without one), then the forward comparison.
+    (none without one), then the forward comparison, after ``prepare()`` (``import_classes``).
 
     A whole-model comparison runs after the proof, so that a wrong weight fails before any model
     runs, and so does a block-by-block one of every block (not ``beside``: its forward passes
     take every core). A block-by-block one of the first blocks (``mode``, ``beside``) runs beside
-    the proof (``proof.ProofInThread``): the proof's thread on one core, the comparison on the
-    others, and this thread joins the proof's work once the comparison is done. The
-    forward passes share reads with the proof only through the disk cache,
-    and each tensor the plan keeps byte for byte (``identical``, proven so by the proof) is read
-    once for both checkpoints. ``check`` stops the comparison at its next block once the proof
-    has failed, and the proof's failure is raised before the comparison's. ``prepare()`` runs
-    before the proof starts: importing the original's model class (seconds of Python for
-    transformers' modeling code) beside the proof would keep the interpreter lock from the proof's
-    thread. An interrupt stops the proof too."""
-    if plan is None:
-        return None, compare({}, None)
-    if mode[0] != "layerwise" or not beside:
+    the proof. For a big checkpoint on Linux the proof runs in a process of its own
+    (``proof.ProofInProcess``), started before ``prepare()``: seconds of Python that hold the
+    interpreter lock, on one core, while the proof works on the other; the comparison then takes
+    every core if the proof is done, else leaves it one. Elsewhere the proof's thread
+    (``proof.ProofInThread``) starts after ``prepare()``, which would keep the lock from it, and
+    this thread joins its work once the comparison is done. The forward passes share reads with
+    the proof only through the disk cache, and each tensor the plan keeps byte for byte
+    (``identical``, proven so by the proof) is read once for both checkpoints. ``check`` stops
+    the comparison at its next block once the proof has failed, and the proof's failure is raised
+    before the comparison's. An interrupt stops the proof too."""
+    if plan is None or mode[0] != "layerwise" or not beside:
         identical: dict[str, str] = {}
-        proven = weights.prove_weights(reference_dir, converted_dir, plan, identical)
+        proven = None if plan is None else weights.prove_weights(reference_dir, converted_dir, plan, identical)
+        if prepare is not None:
+            prepare()
         return proven, compare(identical, None)
     identical = weights.planned_identical(plan, reference_dir)
-    if prepare is not None:
-        prepare()
-    cores = default_threads() or torch.get_num_threads()  # the user's thread count, when set
-    with pinned_threads(max(1, cores - 1)):  # one core left to the proof's thread
-        proving = weights.ProofInThread(weights.WeightsProof(reference_dir, converted_dir, plan))
-        try:
+    proof = weights.WeightsProof(reference_dir, converted_dir, plan)
+    proving: weights.ProofInThread | weights.ProofInProcess | None = weights.proof_in_process(proof)
+    try:
+        if prepare is not None:
+            prepare()
+        if proving is None:  # a thread starts after the import, which would keep the lock from it
+            proving = weights.ProofInThread(proof)
+        cores = default_threads() or torch.get_num_threads()  # the user's thread count, when set
+        with pinned_threads(cores if proving.done() else max(1, cores - 1)):  # a core left to the proof
             compared = compare(identical, proving.check)
-        except Exception as error:
-            raise proving.outcome(error) from None
-        except BaseException:
-            proving.cancel()
+    except Exception as error:
+        if proving is None:
             raise
-        return proving.result(), compared
+        raise proving.outcome(error) from None
+    except BaseException:
+        if proving is not None:
+            proving.cancel()
+        raise
+    return proving.result(), compared
+
+
+def import_classes(original_config: dict, architecture: Architecture) -> None:
+    """What every comparison needs first: normswap's classes registered with transformers' auto
+    classes (a converted config's ``normswap_<type>`` must resolve) and the original's model class
+    imported, seconds of Python that a proof in its own process runs beside
+    (``proven_and_compared``)."""
+    from normswap.modeling.registry import register_auto_classes
+
+    register_auto_classes()
+    build.model_class(original_config, architecture.auto_class)
 
 
 @checked
@@ -410,7 +426,7 @@ def _compare_rotated(reference_dir: Path, rotated_dir: Path, provenance: Provena
 
     proven, (probe, loaders, mode, note) = proven_and_compared(
         reference_dir, rotated_dir, plan if proof else None, mode, compare,
-        prepare=lambda: build.model_class(reference_config, architecture.auto_class), beside=layerwise is not True)
+        prepare=partial(import_classes, reference_config, architecture), beside=layerwise is not True)
     return summarise(probe, loaders, atol=atol, rtol=rtol, mode=mode, note=note, method="exact",
                      paths=(reference_dir, rotated_dir), reference="source",
                      **({"proof": proven} if proven is not None else {}))

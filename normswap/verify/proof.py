@@ -25,6 +25,7 @@ distance, in ulps, from the correctly rounded value.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from collections.abc import Iterator
@@ -36,9 +37,9 @@ from normswap.checkpoint.source import CheckpointReader, TensorInfo
 from normswap.convert.plan import ConversionPlan, TensorPlan
 from normswap.convert.write import ShardSource, expected_blocks, tensors_by_shard
 from normswap.dtypes import parse_dtype
-from normswap.errors import VerificationError
+from normswap.errors import NormswapError, VerificationError
 from normswap.memory import map_large_allocations
-from normswap.threads import WorkQueue, tensor_workers
+from normswap.threads import WorkQueue, default_threads, tensor_workers
 
 # a stored value may differ from the correctly rounded plan value by at most this many ulps
 ULP_LIMIT = 1.0
@@ -168,6 +169,10 @@ class ProofInThread:
         if failure is not None:
             raise failure
 
+    def done(self) -> bool:
+        """Whether the thread has finished (every tensor taken, or a failure)."""
+        return not self._thread.is_alive()
+
     def _finish(self) -> None:
         try:
             self.proof.work()
@@ -188,6 +193,187 @@ class ProofInThread:
     def outcome(self, error: BaseException) -> BaseException:
         self._finish()
         return self.proof.failure or error
+
+
+# above this many bytes of tensors, on Linux with two idle cores, the proof beside a comparison
+# runs in a process of its own (``ProofInProcess``)
+PROCESS_BYTES = 256 << 20
+
+
+def proof_in_process(proof: WeightsProof) -> ProofInProcess | None:
+    """``proof`` started in a forked process of its own (``ProofInProcess``) when it is big
+    enough to pay for one, on Linux with two idle cores; else None, and it is for a thread
+    (``ProofInThread``). The process works while this one imports and builds models, which hold
+    the interpreter lock that a thread's every step needs."""
+    import os
+    import sys
+
+    if (sys.platform != "linux" or not hasattr(os, "fork") or proof.nbytes <= PROCESS_BYTES
+            or (default_threads() or torch.get_num_threads()) < 2):
+        return None
+    try:
+        return ProofInProcess(proof)
+    except OSError:  # no process to be had (EAGAIN, ENOMEM): a thread does the same work
+        return None
+
+
+class ProofInProcess:
+    """A ``WeightsProof`` worked on by a forked copy of this process, on one core, with the
+    interface of ``ProofInThread`` plus ``done()``.
+
+    The copy shares this process's memory until either writes to it, and reads the checkpoints
+    through the same disk cache. It runs nothing but the proof: interrupts are this process's to
+    handle (it ends the copy, ``cancel``), the answer (figures or failure) goes into a pipe as
+    JSON, and the copy leaves with ``os._exit``, so no clean-up of this process (a temporary output
+    folder's removal, exit handlers) ever runs in it. A failure comes back as the same kind of
+    error with the same message (``VerificationError``, ``NormswapError``, ``OSError``); any other
+    is reported as an internal error whose note holds the copy's traceback. A copy that dies
+    without answering (the system killed it) is one ``NormswapError``."""
+
+    def __init__(self, proof: WeightsProof) -> None:
+        import os
+        import warnings
+
+        self.proof = proof
+        read, write = os.pipe()
+        with warnings.catch_warnings():
+            # Python 3.12 warns about forking a process with threads: the copy takes no lock another
+            # thread may hold (it opens readers of its own, and runs in this thread alone)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            try:
+                pid = os.fork()
+            except OSError:
+                os.close(read)
+                os.close(write)
+                raise
+        if pid == 0:
+            _prove_in_child(proof, read, write)  # never returns
+        os.close(write)
+        self.pid, self._read = pid, read
+        self._data = bytearray()
+        self._answer: dict | None = None
+
+    def done(self) -> bool:
+        """Whether the copy has answered (without waiting)."""
+        import select
+
+        return self._answer is not None or self._read < 0 or bool(select.select([self._read], [], [], 0)[0])
+
+    def _collect(self) -> dict:
+        """The copy's answer, once it has exited (waiting for it); the copy is reaped."""
+        import json
+        import os
+
+        if self._answer is None:
+            while self._read >= 0 and (chunk := os.read(self._read, 1 << 16)):
+                self._data += chunk
+            status = self._reap()
+            try:
+                answer = json.loads(self._data) if self._data else None
+            except ValueError:
+                answer = None
+            if not isinstance(answer, dict):
+                how = (f"was killed by signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status)
+                       else f"exited with status {os.waitstatus_to_exitcode(status)}")
+                answer = {"error": {"kind": "normswap", "message": f"the weights proof's process {how} before "
+                                    "it answered (out of memory?)"}}
+            self._answer = answer
+        return self._answer
+
+    def _reap(self) -> int:
+        """Close the pipe and wait for the copy to exit: its wait status (0 if already reaped)."""
+        import os
+
+        if self._read >= 0:
+            os.close(self._read)
+            self._read = -1
+        try:
+            return os.waitpid(self.pid, 0)[1]
+        except ChildProcessError:  # reaped by an earlier call that an interrupt cut short
+            return 0
+
+    def check(self) -> None:
+        if self.done():
+            failure = self._failure()
+            if failure is not None:
+                raise failure
+
+    def _failure(self) -> BaseException | None:
+        error = self._collect().get("error")
+        return None if error is None else _rebuilt_error(error)
+
+    def cancel(self) -> None:
+        """End the copy (an interrupt) and reap it."""
+        import os
+        import signal
+
+        if self._answer is not None:
+            return
+        self._answer = {"error": {"kind": "normswap", "message": "the weights proof was cancelled"}}
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        self._reap()
+
+    def result(self) -> dict:
+        failure = self._failure()
+        if failure is not None:
+            raise failure
+        return self._answer["figures"]
+
+    def outcome(self, error: BaseException) -> BaseException:
+        return self._failure() or error
+
+
+def _prove_in_child(proof: WeightsProof, read: int, write: int) -> None:
+    """The forked copy's whole life: the proof on one core, its answer into ``write``, exit."""
+    import json
+    import os
+    import signal
+
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what an interrupt ends
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.close(read)
+        try:
+            proof.queue.run(lambda queue: proof.work(), 1)
+            answer: dict = {"figures": proof.figures()}
+        except BaseException as error:  # noqa: BLE001 (sent to the parent, which raises it)
+            answer = {"error": _error_record(error)}
+        data = json.dumps(answer).encode()
+        while data:
+            data = data[os.write(write, data):]
+    finally:
+        os._exit(0)
+
+
+def _error_record(error: BaseException) -> dict:
+    """What the parent needs to raise ``error`` again: its kind, message and details."""
+    if isinstance(error, VerificationError):
+        return {"kind": "verification", "message": str(error)}
+    if isinstance(error, NormswapError):
+        return {"kind": "normswap", "message": str(error), "exit_code": error.exit_code}
+    if isinstance(error, OSError):
+        return {"kind": "os", "errno": error.errno, "strerror": error.strerror, "filename": error.filename,
+                "message": str(error)}
+    import traceback
+
+    return {"kind": "internal", "type": type(error).__name__, "message": str(error),
+            "traceback": "".join(traceback.format_exception(error))}
+
+
+def _rebuilt_error(record: dict) -> BaseException:
+    kind, message = record.get("kind"), str(record.get("message", ""))
+    if kind == "verification":
+        return VerificationError(message)
+    if kind == "normswap":
+        error = NormswapError(message)
+        error.exit_code = int(record.get("exit_code", NormswapError.exit_code))
+        return error
+    if kind == "os" and isinstance(record.get("errno"), int):
+        return OSError(record["errno"], record.get("strerror") or message, record.get("filename"))
+    error = RuntimeError(f"{record.get('type', 'error')} in the weights proof's process: {message}")
+    error.add_note(str(record.get("traceback", "")))
+    return error
 
 
 def rebuilt_conversion_plan(original_dir: Path, original_config: dict, options: dict,
