@@ -232,26 +232,36 @@ class ProofInProcess:
 
     def __init__(self, proof: WeightsProof) -> None:
         import os
+        import signal
         import warnings
 
         self.proof = proof
-        read, write = os.pipe()
-        with warnings.catch_warnings():
-            # Python 3.12 warns about forking a process with threads: the copy takes no lock another
-            # thread may hold (it opens readers of its own, and runs in this thread alone)
-            warnings.simplefilter("ignore", DeprecationWarning)
-            try:
-                pid = os.fork()
-            except OSError:
-                os.close(read)
-                os.close(write)
-                raise
-        if pid == 0:
-            _prove_in_child(proof, read, write)  # never returns
-        os.close(write)
-        self.pid, self._read = pid, read
         self._data = bytearray()
         self._answer: dict | None = None
+        read, write = os.pipe()
+        # an interrupt must not reach the copy before it ignores interrupts: raised there, it would
+        # unwind this process's stack, clean-ups and all, in the copy
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            with warnings.catch_warnings():
+                # Python 3.12 warns about forking a process with threads: the copy takes no lock
+                # another thread may hold (it opens readers of its own, and runs in this thread alone)
+                warnings.simplefilter("ignore", DeprecationWarning)
+                pid = os.fork()
+        except BaseException:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+            os.close(read)
+            os.close(write)
+            raise
+        if pid == 0:
+            _prove_in_child(proof, read, write, held)  # never returns
+        os.close(write)
+        self.pid, self._read = pid, read
+        try:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)  # an interrupt held meanwhile arrives here
+        except BaseException:
+            self.cancel()
+            raise
 
     def done(self) -> bool:
         """Whether the copy has answered (without waiting)."""
@@ -324,8 +334,9 @@ class ProofInProcess:
         return self._failure() or error
 
 
-def _prove_in_child(proof: WeightsProof, read: int, write: int) -> None:
-    """The forked copy's whole life: the proof on one core, its answer into ``write``, exit."""
+def _prove_in_child(proof: WeightsProof, read: int, write: int, mask: set) -> None:
+    """The forked copy's whole life: the proof on one core, its answer into ``write``, exit.
+    Interrupts are held until it ignores them (``mask``: the signal mask to restore then)."""
     import json
     import os
     import signal
@@ -333,6 +344,7 @@ def _prove_in_child(proof: WeightsProof, read: int, write: int) -> None:
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what an interrupt ends
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         os.close(read)
         try:
             proof.queue.run(lambda queue: proof.work(), 1)
