@@ -472,6 +472,21 @@ def test_the_proof_process_dies_is_cancelled_or_fails_in_one_error(tmp_path, mon
     with pytest.raises(ChildProcessError):
         os.waitpid(slow.pid, os.WNOHANG)
 
+    waiting = started(lambda self: time.sleep(60))  # an interrupt while this process waits for the copy
+    previous = signal.signal(signal.SIGALRM, lambda signum, frame: (_ for _ in ()).throw(KeyboardInterrupt))
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        with pytest.raises(KeyboardInterrupt):
+            waiting.result()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    with pytest.raises(ChildProcessError):
+        os.waitpid(waiting.pid, os.WNOHANG)
+
+    record = weights_proof._error_record(OSError("a short read"))  # no errno: still an OSError
+    assert type(weights_proof._rebuilt_error(record)) is OSError
+
     def interrupted(identical, check):
         raise KeyboardInterrupt
 
@@ -480,6 +495,33 @@ def test_the_proof_process_dies_is_cancelled_or_fails_in_one_error(tmp_path, mon
         proven_and_compared(src, out, plan, ("layerwise", None), interrupted)
     with pytest.raises(ChildProcessError):
         os.waitpid(proof_process[-1].pid, os.WNOHANG)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the proof's own process is forked on Linux only")
+def test_the_proof_process_ends_with_the_process_that_forked_it(tmp_path):
+    # a command killed outright (SIGKILL, the out-of-memory killer) runs no clean-up: its proof's
+    # process must not live on with its descriptors (an output's lock, the caller's pipes)
+    script = textwrap.dedent("""
+        import os, sys, time
+        from types import SimpleNamespace
+        from normswap.verify.proof import ProofInProcess
+        proof = SimpleNamespace(queue=SimpleNamespace(run=lambda work, workers: time.sleep(60)))
+        print(ProofInProcess(proof).pid, flush=True)
+        os._exit(0)
+    """)
+    parent = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    pid = int(parent.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and Path(f"/proc/{pid}").exists() and "Z" not in _state(pid):
+        time.sleep(0.05)
+    assert not Path(f"/proc/{pid}").exists() or "Z" in _state(pid)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
 
 
 def test_sampled_blocks_are_the_first_of_every_kind():

@@ -225,10 +225,12 @@ class ProofInProcess:
     through the same disk cache. It runs nothing but the proof: interrupts are this process's to
     handle (it ends the copy, ``cancel``), the answer (figures or failure) goes into a pipe as
     JSON, and the copy leaves with ``os._exit``, so no clean-up of this process (a temporary output
-    folder's removal, exit handlers) ever runs in it. A failure comes back as the same kind of
-    error with the same message (``VerificationError``, ``NormswapError``, ``OSError``); any other
-    is reported as an internal error whose note holds the copy's traceback. A copy that dies
-    without answering (the system killed it) is one ``NormswapError``."""
+    folder's removal, exit handlers) ever runs in it. It ends with this process, however this one
+    ends, and an interrupt while this one waits for it ends it too. A failure comes back as the
+    same kind of error with the same message (``VerificationError``, ``NormswapError``,
+    ``OSError``); any other is reported as an internal error whose note holds the copy's
+    traceback. A copy that dies without answering (the system killed it) is one
+    ``NormswapError``."""
 
     def __init__(self, proof: WeightsProof) -> None:
         import os
@@ -239,6 +241,7 @@ class ProofInProcess:
         self._data = bytearray()
         self._answer: dict | None = None
         read, write = os.pipe()
+        parent = os.getpid()
         # an interrupt must not reach the copy before it ignores interrupts: raised there, it would
         # unwind this process's stack, clean-ups and all, in the copy
         held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
@@ -249,12 +252,12 @@ class ProofInProcess:
                 warnings.simplefilter("ignore", DeprecationWarning)
                 pid = os.fork()
         except BaseException:
-            signal.pthread_sigmask(signal.SIG_SETMASK, held)
             os.close(read)
             os.close(write)
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
             raise
         if pid == 0:
-            _prove_in_child(proof, read, write, held)  # never returns
+            _prove_in_child(proof, read, write, held, parent)  # never returns
         os.close(write)
         self.pid, self._read = pid, read
         try:
@@ -267,7 +270,11 @@ class ProofInProcess:
         """Whether the copy has answered (without waiting)."""
         import select
 
-        return self._answer is not None or self._read < 0 or bool(select.select([self._read], [], [], 0)[0])
+        if self._answer is not None or self._read < 0:
+            return True
+        poller = select.poll()  # not select.select, which refuses descriptors above 1023
+        poller.register(self._read, select.POLLIN | select.POLLHUP)
+        return bool(poller.poll(0))
 
     def _collect(self) -> dict:
         """The copy's answer, once it has exited (waiting for it); the copy is reaped."""
@@ -275,9 +282,13 @@ class ProofInProcess:
         import os
 
         if self._answer is None:
-            while self._read >= 0 and (chunk := os.read(self._read, 1 << 16)):
-                self._data += chunk
-            status = self._reap()
+            try:
+                while self._read >= 0 and (chunk := os.read(self._read, 1 << 16)):
+                    self._data += chunk
+                status = self._reap()
+            except BaseException:  # an interrupt while waiting: the copy goes with it
+                self.cancel()
+                raise
             try:
                 answer = json.loads(self._data) if self._data else None
             except ValueError:
@@ -334,9 +345,10 @@ class ProofInProcess:
         return self._failure() or error
 
 
-def _prove_in_child(proof: WeightsProof, read: int, write: int, mask: set) -> None:
+def _prove_in_child(proof: WeightsProof, read: int, write: int, mask: set, parent: int) -> None:
     """The forked copy's whole life: the proof on one core, its answer into ``write``, exit.
-    Interrupts are held until it ignores them (``mask``: the signal mask to restore then)."""
+    Interrupts are held until it ignores them (``mask``: the signal mask to restore then), and it
+    ends with ``parent`` (``_end_with_parent``)."""
     import json
     import os
     import signal
@@ -344,6 +356,7 @@ def _prove_in_child(proof: WeightsProof, read: int, write: int, mask: set) -> No
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what an interrupt ends
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        _end_with_parent(parent)
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         os.close(read)
         try:
@@ -358,6 +371,21 @@ def _prove_in_child(proof: WeightsProof, read: int, write: int, mask: set) -> No
         os._exit(0)
 
 
+def _end_with_parent(parent: int) -> None:
+    """Have the kernel kill this process when ``parent`` ends, however it ends (a SIGKILL, the
+    out-of-memory killer): an orphan would hold the parent's descriptors (an output's lock, the
+    caller's pipes) until its proof is done. Linux's ``PR_SET_PDEATHSIG``; a parent already gone
+    before it was set ends this process now."""
+    import ctypes
+    import os
+    import signal
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+    if os.getppid() != parent:
+        os._exit(1)
+
+
 def _error_record(error: BaseException) -> dict:
     """What the parent needs to raise ``error`` again: its kind, message and details."""
     if isinstance(error, VerificationError):
@@ -366,7 +394,7 @@ def _error_record(error: BaseException) -> dict:
         return {"kind": "normswap", "message": str(error), "exit_code": error.exit_code}
     if isinstance(error, OSError):
         return {"kind": "os", "errno": error.errno, "strerror": error.strerror, "filename": error.filename,
-                "message": str(error)}
+                "filename2": error.filename2, "message": str(error)}
     import traceback
 
     return {"kind": "internal", "type": type(error).__name__, "message": str(error),
@@ -381,8 +409,11 @@ def _rebuilt_error(record: dict) -> BaseException:
         error = NormswapError(message)
         error.exit_code = int(record.get("exit_code", NormswapError.exit_code))
         return error
-    if kind == "os" and isinstance(record.get("errno"), int):
-        return OSError(record["errno"], record.get("strerror") or message, record.get("filename"))
+    if kind == "os":
+        if not isinstance(record.get("errno"), int):
+            return OSError(message)
+        return OSError(record["errno"], record.get("strerror") or message, record.get("filename"), None,
+                       record.get("filename2"))
     error = RuntimeError(f"{record.get('type', 'error')} in the weights proof's process: {message}")
     error.add_note(str(record.get("traceback", "")))
     return error
