@@ -40,6 +40,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -196,17 +197,18 @@ def tree_memory(command: list[str], interval: float = 0.05) -> dict:
     summed proportional set size (Pss: each shared page counted once in all, split between the
     processes that map it) and of their summed resident set size (shared pages counted in each)."""
     subprocess.run(["sync"], check=True)
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    peak_pss = peak_rss = processes = 0
-    while process.poll() is None:
-        tree = _descendants(process.pid)
-        sizes = [_memory_kb(pid) for pid in tree]
-        peak_pss = max(peak_pss, sum(pss for pss, _ in sizes))
-        peak_rss = max(peak_rss, sum(rss for _, rss in sizes))
-        processes = max(processes, len([size for size in sizes if size[1]]))
-        time.sleep(interval)
-    if process.returncode != 0:
-        raise SystemExit(f"failed ({process.returncode}): {' '.join(command)}\n{process.stderr.read()}")
+    with tempfile.TemporaryFile("w+") as errors:  # a file, not a pipe: a chatty command never blocks on it
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=errors, text=True)
+        peak_pss = peak_rss = processes = 0
+        while process.poll() is None:
+            sizes = [_memory_kb(pid) for pid in _descendants(process.pid)]
+            peak_pss = max(peak_pss, sum(pss for pss, _ in sizes))
+            peak_rss = max(peak_rss, sum(rss for _, rss in sizes))
+            processes = max(processes, len([size for size in sizes if size[1]]))
+            time.sleep(interval)
+        if process.returncode != 0:
+            errors.seek(0)
+            raise SystemExit(f"failed ({process.returncode}): {' '.join(command)}\n{errors.read()}")
     return {"peak_pss_mb": round(peak_pss / 1024, 1), "peak_summed_rss_mb": round(peak_rss / 1024, 1),
             "most_processes": processes, "sampled_every_seconds": interval}
 
