@@ -498,7 +498,7 @@ def test_the_proof_process_dies_is_cancelled_or_fails_in_one_error(tmp_path, mon
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the proof's own process is forked on Linux only")
-def test_the_proof_process_ends_with_the_process_that_forked_it(tmp_path):
+def test_the_proof_process_ends_with_the_process_that_forked_it():
     # a command killed outright (SIGKILL, the out-of-memory killer) runs no clean-up: its proof's
     # process must not live on with its descriptors (an output's lock, the caller's pipes)
     script = textwrap.dedent("""
