@@ -397,13 +397,12 @@ def proof_process(monkeypatch):
     started = []
     original = weights_proof.proof_in_process
 
-    def spy(proof):
-        proving = original(proof)
+    def spy(proof, cores):
+        proving = original(proof, 2)  # as on a machine with two idle cores
         started.append(proving)
         return proving
 
-    monkeypatch.setattr(weights_proof, "PROCESS_BYTES", 0)
-    monkeypatch.setattr(weights_proof, "default_threads", lambda: 2)
+    monkeypatch.setattr(weights_proof, "PARALLEL_BYTES", 0)
     monkeypatch.setattr(weights_proof, "proof_in_process", spy)
     monkeypatch.setattr(verify_offload, "LAYERWISE_ABOVE_BYTES", 0)  # auto picks block by block
     return started

@@ -127,13 +127,13 @@ def proven_and_compared(reference_dir: Path, converted_dir: Path, plan: Conversi
         return proven, compare(identical, None)
     identical = weights.planned_identical(plan, reference_dir)
     proof = weights.WeightsProof(reference_dir, converted_dir, plan)
-    proving: weights.ProofInThread | weights.ProofInProcess | None = weights.proof_in_process(proof)
+    cores = default_threads() or torch.get_num_threads()  # the user's thread count, when set
+    proving: weights.ProofInThread | weights.ProofInProcess | None = weights.proof_in_process(proof, cores)
     try:
         if prepare is not None:
             prepare()
         if proving is None:  # a thread starts after the import, which would keep the lock from it
             proving = weights.ProofInThread(proof)
-        cores = default_threads() or torch.get_num_threads()  # the user's thread count, when set
         with pinned_threads(cores if proving.done() else max(1, cores - 1)):  # a core left to the proof
             compared = compare(identical, proving.check)
     except Exception as error:

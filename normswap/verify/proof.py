@@ -39,7 +39,7 @@ from normswap.convert.write import ShardSource, expected_blocks, tensors_by_shar
 from normswap.dtypes import parse_dtype
 from normswap.errors import NormswapError, VerificationError
 from normswap.memory import map_large_allocations
-from normswap.threads import WorkQueue, default_threads, tensor_workers
+from normswap.threads import PARALLEL_BYTES, WorkQueue, tensor_workers
 
 # a stored value may differ from the correctly rounded plan value by at most this many ulps
 ULP_LIMIT = 1.0
@@ -195,21 +195,16 @@ class ProofInThread:
         return self.proof.failure or error
 
 
-# above this many bytes of tensors, on Linux with two idle cores, the proof beside a comparison
-# runs in a process of its own (``ProofInProcess``)
-PROCESS_BYTES = 256 << 20
-
-
-def proof_in_process(proof: WeightsProof) -> ProofInProcess | None:
+def proof_in_process(proof: WeightsProof, cores: int) -> ProofInProcess | None:
     """``proof`` started in a forked process of its own (``ProofInProcess``) when it is big
-    enough to pay for one, on Linux with two idle cores; else None, and it is for a thread
-    (``ProofInThread``). The process works while this one imports and builds models, which hold
-    the interpreter lock that a thread's every step needs."""
+    enough for a second worker to pay for itself (``threads.PARALLEL_BYTES``), on Linux with
+    ``cores`` of at least two; else None, and it is for a thread (``ProofInThread``). The process
+    works while this one imports and builds models, which hold the interpreter lock that a
+    thread's every step needs."""
     import os
     import sys
 
-    if (sys.platform != "linux" or not hasattr(os, "fork") or proof.nbytes <= PROCESS_BYTES
-            or (default_threads() or torch.get_num_threads()) < 2):
+    if sys.platform != "linux" or not hasattr(os, "fork") or proof.nbytes <= PARALLEL_BYTES or cores < 2:
         return None
     try:
         return ProofInProcess(proof)
