@@ -198,15 +198,29 @@ def _phi_layer(self, hidden_states, attention_mask=None, position_ids=None, cach
 
 def _falcon_layer(self, hidden_states, alibi, attention_mask, position_ids=None, layer_past=None, use_cache=False,
                   output_attentions=False, position_embeddings=None, **kwargs):  # fmt: skip
+    # transformers up to 5.24: the model computes ALiBi and hands it to every block
+    return _falcon_body(self, hidden_states, dict(
+        layer_past=layer_past, attention_mask=attention_mask, position_ids=position_ids, alibi=alibi,
+        use_cache=use_cache, output_attentions=output_attentions, position_embeddings=position_embeddings,
+    ))  # fmt: skip
+
+
+def _falcon_layer_no_alibi(self, hidden_states, attention_mask, position_ids=None, layer_past=None, use_cache=False,
+                           output_attentions=False, position_embeddings=None, **kwargs):  # fmt: skip
+    # transformers 5.25: the attention computes ALiBi itself
+    return _falcon_body(self, hidden_states, dict(
+        layer_past=layer_past, attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache,
+        output_attentions=output_attentions, position_embeddings=position_embeddings,
+    ))  # fmt: skip
+
+
+def _falcon_body(self, hidden_states, attention_kwargs: dict):
     config = self.config
     residual = hidden_states
     two_norms = config.new_decoder_architecture and config.num_ln_in_parallel_attn == 2
     attention_layernorm_out = (self.ln_attn if two_norms else self.input_layernorm)(hidden_states)
     mlp_layernorm_out = self.ln_mlp(hidden_states) if two_norms else attention_layernorm_out
-    attention_output, attn_weights = self.self_attention(
-        attention_layernorm_out, layer_past=layer_past, attention_mask=attention_mask, position_ids=position_ids,
-        alibi=alibi, use_cache=use_cache, output_attentions=output_attentions, position_embeddings=position_embeddings,
-    )  # fmt: skip
+    attention_output, attn_weights = self.self_attention(attention_layernorm_out, **attention_kwargs)
     if not config.new_decoder_architecture and not config.parallel_attn:
         attention_output = F.dropout(attention_output, p=config.attention_dropout, training=self.training)
         mlp_layernorm_out, residual = add_norm(self.post_attention_layernorm, attention_output, residual)
@@ -250,9 +264,11 @@ def _fp(*digests: str) -> frozenset[str]:
     return frozenset(digests)
 
 
-# sha256 of the normalised upstream bodies (see _body_fingerprint) of transformers 5.24; GPT-2's,
-# GPT-BigCode's, GPT-Neo's, GPT-NeoX's and Falcon's are also 5.17's (there OPT and Phi name the
-# cache parameter past_key_values, and GPT-J and CodeGen take layer_past: left unfused)
+# sha256 of the normalised upstream bodies (see _body_fingerprint) of transformers 5.24, which are
+# also 5.25's but for Falcon's (its second entry); GPT-2's, GPT-BigCode's, GPT-Neo's, GPT-NeoX's
+# and Falcon's first are also 5.17's (there OPT and Phi name the cache parameter past_key_values,
+# and GPT-J and CodeGen take layer_past: left unfused). A family may have one entry per upstream
+# body; the first whose body is installed applies.
 FUSIONS = [
     BlockFusion("gpt2", "gpt2", "GPT2Block", _gpt2_block,
                 _fp("fa66fdfb9d827387fde13d26ee7ad3931c58554f8da3ada79163121e663518c4"), _attr("ln_1"),
@@ -274,6 +290,8 @@ FUSIONS = [
                 _fp("b0e926743629715e6aca3e17c097e795ebe9aa272dbedbf8ab026f415a10eb9e"), _attr("input_layernorm")),
     BlockFusion("falcon", "falcon", "FalconDecoderLayer", _falcon_layer,
                 _fp("50b2ee92f759733031050cfb06f586d6fbf28942a1455de9d9f1782b83b2377d"), _falcon_input_norm),
+    BlockFusion("falcon", "falcon", "FalconDecoderLayer", _falcon_layer_no_alibi,
+                _fp("be6619b75a9cd6b5a718cb11b1dbbca67fb2e9d6b558cb0dd60f2d642bc8c91a"), _falcon_input_norm),
 ]  # fmt: skip
 _CACHE_NAMES = ("cache", "past_key_values")
 # the installed GPT2Block's cache keyword, set when a block is recognised (a plain global, which
