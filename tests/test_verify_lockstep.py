@@ -114,6 +114,83 @@ def test_a_weight_both_checkpoints_hold_is_read_once_for_all_models(tmp_path, mo
     assert reads["out", "transformer.h.0.attn.c_proj.weight"] == 1  # a centred writer is the conversion's own
 
 
+def test_the_output_head_is_read_once_for_all_models(tmp_path, monkeypatch):
+    src, out, architecture = _converted(tmp_path, "gpt2", fold_gains=False)
+    with CheckpointReader(src) as reader:
+        plan = plan_conversion(src, read_config(src), reader, method="exact", fold_gains=False, dtype=None,
+                               build_class=False)[1]
+    identical: dict[str, str] = {}
+    prove_weights(src, out, plan, identical)
+    assert identical["lm_head.weight"] == "transformer.wte.weight"  # the untied head keeps the original matrix
+    reads: Counter[str] = Counter()
+    read_rows = CheckpointReader.read_rows
+
+    def counted(self, name, start, count, buffer=None):
+        if start == 0 and count > 1 and name in ("lm_head.weight", "transformer.wte.weight"):
+            reads["src" if self.path == src else "out", name] += 1  # a head's first slice (embeddings read rows)
+        return read_rows(self, name, start, count, buffer)
+
+    monkeypatch.setattr(CheckpointReader, "read_rows", counted)
+    _, shared = compare_layerwise(src, out, architecture, stock_loadable=True, passes=lambda figures: True,
+                                  identical=identical)
+    assert reads == {("src", "transformer.wte.weight"): 1}  # one pass for the original and both loads
+    reads.clear()
+    _, alone = compare_layerwise(src, out, architecture, stock_loadable=True, passes=lambda figures: True,
+                                 shared_reads=False)
+    assert shared == alone and sum(reads.values()) == 3
+
+
+class _Head(nn.Module):
+    """A head that shares its pass with the heads of the same key (as ``HeadByVocabularyChunk``)."""
+
+    pass_key = "head"
+
+    def __init__(self, passes: list) -> None:
+        super().__init__()
+        self.passes, self.shared = passes, None
+
+    def forward(self, hidden):
+        return self.pass_over([hidden])[0] if self.shared is None else self.shared.logits(self, hidden)
+
+    def pass_over(self, hiddens):
+        self.passes.append(len(hiddens))
+        return [hidden * 2 for hidden in hiddens]
+
+
+class _WithHead(nn.Module):
+    def __init__(self, passes: list, fail_at: int | None = None, skip_head: bool = False) -> None:
+        super().__init__()
+        self.blocks = _Blocks("m", [], fail_at).blocks
+        self.head, self.skip_head = _Head(passes), skip_head
+
+    def forward(self):
+        for block in self.blocks:
+            block()
+        return None if self.skip_head else self.head(torch.ones(1))
+
+
+def test_heads_of_one_weight_share_a_pass_and_a_failure_releases_them():
+    passes: list = []
+    models = [_WithHead(passes) for _ in range(3)]
+    results = run_in_lockstep(models, [[*model.blocks, model.head] for model in models], [m.head for m in models])
+    assert passes == [3] and all(torch.equal(result, torch.full((1,), 2.0)) for result in results)
+    assert all(model.head.shared is None for model in models)
+    passes.clear()
+    models = [_WithHead(passes), _WithHead(passes, skip_head=True), _WithHead(passes)]  # one never asks
+    assert run_in_lockstep(models, [[*model.blocks] for model in models], [m.head for m in models])[1] is None
+    assert passes == [2]
+    threads = threading.active_count()
+    models = [_WithHead(passes), _WithHead(passes, fail_at=3), _WithHead(passes)]
+    with pytest.raises(ValueError, match="m failed at 3"):  # the others wait at their heads: released
+        run_in_lockstep(models, [[*model.blocks] for model in models], [m.head for m in models])
+    assert threading.active_count() == threads
+    passes.clear()
+    models = [_WithHead(passes) for _ in range(3)]
+    models[0].head.pass_key = "another weight"  # a head outside the pass would run beside it: each takes its turn
+    run_in_lockstep(models, [[*model.blocks, model.head] for model in models], [m.head for m in models])
+    assert passes == [1, 1, 1]
+
+
 def test_a_failing_load_is_teacher_forced_alone(tmp_path):
     src, out, architecture = _converted(tmp_path, "gpt2")
     judged = []

@@ -9,7 +9,9 @@ first, and handed to the other, so memory holds one block's weights at a time, a
 one model.
 
 Each model runs its own class's forward, unchanged, in its own thread; the turns make sure that
-only one computes a block at any moment, so the two never compete for the cores.
+only one computes a block at any moment, so the two never compete for the cores. Output heads
+that all read the same weight (a vocabulary-wide matrix, often the largest tensor) make one pass
+over it for every model (``SharedHead``) instead of a turn each.
 """
 
 from __future__ import annotations
@@ -60,6 +62,85 @@ class SharedReads:
     def clear(self) -> None:
         with self.lock:
             self.kept.clear()
+
+
+class SharedHead:
+    """The output heads of several models of one lockstep run that read the same weight, computed
+    in one pass over it (``pass_over``: inputs -> logits, each as a pass for that input alone
+    computes them, so the figures are those of separate runs, bit for bit).
+
+    Each member hands in its head's input and waits; the last to arrive computes every member's
+    logits while the others wait, so no two models compute at once. A member whose run ends
+    without handing anything in is no longer waited for (``leave``), and a failed run stops the
+    waiting ones (``abort``). A member that runs its head again computes alone."""
+
+    def __init__(self, members: Sequence[nn.Module],
+                 pass_over: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> None:
+        self.members, self.pass_over = {id(member) for member in members}, pass_over
+        self.inputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.settled: set[int] = set()  # members served, or gone without an input
+        self.computing = self.aborted = False
+        self.condition = threading.Condition()
+
+    def logits(self, member: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        key = id(member)
+        with self.condition:
+            alone = key in self.settled
+            if not alone:
+                self.inputs[key] = hidden
+                self.condition.notify_all()
+                self.condition.wait_for(lambda: self.aborted or key in self.outputs or self._all_in())
+                if self.aborted:
+                    raise _Aborted
+                if key in self.outputs:
+                    return self._served(key)
+                self.computing = True
+        if alone:
+            return self.pass_over([hidden])[0]
+        try:
+            names, inputs = zip(*self.inputs.items(), strict=True)
+            computed = dict(zip(names, self.pass_over(list(inputs)), strict=True))
+        except BaseException:
+            self.abort()
+            raise
+        with self.condition:
+            self.outputs.update(computed)
+            self.inputs.clear()
+            self.condition.notify_all()
+            return self._served(key)
+
+    def _all_in(self) -> bool:
+        """Every member has handed its input in or is settled, and nobody computes yet."""
+        return not self.computing and self.members <= self.inputs.keys() | self.settled
+
+    def _served(self, key: int) -> torch.Tensor:
+        self.settled.add(key)
+        return self.outputs.pop(key)
+
+    def leave(self, member: nn.Module) -> None:
+        """``member``'s run has ended: if it handed nothing in, it never will."""
+        with self.condition:
+            self.settled.add(id(member))
+            self.condition.notify_all()
+
+    def abort(self) -> None:
+        with self.condition:
+            self.aborted = True
+            self.condition.notify_all()
+
+
+def shared_head(heads: Sequence[nn.Module | None], block_lists: Sequence[Sequence[nn.Module]]) -> SharedHead | None:
+    """One ``SharedHead`` for the heads of every model of a lockstep run, or None. They share
+    when they are distinct modules with one ``pass_key`` (``offload.HeadByVocabularyChunk``'s;
+    None or absent: no sharing) and the turn lists are equally long; else each head keeps its
+    turn. A head outside the pass would run beside it, and a model with more turns than another
+    would wait on one parked at the pass."""
+    keys = {getattr(head, "pass_key", None) for head in heads}
+    if (len(heads) < 2 or None in keys or len(keys) > 1 or len({id(head) for head in heads}) < len(heads)
+            or len({len(units) for units in block_lists}) > 1):
+        return None
+    return SharedHead(heads, heads[0].pass_over)
 
 
 class _Aborted(Exception):
@@ -115,10 +196,16 @@ def _turn_hooks(turns: Turns, block_lists: list[Sequence[nn.Module]]) -> Iterato
             handle.remove()
 
 
-def run_in_lockstep(runs: list[Callable[[], T]], block_lists: list[Sequence[nn.Module]]) -> list[T]:
+def run_in_lockstep(runs: list[Callable[[], T]], block_lists: list[Sequence[nn.Module]],
+                    heads: Sequence[nn.Module | None] = ()) -> list[T]:
     """``runs[k]()`` for every k, each in its own thread (the first in this one), taking turns
     block by block over ``block_lists[k]``; their results in order. The first failure is raised
-    once every run has stopped."""
+    once every run has stopped. ``heads[k]``: model k's output head; when every model's head
+    reads one weight, they make one pass over it (``shared_head``), which lets one model compute
+    at a time as a turn would."""
+    share = shared_head(heads, block_lists) if len(heads) == len(runs) else None
+    if share is not None:  # a shared head is no turn of its own
+        block_lists = [[unit for unit in units if unit is not heads[model]] for model, units in enumerate(block_lists)]
     turns = Turns(len(runs))
     results: list = [None] * len(runs)
     errors: list[BaseException | None] = [None] * len(runs)
@@ -129,16 +216,26 @@ def run_in_lockstep(runs: list[Callable[[], T]], block_lists: list[Sequence[nn.M
         except BaseException as error:  # noqa: BLE001 (re-raised below, in the calling thread)
             errors[model] = error
             turns.finish(model, failed=True)
+            if share is not None:
+                share.abort()
         else:
             turns.finish(model)
+        if share is not None:
+            share.leave(heads[model])
 
-    with _turn_hooks(turns, block_lists):
-        threads = [threading.Thread(target=run, args=(model,), daemon=True) for model in range(1, len(runs))]
-        for thread in threads:
-            thread.start()
-        run(0)  # catches everything, so the other threads are always joined
-        for thread in threads:
-            thread.join()
+    try:
+        for head in heads if share is not None else ():
+            head.shared = share
+        with _turn_hooks(turns, block_lists):
+            threads = [threading.Thread(target=run, args=(model,), daemon=True) for model in range(1, len(runs))]
+            for thread in threads:
+                thread.start()
+            run(0)  # catches everything, so the other threads are always joined
+            for thread in threads:
+                thread.join()
+    finally:
+        for head in heads if share is not None else ():
+            head.shared = None
     failures = [error for error in errors if error is not None and not isinstance(error, _Aborted)]
     if failures:
         raise failures[0]

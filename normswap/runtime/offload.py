@@ -28,7 +28,7 @@ from normswap.checkpoint.source import CheckpointReader, read_config
 from normswap.errors import NormswapError
 from normswap.memory import map_large_allocations, release_memory
 from normswap.modeling import build, online
-from normswap.runtime.lockstep import SharedReads
+from normswap.runtime.lockstep import SharedHead, SharedReads
 
 # Above this many bytes of float32 weights, automatic verification goes layer by layer
 # (a whole-model comparison holds one float32 copy of the model).
@@ -249,25 +249,39 @@ class RowsFromCheckpoint(nn.Module):
 class HeadByVocabularyChunk(nn.Module):
     """A bias-free output head computed a slice of the vocabulary at a time, each slice's weight
     rows read from the checkpoint and converted to float32 just before use: memory holds one
-    slice, not the [vocab, d] matrix."""
+    slice, not the [vocab, d] matrix.
 
-    def __init__(self, reader: CheckpointReader, source: str, slice_bytes: int = 16 << 20) -> None:
+    ``pass_key`` names the weight's bytes for a lockstep run (a ``SharedReads`` key; None outside
+    one): heads of several models with the same key make one pass over the weight for all of
+    them (``lockstep.SharedHead``, set as ``shared`` for the run)."""
+
+    def __init__(self, reader: CheckpointReader, source: str, slice_bytes: int = 16 << 20,
+                 pass_key: Hashable | None = None) -> None:
         super().__init__()
-        self.reader, self.source = reader, source
+        self.reader, self.source, self.pass_key = reader, source, pass_key
+        self.shared: SharedHead | None = None
         vocab, width = reader.tensors[source].shape
         self.vocab, self.rows = vocab, max(1, slice_bytes // (4 * width))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = hidden.new_empty(*hidden.shape[:-1], self.vocab)
+        if self.shared is not None:
+            return self.shared.logits(self, hidden)
+        return self.pass_over([hidden])[0]
+
+    def pass_over(self, hiddens: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The logits of each of ``hiddens``, in one pass over the weight: each slice is read and
+        converted once, and multiplied by each input as a pass for that input alone would."""
+        logits = [hidden.new_empty(*hidden.shape[:-1], self.vocab) for hidden in hiddens]
         info = self.reader.tensors[self.source]
         # one raw and one float32 slice, reused: fresh ones would fault in new pages every slice
         raw = torch.empty(self.rows * (info.nbytes // self.vocab), dtype=torch.uint8)
-        weight = torch.empty(self.rows, info.shape[1], dtype=torch.float32, device=hidden.device)
+        weight = torch.empty(self.rows, info.shape[1], dtype=torch.float32, device=hiddens[0].device)
         for start in range(0, self.vocab, self.rows):
             count = min(self.rows, self.vocab - start)
             rows = weight[:count]
             rows.copy_(self.reader.read_rows(self.source, start, count, raw))
-            logits[..., start: start + count] = hidden @ rows.T
+            for hidden, out in zip(hiddens, logits, strict=True):
+                out[..., start: start + count] = hidden @ rows.T
         return logits
 
 
@@ -292,7 +306,8 @@ def stream_vocabulary(model: nn.Module, weights: Float32Weights, device: torch.d
     if type(head) is nn.Linear and head.bias is None and id(head) in names:
         source = weights.sources.get(f"{names[id(head)]}.weight")
         if source is not None and len(weights.reader.tensors[source].shape) == 2:
-            _replace(model, head, HeadByVocabularyChunk(weights.reader, source))
+            key = None if weights.shared is None else weights.shared_key(source)
+            _replace(model, head, HeadByVocabularyChunk(weights.reader, source, pass_key=key))
 
 
 class Unsupported(Exception):

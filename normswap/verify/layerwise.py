@@ -304,9 +304,15 @@ def _pool(converted: _Converted) -> BufferPool | None:
 
 def _turns(model: nn.Module, blocks_path: str) -> list[nn.Module]:
     """The units a lockstep run takes turns over: the blocks, then the output head (so that the
-    models' vocabulary-wide heads never run at the same time either)."""
+    models' vocabulary-wide heads never run at the same time either; heads that read one weight
+    make one pass over it instead: ``lockstep.SharedHead``)."""
+    head = _head(model)
+    return [*model.get_submodule(blocks_path), *([head] if head is not None else [])]
+
+
+def _head(model: nn.Module) -> nn.Module | None:
     head = model.get_output_embeddings()
-    return [*model.get_submodule(blocks_path), *([head] if isinstance(head, nn.Module) else [])]
+    return head if isinstance(head, nn.Module) else None
 
 
 def _beside_original(original: nn.Module, original_dir: Path, converted: _Converted, runs: list[tuple[str, str]],
@@ -314,7 +320,8 @@ def _beside_original(original: nn.Module, original_dir: Path, converted: _Conver
     """(label, per-block figures, logits) for each load, run free in lockstep with the original,
     whose trace fills ``converted.original`` as it runs. A weight the conversion holds byte for
     byte as the original does (``identical``: converted name -> original name, as the weights
-    proof found) is read and converted once for all the models."""
+    proof found) is read and converted once for all the models, and an output head that reads
+    such a weight makes one pass over it for all of them."""
     models = [converted.load(how) for _, how in runs]
     shared = SharedReads(_pool(converted))
 
@@ -334,7 +341,8 @@ def _beside_original(original: nn.Module, original_dir: Path, converted: _Conver
         results = run_in_lockstep(
             [partial(trace_original, original, blocks, converted.inputs, converted.step, converted.original),
              *[partial(converted.run, model, False) for model in models]],
-            [_turns(original, converted.blocks_path), *[_turns(model, converted.blocks_path) for model in models]])
+            [_turns(original, converted.blocks_path), *[_turns(model, converted.blocks_path) for model in models]],
+            [_head(original), *[_head(model) for model in models]])
         shared.clear()
     del models, results[0]
     # the cycle collector frees the models' module graphs, which matters after every block ran;
@@ -351,7 +359,8 @@ def _together(converted: _Converted, runs: list[tuple[str, str]], teacher_forced
         for model in models:
             stack.enter_context(dispatched(model, converted.path, converted.blocks_path, converted.device, shared))
         results = run_in_lockstep([partial(converted.run, model, teacher_forced) for model in models],
-                                  [_turns(model, converted.blocks_path) for model in models])
+                                  [_turns(model, converted.blocks_path) for model in models],
+                                  [_head(model) for model in models])
         shared.clear()
     del models
     release_memory()

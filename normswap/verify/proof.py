@@ -354,6 +354,9 @@ def _prove_in_child(proof: WeightsProof, read: int, write: int, mask: set, paren
         _end_with_parent(parent)
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         os.close(read)
+        # one intra-op thread before any torch op: a pool the parent's own parallel ops started
+        # does not survive the fork, and the copy's first parallel op would wait on it forever
+        torch.set_num_threads(1)
         try:
             proof.queue.run(lambda queue: proof.work(), 1)
             answer: dict = {"figures": proof.figures()}
