@@ -19,7 +19,7 @@ from normswap.checkpoint.source import StateDictReader, read_config, resolve_sou
 from normswap.convert import card
 from normswap.dtypes import dtype_name
 from normswap.errors import NormswapError
-from normswap.modeling import build, online, registry, remote
+from normswap.modeling import build, online
 from normswap.rotate.options import DEFAULT_CALIBRATION_TOKENS, DEFAULT_FORM
 
 
@@ -41,6 +41,8 @@ def load(path: str | Path, **from_pretrained_kwargs) -> nn.Module:
 
     Keyword arguments go to ``from_pretrained`` (``dtype``, ``device_map``, ...).
     """
+    from normswap.modeling import registry
+
     _check_loading("normswap.load", from_pretrained_kwargs)
     registry.register_auto_classes()
     path = resolve_source(path)
@@ -63,6 +65,7 @@ def load(path: str | Path, **from_pretrained_kwargs) -> nn.Module:
 def load_model(src: str | Path, *, dtype: torch.dtype | str = torch.float32, trust_remote_code: bool = False,
                **from_pretrained_kwargs) -> tuple[nn.Module, Any]:
     """Any checkpoint and its tokenizer (or None): converted ones in RMSNorm form via ``load``."""
+    from normswap.modeling import registry
     from normswap.runtime.reference import load_tokenizer
 
     _check_loading("normswap.load_model", {**from_pretrained_kwargs, "dtype": dtype})
@@ -183,6 +186,8 @@ def _save_generation(model: nn.Module, folder: Path) -> None:
 
 def _saving_class(base: type) -> type:
     """The RMSNorm class of ``base`` whose ``save_pretrained`` is ``normswap.save``."""
+    from normswap.modeling import remote
+
     rms = remote.rms_class(base)
 
     def save_pretrained(self, save_directory: str | Path, *args, **kwargs) -> None:

@@ -76,15 +76,17 @@ def build_parser(only: str | None = None) -> tuple[argparse.ArgumentParser, dict
 
 
 class _Interrupts:
-    """SIGINT handling for one command (see the module docstring); ``restore`` puts back what was there."""
+    """SIGINT and SIGTERM handling for one command (see the module docstring); ``restore`` puts
+    back what was there."""
 
     def __init__(self) -> None:
         self.count = 0
         self.before = len(self._installed())  # outputs of earlier commands in this process do not count
-        # a process started with SIGINT ignored (``cmd &`` in a script) keeps ignoring it
-        self.active = (threading.current_thread() is threading.main_thread()
-                       and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN)
-        self.previous = signal.signal(signal.SIGINT, self._on_signal) if self.active else None
+        main_thread = threading.current_thread() is threading.main_thread()
+        # a process started with a signal ignored (SIGINT for ``cmd &`` in a script) keeps ignoring it
+        self.previous = {signum: signal.signal(signum, self._on_signal)
+                         for signum in (signal.SIGINT, signal.SIGTERM)
+                         if main_thread and signal.getsignal(signum) is not signal.SIG_IGN}
 
     @staticmethod
     def _installed() -> list:
@@ -112,8 +114,8 @@ class _Interrupts:
     def restore(self, command_line: bool) -> None:
         # A command run from the shell has decided its exit status: ignoring SIGINT from here on
         # keeps a late one from killing the interpreter's shutdown (exit -2, no message).
-        if self.active:
-            signal.signal(signal.SIGINT, signal.SIG_IGN if command_line else self.previous)
+        for signum, previous in self.previous.items():
+            signal.signal(signum, signal.SIG_IGN if command_line and signum == signal.SIGINT else previous)
 
 
 def main(argv: list[str] | None = None) -> int:

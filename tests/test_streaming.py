@@ -495,6 +495,55 @@ def test_the_proof_process_dies_is_cancelled_or_fails_in_one_error(tmp_path, mon
     with pytest.raises(ChildProcessError):
         os.waitpid(proof_process[-1].pid, os.WNOHANG)
 
+    def wrong_contents():
+        raise VerificationError("config.json differs")
+
+    begun = time.monotonic()  # a failing check of the folder's contents ends the proof at once
+    with pytest.raises(VerificationError, match="config.json differs"):
+        proven_and_compared(src, out, plan, ("layerwise", None), interrupted, prepare=wrong_contents)
+    assert time.monotonic() - begun < 5
+    with pytest.raises(ChildProcessError):
+        os.waitpid(proof_process[-1].pid, os.WNOHANG)
+
+
+def test_mapped_rows_are_the_rows_read(tmp_path):
+    generator = torch.Generator().manual_seed(0)
+    tensors = {"odd": torch.randn(7, 13, generator=generator).to(torch.bfloat16), "empty_rows": torch.empty(4, 0),
+               "long": torch.randn(3000, 7, generator=generator)}
+    save_file(tensors, tmp_path / "model.safetensors")
+    with CheckpointReader(tmp_path) as reader:
+        for name, tensor in tensors.items():
+            rows = tensor.shape[0]
+            for start, count in ((0, rows), (1, rows - 1), (rows, 0)):
+                mapped = reader.mapped_rows(name, start, count)
+                assert mapped.shape == tensor[start:start + count].shape and torch.equal(mapped,
+                                                                                         tensor[start:start + count])
+    assert "a weight file shrank while it was read" in weights_proof._died(signal.SIGBUS)  # its wait status
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the proof's own process is forked on Linux only")
+def test_the_proof_process_starts_before_transformers_is_imported(tmp_path):
+    # the import of transformers and the model classes is seconds of Python on one core, which
+    # the proof's process spends on the other
+    src = tiny_gpt2(tmp_path / "src", n_layer=2)
+    out = tmp_path / "rms"
+    normswap.convert_checkpoint(src, out, verification="none")
+    script = textwrap.dedent(f"""
+        import sys
+        from normswap.runtime import offload
+        from normswap.verify import proof
+        proof.PARALLEL_BYTES = offload.LAYERWISE_ABOVE_BYTES = 0
+        started = proof.proof_in_process
+        imported = []
+        proof.proof_in_process = lambda work, cores: (imported.append("transformers" in sys.modules),
+                                                      started(work, 2))[1]
+        from normswap.verify.checkpoint import verify_checkpoint
+        passed = verify_checkpoint({str(src)!r}, {str(out)!r})["passed"]
+        print(passed, imported, "transformers" in sys.modules)
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.stdout.split() == ["True", "[False]", "True"], result.stderr[-2000:]
+
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the proof's own process is forked on Linux only")
 def test_the_proof_process_ends_with_the_process_that_forked_it():

@@ -402,6 +402,26 @@ def test_interrupt_after_a_report_is_installed(source, tmp_path):
     assert output.marked_kind(out) == "report"
 
 
+_TERMINATED_MID_VERIFY = """
+import os, signal, sys
+from normswap.verify import checkpoint
+compare = checkpoint.run_comparison
+def run_comparison(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGTERM)
+    return compare(*args, **kwargs)
+checkpoint.run_comparison = run_comparison
+from normswap.cli import main
+sys.exit(main())
+"""
+
+
+def test_sigterm_ends_a_command_that_writes_nothing_in_one_line(source, converted):
+    process = _normswap(["verify", source, converted, "--quiet"], code=_TERMINATED_MID_VERIFY)
+    _, err = process.communicate(timeout=300)
+    assert process.returncode == 130, err
+    assert err.strip().splitlines() == ["normswap verify: interrupted; nothing was written"], err
+
+
 @pytest.mark.parametrize("delays", [(0.3,), (0.3, 0.02), (1.0, 0.02)])
 def test_early_and_repeated_interrupts_are_one_line(source, tmp_path, delays):
     import signal

@@ -15,13 +15,16 @@ def canonical_names(
     Hub GPT-2 stores ``h.0.ln_1.weight`` (saved from GPT2Model) where GPT2LMHeadModel expects
     ``transformer.h.0.ln_1.weight``. ``rename`` applies transformers' own load-time key renamings
     first (transformers 5 renames e.g. ViT's ``encoder.layer.0.attention.attention.query`` to
-    ``layers.0.attention.q_proj``), so adapters only ever see the model class's names.
+    ``layers.0.attention.q_proj``), so adapters only ever see the model class's names. A name
+    the class already has is kept, and ``rename`` is not called for it: the renamings map older
+    checkpoints' names onto the class's, whose own names load as they are.
     """
     mapping = {}
     for name in source_names:
+        if name in model_keys:
+            mapping[name] = name
+            continue
         renamed = rename(name) if rename is not None else name
-        if renamed not in model_keys and name in model_keys:
-            renamed = name
         prefixed = f"{base_prefix}.{renamed}" if base_prefix else renamed
         mapping[name] = prefixed if renamed not in model_keys and prefixed in model_keys else renamed
     return mapping

@@ -158,6 +158,30 @@ class SafetensorsShard:
         self._pread(name, raw, begin + start * row)
         return raw.view(torch_dtype(dtype)).reshape(count, *shape[1:])
 
+    def mapped_rows(self, name: str, start: int, count: int) -> torch.Tensor:
+        """Rows ``start``..``start+count`` of ``name`` as a tensor over the file's own pages, mapped
+        (copy-on-write) for as long as the tensor or a view of it lives: nothing is copied, so a
+        comparison reads the disk cache directly instead of a copy that ``read_rows`` first makes.
+
+        A file that shrinks while its mapped pages are read raises SIGBUS, which ends the
+        process: only a process that runs nothing else (the weights proof's own) reads this way."""
+        import mmap
+
+        import torch
+
+        dtype, shape, begin, end = self.entries[name]
+        row = (end - begin) // shape[0]
+        first, length = self.data_start + begin + start * row, row * count
+        if os.fstat(self._fd).st_size < first + length:
+            raise self._corrupt(f"{name} ends early (the file shrank while it was read)")
+        if length == 0:
+            return torch.empty((count, *shape[1:]), dtype=torch_dtype(dtype))
+        base = first - first % mmap.ALLOCATIONGRANULARITY
+        pages = mmap.mmap(self._fd, first + length - base, flags=mmap.MAP_PRIVATE,
+                          prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=base)
+        raw = torch.frombuffer(pages, dtype=torch.uint8, offset=first - base, count=length)  # holds ``pages``
+        return raw.view(torch_dtype(dtype)).reshape(count, *shape[1:])
+
     def read_array(self, name: str) -> numpy.ndarray:
         """The tensor ``name`` as a numpy array, without torch (bfloat16 widened exactly to
         float32; the float8 types, which numpy lacks, are read through torch)."""

@@ -193,6 +193,15 @@ class CheckpointReader:
                 return self._handle(info.shard).read_rows(name, start, count, buffer)
             return self._handle(info.shard)[name].narrow(0, start, count)
 
+    def mapped_rows(self, name: str, start: int, count: int) -> torch.Tensor:
+        """``read_rows`` without a copy, over the file's mapped pages (``SafetensorsShard.mapped_rows``,
+        for a process that runs nothing else); a pickled shard's tensors are mapped views already."""
+        info = self.tensors[name]
+        with _read_errors(f"tensor {name} from {info.shard}"):
+            if self.is_safetensors:
+                return self._handle(info.shard).mapped_rows(name, start, count)
+            return self._handle(info.shard)[name].narrow(0, start, count)
+
     def read_as(self, name: str, dtype: torch.dtype, slice_bytes: int = 8 << 20,
                 empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None) -> torch.Tensor:
         """The tensor ``name`` converted to ``dtype``, read in row slices of about ``slice_bytes``,

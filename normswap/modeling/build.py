@@ -6,16 +6,21 @@ import functools
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-import transformers
 from torch import nn
 
 from normswap.errors import NormswapError
 
+if TYPE_CHECKING:
+    import transformers
+
 
 def config_object(config: dict, *, trust_remote_code: bool = False) -> transformers.PretrainedConfig:
     """A transformers config object from a config.json dict."""
+    import transformers
+
     data = dict(config)
     model_type = data.pop("model_type", None)
     if model_type is None:
@@ -38,6 +43,8 @@ def model_class(config: dict, default_auto_class: str) -> type:
     A class of another family (``BloomForCausalLM`` in a gpt2 config) is refused: it would be
     built from a config it cannot read.
     """
+    import transformers
+
     model_type = str(config.get("model_type", ""))
     for name in config.get("architectures") or []:
         cls = getattr(transformers, name, None) if isinstance(name, str) else None
@@ -64,6 +71,8 @@ def class_names(config: dict, default_auto_class: str) -> tuple[str, str]:
 
 def names_from_classes(config: dict, default_auto_class: str) -> tuple[str, str]:
     """``class_names`` from the classes themselves (``model_class``), importing their code."""
+    import transformers
+
     cls = model_class(config, default_auto_class)
     model_type = config.get("model_type")
     if model_type not in transformers.CONFIG_MAPPING:
@@ -122,18 +131,28 @@ def checkpoint_renamer(model: nn.Module) -> Callable[[str], str]:
     renaming so that adapters see the class's own names. Converters that merge or split tensors
     are not renamings and are left out: a checkpoint that needs them fails the adapter's coverage
     checks instead of being converted wrongly. Identity when transformers offers no such API.
+    The renamings are looked up at the first call: building transformers' table of them costs
+    a few tenths of a second, which a checkpoint holding only the class's own names never needs
+    (``canonical_names`` keeps those without renaming).
     """
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, rename_source_key
 
-        transforms = get_model_conversion_mapping(model)
-    except Exception:  # another transformers version: no renaming layer to mirror
-        return lambda name: name
-    renamings = [transform for transform in transforms if not isinstance(transform, WeightConverter)]
+    @functools.cache
+    def renamings() -> tuple[list, Callable] | None:
+        try:
+            from transformers.conversion_mapping import get_model_conversion_mapping
+            from transformers.core_model_loading import WeightConverter, rename_source_key
+
+            transforms = get_model_conversion_mapping(model)
+        except Exception:  # another transformers version: no renaming layer to mirror
+            return None
+        return [transform for transform in transforms if not isinstance(transform, WeightConverter)], rename_source_key
 
     def rename(name: str) -> str:
-        return rename_source_key(name, renamings, [])[0]
+        found = renamings()
+        if found is None:
+            return name
+        transforms, rename_source_key = found
+        return rename_source_key(name, transforms, [])[0]
 
     return rename
 

@@ -12,7 +12,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-import transformers
 from torch import nn
 
 from normswap.architectures import Architecture, architecture_for
@@ -20,7 +19,7 @@ from normswap.checkpoint.provenance import family_config
 from normswap.checkpoint.source import read_config
 from normswap.errors import NormswapError
 from normswap.memory import release_memory
-from normswap.modeling import build, online, remote
+from normswap.modeling import build, online
 
 
 def rmsnorm_class(path: Path, architecture: Architecture, config: dict | None = None) -> type:
@@ -30,6 +29,8 @@ def rmsnorm_class(path: Path, architecture: Architecture, config: dict | None = 
     ``normswap.modeling.remote``), taken from normswap itself so that nothing in the checkpoint runs.
     ``config`` is the checkpoint's config.json when the caller has read it.
     """
+    from normswap.modeling import remote
+
     config = read_config(path) if config is None else config
     online.check_config(config, architecture.auto_class, path)
     base = build.model_class(config, architecture.auto_class)
@@ -59,6 +60,8 @@ def load_converted(path: Path, how: str, *, dtype: torch.dtype = torch.float32,
     if how == "rmsnorm":
         return build.load_pretrained(rmsnorm_class(path, architecture, config), path, dtype=dtype)
     if how == "remote":
+        import transformers
+
         online.check_config(config, architecture.auto_class, path)
         auto = getattr(transformers, architecture.auto_class)
         return build.load_pretrained(auto, path, dtype=dtype, trust_remote_code=True)

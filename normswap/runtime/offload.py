@@ -17,9 +17,9 @@ import warnings
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-import transformers
 from torch import nn
 
 from normswap.architectures import Architecture
@@ -29,6 +29,9 @@ from normswap.errors import NormswapError
 from normswap.memory import map_large_allocations, release_memory
 from normswap.modeling import build, online
 from normswap.runtime.lockstep import SharedHead, SharedReads
+
+if TYPE_CHECKING:
+    import transformers
 
 # Above this many bytes of float32 weights, automatic verification goes layer by layer
 # (a whole-model comparison holds one float32 copy of the model).
@@ -104,6 +107,8 @@ def converted_model(path: Path, architecture: Architecture, how: str, config: di
     """The converted checkpoint's model, empty: the stock class (``stock``), normswap's RMSNorm
     class (``rmsnorm``), or the checkpoint's own code (``remote``, runs it). ``config``: its
     config.json, if read already; ``layers``: build that many first blocks only."""
+    import transformers
+
     if how == "stock":
         return empty_model(build.model_class(read_config(path) if config is None else config, architecture.auto_class),
                            transformers.AutoConfig.from_pretrained(path), layers)

@@ -68,8 +68,10 @@ def verify_checkpoint(original: str | Path, converted: str | Path, *, atol: floa
     check_tolerance("atol", atol)
     check_tolerance("rtol", rtol)
     original_dir, converted_dir = resolve_source(original), Path(converted).expanduser()
-    provenance, architecture, configs = _check_pair(original_dir, converted_dir, converted)
+    provenance, architecture, configs = _check_pair(original_dir, converted_dir, converted, with_contents=False)
+    check_contents = partial(contents.check_contents, original_dir, converted_dir, *configs, provenance)
     if provenance.rotation is not None:  # its stream is C·h·Q, not C·h
+        check_contents()
         return _compare_rotated(original_dir, converted_dir, provenance, configs, atol=atol, rtol=rtol,
                                 layerwise=layerwise, quiet=quiet, trust_remote_code=trust_remote_code, proof=proof,
                                 plan=None)
@@ -90,9 +92,13 @@ def verify_checkpoint(original: str | Path, converted: str | Path, *, atol: floa
             every_block=layerwise is True or not proof,
         )
 
+    def prepare() -> None:
+        check_contents()
+        import_classes(original_config, architecture)
+
     proven, (probe, loaders, mode, note) = proven_and_compared(
-        original_dir, converted_dir, plan if proof else None, mode, compare,
-        prepare=partial(import_classes, original_config, architecture), beside=layerwise is not True)
+        original_dir, converted_dir, plan if proof else None, mode, compare, prepare=prepare,
+        beside=layerwise is not True)
     return summarise(probe, loaders, atol=atol, rtol=rtol, mode=mode, note=note,
                      method=provenance.method, paths=(original_dir, converted_dir),
                      **({"proof": proven} if proven is not None else {}))
@@ -104,14 +110,16 @@ def proven_and_compared(reference_dir: Path, converted_dir: Path, plan: Conversi
                         prepare: Callable[[], object] | None = None, beside: bool = True,
                         ) -> tuple[dict | None, tuple]:
     """(proof figures or None, ``compare(identical, check)``): the weights proof of ``plan``
-    (none without one), then the forward comparison, after ``prepare()`` (``import_classes``).
+    (none without one), then the forward comparison, after ``prepare()``: the checks of the
+    folder's other contents and ``import_classes``, which fail before any figure is taken.
 
     A whole-model comparison runs after the proof, so that a wrong weight fails before any model
     runs, and so does a block-by-block one of every block (not ``beside``: its forward passes
     take every core). A block-by-block one of the first blocks (``mode``, ``beside``) runs beside
     the proof. For a big checkpoint on Linux the proof runs in a process of its own
-    (``proof.ProofInProcess``), started before ``prepare()``: seconds of Python that hold the
-    interpreter lock, on one core, while the proof works on the other; the comparison then takes
+    (``proof.ProofInProcess``), started before ``prepare()`` and before transformers is imported:
+    seconds of Python that hold the interpreter lock, on one core, while the proof works on the
+    other. A failure of ``prepare()`` ends the proof and is raised. The comparison then takes
     every core if the proof is done, else leaves it one. Elsewhere the proof's thread
     (``proof.ProofInThread``) starts after ``prepare()``, which would keep the lock from it, and
     this thread joins its work once the comparison is done. The forward passes share reads with
@@ -120,10 +128,10 @@ def proven_and_compared(reference_dir: Path, converted_dir: Path, plan: Conversi
     the comparison at its next block once the proof has failed, and the proof's failure is raised
     before the comparison's. An interrupt stops the proof too."""
     if plan is None or mode[0] != "layerwise" or not beside:
-        identical: dict[str, str] = {}
-        proven = None if plan is None else weights.prove_weights(reference_dir, converted_dir, plan, identical)
         if prepare is not None:
             prepare()
+        identical: dict[str, str] = {}
+        proven = None if plan is None else weights.prove_weights(reference_dir, converted_dir, plan, identical)
         return proven, compare(identical, None)
     identical = weights.planned_identical(plan, reference_dir)
     proof = weights.WeightsProof(reference_dir, converted_dir, plan)
@@ -132,6 +140,11 @@ def proven_and_compared(reference_dir: Path, converted_dir: Path, plan: Conversi
     try:
         if prepare is not None:
             prepare()
+    except BaseException:
+        if proving is not None:
+            proving.cancel()
+        raise
+    try:
         if proving is None:  # a thread starts after the import, which would keep the lock from it
             proving = weights.ProofInThread(proof)
         with pinned_threads(cores if proving.done() else max(1, cores - 1)):  # a core left to the proof
@@ -211,10 +224,12 @@ def stored_tensors(path: Path) -> dict:
         return dict(reader.tensors)
 
 
-def _check_pair(original_dir: Path, converted_dir: Path,
-                converted: str | Path) -> tuple[Provenance, Architecture, tuple[dict, dict]]:
+def _check_pair(original_dir: Path, converted_dir: Path, converted: str | Path,
+                with_contents: bool = True) -> tuple[Provenance, Architecture, tuple[dict, dict]]:
     """The conversion's provenance, the family and the two configs (each config.json read once
-    here and passed down), once the pair is known to belong together."""
+    here and passed down), once the pair is known to belong together: its structure, and (with
+    ``with_contents``; else the caller's to check) the folder's other contents
+    (``contents.check_contents``), which import transformers."""
     if not (converted_dir / "config.json").is_file():
         raise NormswapError(f"{converted} is not a checkpoint folder (it has no config.json)")
     check_side_files(converted_dir)  # as resolve_source does for the original
@@ -236,7 +251,8 @@ def _check_pair(original_dir: Path, converted_dir: Path,
         raise NormswapError(f"{converted_dir} was converted from a {provenance.original_model_type} model, "
                             f"but {original_dir} is a {original_model_type(original_config)} model")
     validation.check_same_shape(original_dir, original_config, converted_dir, converted_config)
-    contents.check_contents(original_dir, converted_dir, original_config, converted_config, provenance)
+    if with_contents:
+        contents.check_contents(original_dir, converted_dir, original_config, converted_config, provenance)
     return provenance, architecture, (original_config, converted_config)
 
 

@@ -33,7 +33,7 @@ from normswap.checkpoint.source import SAFETENSORS_INDEX, CheckpointReader
 from normswap.convert import card
 from normswap.dtypes import canonical_name, dtype_name, is_floating, least_precise
 from normswap.errors import NormswapError, VerificationError, quoted
-from normswap.modeling import MODELING_FILE, build, modeling_sha256, remote
+from normswap.modeling import MODELING_FILE, build, modeling_sha256
 
 # the keys of config.json that convert and rotate rewrite (the tie flag is the family's own)
 REWRITTEN_KEYS = ("architectures", "auto_map", "model_type", "dtype", "torch_dtype", "normswap")
@@ -62,6 +62,8 @@ def check_config(source: dict, converted_config: dict, architecture: Architectur
     ``rotate.plan.family_of``'s for a folded source) but for the keys normswap rewrites, which
     hold what ``card.converted_config`` writes; one line naming the key. ``dtype`` may name the
     recorded ``options.dtype``, which ``stored_dtype`` holds to the stored tensors."""
+    from normswap.modeling import remote
+
     label = _dtype_label(_recorded_dtype(provenance))
     tie_flag = architecture.tie_flag
     for key in sorted(set(source) | set(converted_config), key=str):

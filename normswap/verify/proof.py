@@ -73,10 +73,13 @@ class WeightsProof:
     Each ``work()`` call (one per thread) takes the next tensor in the plan's order until none is
     left, on one core: the work is reads and elementwise float64 arithmetic, which release the
     interpreter lock. A tensor that is not streamed by rows is computed whole in float64; one
-    such tensor at a time is, whatever the number of workers, so that memory holds one. ``figures()`` gives those of a single pass whatever the split: the first
-    wrong tensor in the plan's order (a worker stops taking tensors past the first failure found,
-    and every tensor before it is proven by someone), and the worst tensor by ulps, the first of
-    equals."""
+    such tensor at a time is, whatever the number of workers, so that memory holds one.
+    ``figures()`` gives those of a single pass whatever the split: the first wrong tensor in the
+    plan's order (a worker stops taking tensors past the first failure found, and every tensor
+    before it is proven by someone), and the worst tensor by ulps, the first of equals. With
+    ``mapped`` (set in a process that runs nothing but the proof, ``ProofInProcess``) stored bytes
+    are compared over the files' mapped pages instead of copies of them
+    (``CheckpointReader.mapped_rows``)."""
 
     def __init__(self, source_dir: Path, converted_dir: Path, plan: ConversionPlan) -> None:
         # block-sized float64 temporaries come and go per tensor: give them their own mappings,
@@ -90,6 +93,7 @@ class WeightsProof:
         self.results: list[tuple[int, float | None, int]] = []  # (index, ulps or None if identical, off)
         self.queue = WorkQueue(len(self.tensors))
         self._whole = threading.Lock()  # held while a tensor is computed whole
+        self.mapped = False
 
     def cancel(self) -> None:
         """Stop every worker at its next tensor (an interrupt: no figures are wanted)."""
@@ -109,13 +113,13 @@ class WeightsProof:
                 while (index := self.queue.take()) is not None:
                     tensor = self.tensors[index]
                     if _same_bytes_expected(tensor, source):
-                        _prove_identical(tensor, source, output, shared)
+                        _prove_identical(tensor, source, output, shared, self.mapped)
                         result = (index, None, 0)
                     elif shared.row_streamable(tensor):
-                        result = (index, *_prove_recomputed(tensor, shared, output))
+                        result = (index, *_prove_recomputed(tensor, shared, output, self.mapped))
                     else:
                         with self._whole:
-                            result = (index, *_prove_recomputed(tensor, shared, output))
+                            result = (index, *_prove_recomputed(tensor, shared, output, self.mapped))
                     with self.queue.lock:
                         self.results.append(result)
         except Exception as error:  # raised by figures(), in the calling thread
@@ -289,10 +293,7 @@ class ProofInProcess:
             except ValueError:
                 answer = None
             if not isinstance(answer, dict):
-                how = (f"was killed by signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status)
-                       else f"exited with status {os.waitstatus_to_exitcode(status)}")
-                answer = {"error": {"kind": "normswap", "message": f"the weights proof's process {how} before "
-                                    "it answered (out of memory?)"}}
+                answer = {"error": {"kind": "normswap", "message": _died(status)}}
             self._answer = answer
         return self._answer
 
@@ -340,6 +341,18 @@ class ProofInProcess:
         return self._failure() or error
 
 
+def _died(status: int) -> str:
+    """The line for a proof's process that ended (wait ``status``) without answering."""
+    import os
+    import signal
+
+    if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGBUS:  # a mapped page of a shrunk file
+        return "the weights proof's process was killed by SIGBUS: a weight file shrank while it was read"
+    how = (f"was killed by signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status)
+           else f"exited with status {os.waitstatus_to_exitcode(status)}")
+    return f"the weights proof's process {how} before it answered (out of memory?)"
+
+
 def _prove_in_child(proof: WeightsProof, read: int, write: int, mask: set, parent: int) -> None:
     """The forked copy's whole life: the proof on one core, its answer into ``write``, exit.
     Interrupts are held until it ignores them (``mask``: the signal mask to restore then), and it
@@ -357,6 +370,7 @@ def _prove_in_child(proof: WeightsProof, read: int, write: int, mask: set, paren
         # one intra-op thread before any torch op: a pool the parent's own parallel ops started
         # does not survive the fork, and the copy's first parallel op would wait on it forever
         torch.set_num_threads(1)
+        proof.mapped = True  # nothing else runs here for a SIGBUS (a file truncated meanwhile) to end
         try:
             proof.queue.run(lambda queue: proof.work(), 1)
             answer: dict = {"figures": proof.figures()}
@@ -504,15 +518,17 @@ def _same_bytes_expected(tensor: TensorPlan, source: CheckpointReader) -> bool:
             and source.tensors[tensor.source].dtype_name == tensor.dtype_name)
 
 
-def _row_chunks(reader: CheckpointReader, name: str, buffer: torch.Tensor) -> Iterator[torch.Tensor]:
-    """``name`` in slices of rows of at most CHUNK_BYTES, read into ``buffer`` (overwritten by the next)."""
+def _row_chunks(reader: CheckpointReader, name: str, buffer: torch.Tensor | None) -> Iterator[torch.Tensor]:
+    """``name`` in slices of rows of at most CHUNK_BYTES, read into ``buffer`` (overwritten by the
+    next), or with ``buffer`` None over the file's mapped pages (each slice unmapped once dropped)."""
     info = reader.tensors[name]
     if len(info.shape) == 0 or info.shape[0] == 0 or not reader.is_safetensors:
         yield reader.get(name)
         return
     rows = max(1, CHUNK_BYTES // max(1, info.nbytes // info.shape[0]))
     for start in range(0, info.shape[0], rows):
-        yield reader.read_rows(name, start, min(rows, info.shape[0] - start), buffer)
+        count = min(rows, info.shape[0] - start)
+        yield reader.mapped_rows(name, start, count) if buffer is None else reader.read_rows(name, start, count, buffer)
 
 
 def _words(values: torch.Tensor) -> torch.Tensor:
@@ -522,9 +538,10 @@ def _words(values: torch.Tensor) -> torch.Tensor:
 
 
 def _prove_identical(tensor: TensorPlan, source: CheckpointReader, output: CheckpointReader,
-                     shared: ShardSource) -> None:
+                     shared: ShardSource, mapped: bool = False) -> None:
     # reused for every tensor: a fresh pair of buffers per tensor would fault in new pages each time
-    buffers = shared.buffer("source chunk", CHUNK_BYTES), shared.buffer("stored chunk", CHUNK_BYTES)
+    buffers = ((None, None) if mapped else
+               (shared.buffer("source chunk", CHUNK_BYTES), shared.buffer("stored chunk", CHUNK_BYTES)))
     pairs = zip(_row_chunks(source, tensor.source, buffers[0]), _row_chunks(output, tensor.name, buffers[1]),
                 strict=True)
     for before, after in pairs:
@@ -533,14 +550,16 @@ def _prove_identical(tensor: TensorPlan, source: CheckpointReader, output: Check
                                     "bytes differ")
 
 
-def _prove_recomputed(tensor: TensorPlan, shared: ShardSource, output: CheckpointReader) -> tuple[float, int]:
-    """(worst distance in ulps from the correctly rounded plan value, elements not bit-exact)."""
+def _prove_recomputed(tensor: TensorPlan, shared: ShardSource, output: CheckpointReader,
+                      mapped: bool = False) -> tuple[float, int]:
+    """(worst distance in ulps from the correctly rounded plan value, elements not bit-exact);
+    ``mapped``: the stored rows are read over the file's mapped pages."""
     row = max(1, math.prod(tensor.shape[1:]))
     worst, off = 0.0, 0
     for start, expected in expected_blocks(tensor, shared, PROOF_SLICE_ELEMENTS):
         count = expected.shape[0] if expected.dim() else 1
         nbytes = count * row * tensor.dtype.itemsize
-        stored = (_stored_rows(output, tensor.name, start, count, shared.buffer("stored", nbytes))
+        stored = (_stored_rows(output, tensor.name, start, count, None if mapped else shared.buffer("stored", nbytes))
                   if expected.dim() else output.get(tensor.name))
         rounded = shared.buffer("rounded", nbytes).view(tensor.dtype).view(expected.shape)
         rounded.copy_(expected)  # rounded to nearest as ``Tensor.to`` rounds
@@ -574,9 +593,10 @@ def _refuse_overflow(tensor: TensorPlan, start: int, expected: torch.Tensor, rou
         "--dtype)")
 
 
-def _stored_rows(output: CheckpointReader, name: str, start: int, count: int, buffer: torch.Tensor) -> torch.Tensor:
+def _stored_rows(output: CheckpointReader, name: str, start: int, count: int,
+                 buffer: torch.Tensor | None) -> torch.Tensor:
     if output.is_safetensors:
-        return output.read_rows(name, start, count, buffer)
+        return output.mapped_rows(name, start, count) if buffer is None else output.read_rows(name, start, count, buffer)
     return output.get(name).narrow(0, start, count)
 
 
