@@ -112,11 +112,12 @@ class CheckpointReader:
     Safetensors shards are read tensor by tensor (``SafetensorsShard``). Pickled ``.bin`` shards
     are loaded with ``weights_only=True`` (no arbitrary code) and ``mmap=True``, one shard at a
     time: their tensors are views of the mapped file, so memory holds the pages touched in the
-    current shard, never a whole model.
+    current shard, never a whole model. A ``mapped`` reader reads rows of safetensors shards over
+    the file's mapped pages (``read_rows``), for a process that runs nothing else.
     """
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, path: Path, mapped: bool = False) -> None:
+        self.path, self.mapped = path, mapped
         self.shards = _weight_shards(path)
         self.is_safetensors = self.shards[0].endswith(".safetensors")
         self._open: dict[str, object] = {}
@@ -186,20 +187,14 @@ class CheckpointReader:
 
     def read_rows(self, name: str, start: int, count: int, buffer: torch.Tensor | None = None) -> torch.Tensor:
         """Rows ``start``..``start+count`` of ``name`` along its first axis, read now (into
-        ``buffer``, a reusable uint8 tensor, for safetensors shards)."""
+        ``buffer``, a reusable uint8 tensor, for safetensors shards; for a ``mapped`` reader, over
+        the file's mapped pages instead, with no copy: ``SafetensorsShard.mapped_rows``)."""
         info = self.tensors[name]
         with _read_errors(f"tensor {name} from {info.shard}"):
+            if self.is_safetensors and self.mapped:
+                return self._handle(info.shard).mapped_rows(name, start, count)
             if self.is_safetensors:
                 return self._handle(info.shard).read_rows(name, start, count, buffer)
-            return self._handle(info.shard)[name].narrow(0, start, count)
-
-    def mapped_rows(self, name: str, start: int, count: int) -> torch.Tensor:
-        """``read_rows`` without a copy, over the file's mapped pages (``SafetensorsShard.mapped_rows``,
-        for a process that runs nothing else); a pickled shard's tensors are mapped views already."""
-        info = self.tensors[name]
-        with _read_errors(f"tensor {name} from {info.shard}"):
-            if self.is_safetensors:
-                return self._handle(info.shard).mapped_rows(name, start, count)
             return self._handle(info.shard)[name].narrow(0, start, count)
 
     def read_as(self, name: str, dtype: torch.dtype, slice_bytes: int = 8 << 20,

@@ -77,9 +77,9 @@ class WeightsProof:
     ``figures()`` gives those of a single pass whatever the split: the first wrong tensor in the
     plan's order (a worker stops taking tensors past the first failure found, and every tensor
     before it is proven by someone), and the worst tensor by ulps, the first of equals. With
-    ``mapped`` (set in a process that runs nothing but the proof, ``ProofInProcess``) stored bytes
-    are compared over the files' mapped pages instead of copies of them
-    (``CheckpointReader.mapped_rows``)."""
+    ``mapped`` (set in a process that runs nothing but the proof, ``ProofInProcess``) both
+    checkpoints are read over their files' mapped pages instead of copies of them
+    (``CheckpointReader``'s ``mapped``)."""
 
     def __init__(self, source_dir: Path, converted_dir: Path, plan: ConversionPlan) -> None:
         # block-sized float64 temporaries come and go per tensor: give them their own mappings,
@@ -108,18 +108,19 @@ class WeightsProof:
         """Prove tensors, the next one not taken each time, until none is left or one fails."""
         index: int | None = -1  # a failure to open the checkpoints comes before every tensor
         try:
-            with CheckpointReader(self.paths[0]) as source, CheckpointReader(self.paths[1]) as output:
+            with (CheckpointReader(self.paths[0], self.mapped) as source,
+                  CheckpointReader(self.paths[1], self.mapped) as output):
                 shared = ShardSource(source)
                 while (index := self.queue.take()) is not None:
                     tensor = self.tensors[index]
                     if _same_bytes_expected(tensor, source):
-                        _prove_identical(tensor, source, output, shared, self.mapped)
+                        _prove_identical(tensor, source, output, shared)
                         result = (index, None, 0)
                     elif shared.row_streamable(tensor):
-                        result = (index, *_prove_recomputed(tensor, shared, output, self.mapped))
+                        result = (index, *_prove_recomputed(tensor, shared, output))
                     else:
                         with self._whole:
-                            result = (index, *_prove_recomputed(tensor, shared, output, self.mapped))
+                            result = (index, *_prove_recomputed(tensor, shared, output))
                     with self.queue.lock:
                         self.results.append(result)
         except Exception as error:  # raised by figures(), in the calling thread
@@ -518,17 +519,15 @@ def _same_bytes_expected(tensor: TensorPlan, source: CheckpointReader) -> bool:
             and source.tensors[tensor.source].dtype_name == tensor.dtype_name)
 
 
-def _row_chunks(reader: CheckpointReader, name: str, buffer: torch.Tensor | None) -> Iterator[torch.Tensor]:
-    """``name`` in slices of rows of at most CHUNK_BYTES, read into ``buffer`` (overwritten by the
-    next), or with ``buffer`` None over the file's mapped pages (each slice unmapped once dropped)."""
+def _row_chunks(reader: CheckpointReader, name: str, buffer: torch.Tensor) -> Iterator[torch.Tensor]:
+    """``name`` in slices of rows of at most CHUNK_BYTES, read into ``buffer`` (overwritten by the next)."""
     info = reader.tensors[name]
     if len(info.shape) == 0 or info.shape[0] == 0 or not reader.is_safetensors:
         yield reader.get(name)
         return
     rows = max(1, CHUNK_BYTES // max(1, info.nbytes // info.shape[0]))
     for start in range(0, info.shape[0], rows):
-        count = min(rows, info.shape[0] - start)
-        yield reader.mapped_rows(name, start, count) if buffer is None else reader.read_rows(name, start, count, buffer)
+        yield reader.read_rows(name, start, min(rows, info.shape[0] - start), buffer)
 
 
 def _words(values: torch.Tensor) -> torch.Tensor:
@@ -538,10 +537,9 @@ def _words(values: torch.Tensor) -> torch.Tensor:
 
 
 def _prove_identical(tensor: TensorPlan, source: CheckpointReader, output: CheckpointReader,
-                     shared: ShardSource, mapped: bool = False) -> None:
+                     shared: ShardSource) -> None:
     # reused for every tensor: a fresh pair of buffers per tensor would fault in new pages each time
-    buffers = ((None, None) if mapped else
-               (shared.buffer("source chunk", CHUNK_BYTES), shared.buffer("stored chunk", CHUNK_BYTES)))
+    buffers = shared.buffer("source chunk", CHUNK_BYTES), shared.buffer("stored chunk", CHUNK_BYTES)
     pairs = zip(_row_chunks(source, tensor.source, buffers[0]), _row_chunks(output, tensor.name, buffers[1]),
                 strict=True)
     for before, after in pairs:
@@ -550,16 +548,14 @@ def _prove_identical(tensor: TensorPlan, source: CheckpointReader, output: Check
                                     "bytes differ")
 
 
-def _prove_recomputed(tensor: TensorPlan, shared: ShardSource, output: CheckpointReader,
-                      mapped: bool = False) -> tuple[float, int]:
-    """(worst distance in ulps from the correctly rounded plan value, elements not bit-exact);
-    ``mapped``: the stored rows are read over the file's mapped pages."""
+def _prove_recomputed(tensor: TensorPlan, shared: ShardSource, output: CheckpointReader) -> tuple[float, int]:
+    """(worst distance in ulps from the correctly rounded plan value, elements not bit-exact)."""
     row = max(1, math.prod(tensor.shape[1:]))
     worst, off = 0.0, 0
     for start, expected in expected_blocks(tensor, shared, PROOF_SLICE_ELEMENTS):
         count = expected.shape[0] if expected.dim() else 1
         nbytes = count * row * tensor.dtype.itemsize
-        stored = (_stored_rows(output, tensor.name, start, count, None if mapped else shared.buffer("stored", nbytes))
+        stored = (_stored_rows(output, tensor.name, start, count, shared.buffer("stored", nbytes))
                   if expected.dim() else output.get(tensor.name))
         rounded = shared.buffer("rounded", nbytes).view(tensor.dtype).view(expected.shape)
         rounded.copy_(expected)  # rounded to nearest as ``Tensor.to`` rounds
@@ -593,10 +589,9 @@ def _refuse_overflow(tensor: TensorPlan, start: int, expected: torch.Tensor, rou
         "--dtype)")
 
 
-def _stored_rows(output: CheckpointReader, name: str, start: int, count: int,
-                 buffer: torch.Tensor | None) -> torch.Tensor:
+def _stored_rows(output: CheckpointReader, name: str, start: int, count: int, buffer: torch.Tensor) -> torch.Tensor:
     if output.is_safetensors:
-        return output.mapped_rows(name, start, count) if buffer is None else output.read_rows(name, start, count, buffer)
+        return output.read_rows(name, start, count, buffer)
     return output.get(name).narrow(0, start, count)
 
 
