@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -174,3 +175,23 @@ def tiny_gpt2(path: Path) -> Path:
     config = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=50, n_positions=16, bos_token_id=0,
                                      eos_token_id=0)
     return save(make_hard(transformers.GPT2LMHeadModel(config)), path)
+
+
+@contextmanager
+def deep_tree(top: Path, depth: int = 1100) -> Iterator[Path]:
+    """``top``, a folder with folders nested ``depth`` deep below it (deeper than the interpreter's
+    recursion limit), removed bottom-up afterwards: ``shutil.rmtree``, and pytest's clean-up of
+    its temporary folders with it, recurses and cannot remove it."""
+    folders = [top]
+    top.mkdir()
+    for _ in range(depth):
+        folders.append(folders[-1] / "a")
+        folders[-1].mkdir()
+    try:
+        yield top
+    finally:
+        for folder in reversed(folders):
+            try:
+                folder.rmdir()
+            except FileNotFoundError:
+                pass

@@ -193,6 +193,10 @@ CONFIG_CASES = {
     "model_type-unknown": (_set(model_type="llama"), "unsupported architecture 'llama'"),
     "model_type-post-ln": (_set(model_type="bert"), "post-LN"),
     "already-converted": (_set(normswap={"version": "0"}), "already converted"),
+    "num_labels-huge": (_set(num_labels=10**8), "'num_labels' must be an integer from 0 to 1000000"),
+    "num_labels-string": (_set(num_labels="2"), "'num_labels' must be an integer"),
+    "text_config-in-gpt2": (_set(text_config={}), "a gpt2 config has no 'text_config'"),
+    "decoder-in-gpt2": (_set(decoder=5), "a gpt2 config has no 'decoder'"),
 }
 
 

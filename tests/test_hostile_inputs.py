@@ -227,6 +227,25 @@ def test_safetensors_header_read_within_bounds(source, tmp_path, capsys, case):
     refused(capsys, tmp_path, "inspect", src, needle="unreadable header")
 
 
+def test_null_safetensors_metadata_is_none(source, tmp_path, capsys):
+    """The safetensors library reads a null ``__metadata__`` as none, and so does normswap."""
+    src = copy(source, tmp_path)
+    rewrite_header(src / "model.safetensors",
+                   lambda header, data: (json.dumps({**header, "__metadata__": None}).encode(), data))
+    assert main(["inspect", str(src)]) == 0
+
+
+@pytest.mark.parametrize(("metadata", "needle"), [([1], "is a JSON array"), ({"format": "pt", "x": {"y": [1]}},
+                                                                              "maps 'x' to a JSON object")])
+def test_safetensors_metadata_maps_strings_to_strings(source, tmp_path, capsys, metadata, needle):
+    """The safetensors library refuses any other ``__metadata__`` when a loader opens the file,
+    so convert refuses it before writing."""
+    src = copy(source, tmp_path)
+    rewrite_header(src / "model.safetensors",
+                   lambda header, data: (json.dumps({**header, "__metadata__": metadata}).encode(), data))
+    refused(capsys, tmp_path, "convert", src, "--out", tmp_path / "out", needle=needle)
+
+
 # ---------------------------------------------------------------------------------------------
 # 6. recipes and task YAML through the same reader
 
@@ -247,6 +266,7 @@ RECIPE_PROBLEMS = {
     "python-tag": ("source: !!python/object/apply:os.system ['true']\n", "not valid YAML"),
     "top-level-list": ("- source\n", "must be a YAML mapping"),
     "empty": ("", "must be a YAML mapping"),
+    "nul-character": ("name: x\x00\nsource: normswap:austen-gpt2\n", "not valid YAML"),
 }
 
 

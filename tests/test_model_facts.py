@@ -99,6 +99,26 @@ def test_declared_facts_equal_the_class(case):
     assert resolve_structure(structure, declared.module_names) == resolve_structure(structure, module_names)
 
 
+def test_names_of_blocks_a_sampled_model_lacks_are_kept_without_renaming():
+    """The forward passes build the first blocks only; the checkpoint's names of the other blocks
+    are the class's own form, so transformers' renaming table (tenths of a second to build) is
+    not asked about them, while a name of another form still is."""
+    from normswap.checkpoint.names import canonical_names
+
+    keys = {"transformer.h.0.attn.c_attn.weight", "transformer.h.1.attn.c_attn.weight", "lm_head.weight"}
+    asked = []
+
+    def rename(name: str) -> str:
+        asked.append(name)
+        return name
+
+    names = ["transformer.h.47.attn.c_attn.weight", "lm_head.weight", "h.0.attn.c_attn.weight"]
+    mapping = canonical_names(names, keys, "transformer", rename)
+    assert mapping == {"transformer.h.47.attn.c_attn.weight": "transformer.h.47.attn.c_attn.weight",
+                       "lm_head.weight": "lm_head.weight", "h.0.attn.c_attn.weight": "transformer.h.0.attn.c_attn.weight"}
+    assert asked == ["h.0.attn.c_attn.weight"]
+
+
 def test_every_declared_class_is_tested():
     tested = set()
     for config in CASES.values():

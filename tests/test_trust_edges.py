@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import leftovers, make_hard, save
+from helpers import deep_tree, leftovers, make_hard, save
 from test_hostile import Guard, assert_refused, run_cli
 from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -243,6 +243,19 @@ def test_overwrite_refuses_an_output_holding_what_normswap_did_not_write(source,
     code, _, err = run_cli(capsys, "eval", source, "--out", report, "--overwrite", "--no-progress")
     assert_refused(code, err, "normswap did not write", "report.json" if added == "unlisted-marker" else added)
     guard.unchanged()
+
+
+def test_overwrite_walks_a_tree_of_any_depth(source, tmp_path, capsys):
+    """A folder tree deeper than the interpreter's recursion limit in an output is someone else's,
+    and is found as such (the walks keep their own stacks)."""
+    report = tmp_path / "report"
+    with output.claimed_output(report, inputs=[], overwrite=False, kind="report") as claim:
+        (claim.tmp / "report.json").write_text("{}")
+        claim.install()
+    with deep_tree(report / "mine"):
+        code, _, err = run_cli(capsys, "eval", source, "--out", report, "--overwrite", "--no-progress")
+        assert_refused(code, err, "normswap did not write", "mine")
+        assert (report / "mine" / "a" / "a").is_dir() and (report / "report.json").read_text() == "{}"
 
 
 @pytest.mark.parametrize("option", ["--text", "--audio", "--images"])

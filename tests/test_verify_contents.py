@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from helpers import deep_tree
 from test_hostile import assert_refused, run_cli
 
 from normswap.checkpoint.provenance import Provenance
@@ -83,6 +85,57 @@ def test_second_set_of_weights_fails(converted, tmp_path, capsys, name):
         (folder / name).parent.mkdir(exist_ok=True)
         (folder / name).write_bytes(b"weights")
     refused(capsys, tampered(converted, tmp_path, add), name, "weight file normswap did not write")
+
+
+@pytest.mark.parametrize("name", ["tokenization_extra.py", "custom_generate/generate.py", "notes.txt"])
+def test_files_normswap_does_not_write_fail(converted, tmp_path, capsys, name):
+    def add(folder: Path) -> None:
+        (folder / name).parent.mkdir(exist_ok=True)
+        (folder / name).write_text("print('extra')\n")
+    refused(capsys, tampered(converted, tmp_path, add), repr(name.split("/")[0]), "normswap does not write")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link-outside"])
+def test_what_normswap_writes_is_a_regular_file_inside_the_checkpoint(converted, tmp_path, capsys, kind):
+    def change(folder: Path) -> None:
+        (folder / "README.md").unlink()
+        if kind == "fifo":
+            os.mkfifo(folder / "README.md")
+        else:
+            (tmp_path / "outside.md").write_text("card\n")
+            (folder / "README.md").symlink_to(tmp_path / "outside.md")
+    code, _, err = run_cli(capsys, "verify", ORIGINAL, tampered(converted, tmp_path, change))
+    assert_refused(code, err, "README.md", exit_code=2)  # read as side files are: bad input
+
+
+def test_no_folder_tree_stops_the_check(converted, tmp_path, capsys):
+    folder = tampered(converted, tmp_path, lambda folder: None)
+    with deep_tree(folder / "d"):
+        code, _, err = run_cli(capsys, "verify", ORIGINAL, folder)
+    assert_refused(code, err, "'d', a folder", exit_code=3)
+
+
+def test_hidden_entries_are_left_alone(converted, tmp_path):
+    """A hub repository's ``.gitattributes`` and a clone's ``.git`` are not the model's files."""
+    def add(folder: Path) -> None:
+        (folder / ".gitattributes").write_text("*.safetensors filter=lfs\n")
+        (folder / ".git").mkdir()
+        (folder / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    folder = tampered(converted, tmp_path, add)
+    contents.check_other_files(folder)
+
+
+@pytest.mark.parametrize(("key", "edit"), [
+    ("norms_swapped", lambda block: block["norms_swapped"].pop()),
+    ("norms_folded", lambda block: block["norms_folded"].append("transformer.ln_f")),
+    ("writers_centred", lambda block: block.update(writers_centred=block["writers_centred"] - 1)),
+    ("untied", lambda block: block["untied"].append("transformer.wte.weight")),
+    ("comment", lambda block: block.update(comment="hi")),
+    ("options.zzz", lambda block: block["options"].update(zzz=1)),
+])
+def test_the_normswap_block_states_what_the_conversion_did(converted, tmp_path, capsys, key, edit):
+    folder = tampered(converted, tmp_path, edit_json("config.json", lambda config: edit(config["normswap"])))
+    refused(capsys, folder, f"'normswap.{key}'")
 
 
 @pytest.mark.parametrize(("name", "change"), [

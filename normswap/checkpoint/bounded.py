@@ -60,7 +60,10 @@ def read_yaml(path: Path, *, what: str | None = None, mapping: bool = True, load
 
     where = what or str(path)
     text = _decoded(_read_bytes(path, where), where)
-    loader = _bounded_loader_class(loader or yaml.SafeLoader)(text, where)
+    try:  # the reader refuses characters YAML does not allow (a NUL) as it is built
+        loader = _bounded_loader_class(loader or yaml.SafeLoader)(text, where)
+    except yaml.YAMLError as error:
+        raise _unreadable(where, f"not valid YAML ({first_line(error)})") from None
     try:
         value = loader.get_single_data()
     except RecursionError:

@@ -43,11 +43,21 @@ def marked_kind(folder: Path) -> str | None:
 
 def paths_under(folder: Path) -> list[str]:
     """Every file and folder under ``folder`` as a sorted relative path (links listed, not
-    followed), the marker itself left out."""
-    found = []
-    for root, dirs, files in os.walk(folder, followlinks=False):
-        relative = Path(root).relative_to(folder)
-        found += [str(relative / name) for name in dirs + files]
+    followed), the marker itself left out. The walk keeps its own stack, so a tree of any depth
+    is listed (``os.walk`` recurses, and a tree deeper than the interpreter's limit stops it);
+    a folder that cannot be listed is left out, as ``os.walk`` leaves it."""
+    found, pending = [], [""]
+    while pending:
+        relative = pending.pop()
+        try:
+            with os.scandir(os.path.join(folder, relative)) as entries:
+                for entry in entries:
+                    path = os.path.join(relative, entry.name)
+                    found.append(path)
+                    if entry.is_dir(follow_symlinks=False):
+                        pending.append(path)
+        except OSError:
+            continue
     return sorted(path for path in found if path != MARKER)
 
 

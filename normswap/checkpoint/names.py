@@ -4,7 +4,11 @@ writes a checkpoint."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
+
+# a module-list index inside a dotted name: the 3 of ``transformer.h.3.attn``
+_INDEX = re.compile(r"(?<=\.)\d+(?=\.)")
 
 
 def canonical_names(
@@ -17,11 +21,14 @@ def canonical_names(
     first (transformers 5 renames e.g. ViT's ``encoder.layer.0.attention.attention.query`` to
     ``layers.0.attention.q_proj``), so adapters only ever see the model class's names. A name
     the class already has is kept, and ``rename`` is not called for it: the renamings map older
-    checkpoints' names onto the class's, whose own names load as they are.
+    checkpoints' names onto the class's, whose own names load as they are. So is a name of the
+    class's own form in a block the model was built without: a model of its first blocks only
+    keeps ``transformer.h.47.attn.c_attn.weight``, the name block 47 has in the class.
     """
+    own_forms = {_INDEX.sub("#", key) for key in model_keys}
     mapping = {}
     for name in source_names:
-        if name in model_keys:
+        if name in model_keys or _INDEX.sub("#", name) in own_forms:
             mapping[name] = name
             continue
         renamed = rename(name) if rename is not None else name

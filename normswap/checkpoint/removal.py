@@ -41,15 +41,22 @@ def mounts_inside(root: Path) -> list[Path]:
         device = os.lstat(root).st_dev
     except OSError:
         return found
-    for folder, dirs, _, _ in os.fwalk(root, follow_symlinks=False):
-        for name in list(dirs):
-            path = Path(folder) / name
+    pending = [Path(root)]  # a stack of its own: a tree of any depth is walked (os.fwalk recurses)
+    while pending:
+        try:
+            with os.scandir(pending.pop()) as entries:
+                folders = [Path(entry.path) for entry in entries if entry.is_dir(follow_symlinks=False)]
+        except OSError:
+            continue
+        for path in folders:
             try:
-                if os.lstat(path).st_dev != device:
-                    found.append(path)
-                    dirs.remove(name)
+                other_device = os.lstat(path).st_dev != device
             except OSError:
-                dirs.remove(name)
+                continue
+            if other_device:
+                found.append(path)
+            else:
+                pending.append(path)
     return sorted(set(found))
 
 
@@ -72,6 +79,8 @@ def remove_tree(root: Path, last: str | None = None) -> list[Path]:
         return [root]
     try:
         left = _empty(fd, root, device, mounts, Path(os.path.realpath(root)), last)
+    except RecursionError:  # a tree deeper than the interpreter's limit: what is left stays
+        left = [root]
     finally:
         os.close(fd)
     if left:

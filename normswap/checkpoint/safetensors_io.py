@@ -59,6 +59,12 @@ class StoredTensor:
         return tensor_nbytes(self.shape, self.dtype_name)
 
 
+def _json_kind(value: object) -> str:
+    """The JSON name of a parsed value's type."""
+    kinds = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
+    return "null" if value is None else kinds.get(type(value), type(value).__name__)
+
+
 class SafetensorsShard:
     """One safetensors file: its header parsed and checked at open, tensors read on demand.
 
@@ -101,10 +107,23 @@ class SafetensorsShard:
         entries = {}
         for name, entry in header.items():
             if name == "__metadata__":
+                self._check_metadata(entry)
                 continue
             entries[name] = self._check_entry(name, entry, data_bytes)
         self._check_layout(entries, data_bytes)
         return entries
+
+    def _check_metadata(self, metadata: object) -> None:
+        """``__metadata__`` is a map of strings to strings in the format, or null for none: the
+        safetensors library refuses anything else when a loader opens the file."""
+        if metadata is None:
+            return
+        if not isinstance(metadata, dict):
+            raise self._corrupt(f"__metadata__ is a JSON {_json_kind(metadata)}; it must map strings to strings")
+        for key, value in metadata.items():
+            if not isinstance(value, str):
+                raise self._corrupt(f"__metadata__ maps {key!r:.40} to a JSON {_json_kind(value)}; it must map "
+                                    "strings to strings")
 
     def _check_entry(self, name: str, entry: object, data_bytes: int) -> tuple[str, tuple[int, ...], int, int]:
         if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= set(entry):

@@ -45,6 +45,12 @@ HEAD_COUNTS = ("n_head", "num_attention_heads", "num_heads")
 WIDTHS = ("n_embd", "hidden_size", "d_model")
 LAYER_COUNTS = ("n_layer", "num_hidden_layers", "num_layers", "encoder_layers", "decoder_layers")
 SUB_CONFIGS = ("text_config", "vision_config")
+# keys transformers reads as a nested config wherever they are set (``get_text_config``, the
+# probes): in a family whose config class has no such sub-config, a value there breaks it
+NESTED_CONFIG_KEYS = ("text_config", "vision_config", "decoder", "generator", "text_encoder")
+# transformers builds an id -> label table of ``num_labels`` entries with the config object (about
+# 100 bytes each): far above any labelled data set, far below a size that fills memory
+MAX_LABELS = 1_000_000
 # the index of a residual block in a tensor name: transformer.h.3., model.layers.3., encoder.layer.3.
 _BLOCK_INDEX = re.compile(r"(?:^|\.)(?:h|layers?|blocks)\.(\d+)\.")
 
@@ -60,7 +66,25 @@ def check_config(config: dict, where: str) -> None:
     ):
         raise NormswapError(f"{where}: 'architectures' must be a list of class names (got {_show(architectures)})")
     check_steering_keys(config, where)  # also checked on every checkpoint folder a command reads
+    _check_nested_configs(config, model_type, where)
     _check_values(config, where, "")
+
+
+def _check_nested_configs(config: dict, model_type: str, where: str) -> None:
+    """A key transformers reads as a nested config must be one of the family's sub-configs (asked
+    of transformers only when such a key is set, which few configs do)."""
+    present = [key for key in NESTED_CONFIG_KEYS if config.get(key) is not None]
+    if not present:
+        return
+    from transformers import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        return  # refused by name where the family is looked up
+    own = getattr(CONFIG_MAPPING[model_type], "sub_configs", None) or {}
+    for key in present:
+        if key not in own:
+            raise NormswapError(f"{where}: a {model_type} config has no '{key}' (got {_show(config[key])}); "
+                                "transformers would read it as a nested config")
 
 
 def _check_values(config: dict, where: str, prefix: str) -> None:
@@ -74,6 +98,10 @@ def _check_values(config: dict, where: str, prefix: str) -> None:
         if value is not None and not (_positive_int(value) or pair):
             raise NormswapError(f"{where}: '{prefix}{key}' must be a positive integer or a pair of them "
                                 f"(got {_show(value)})")
+    labels = config.get("num_labels")
+    if labels is not None and not (_natural(labels) and labels <= MAX_LABELS):
+        raise NormswapError(f"{where}: '{prefix}num_labels' must be an integer from 0 to {MAX_LABELS} "
+                            f"(got {_show(labels)})")
     for key in EPSILONS:
         value = config.get(key)
         if value is not None and not (_number(value) and math.isfinite(value) and value >= 0):
@@ -203,6 +231,10 @@ def _configs(config: dict) -> list[tuple[str, dict]]:
 
 def _positive_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _natural(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _number(value: object) -> bool:

@@ -94,6 +94,8 @@ def verify_checkpoint(original: str | Path, converted: str | Path, *, atol: floa
 
     def prepare() -> None:
         check_contents()
+        if plan is not None:
+            contents.check_provenance_block(converted_dir, provenance, plan, architecture.auto_class)
         import_classes(original_config, architecture)
 
     proven, (probe, loaders, mode, note) = proven_and_compared(

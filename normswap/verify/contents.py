@@ -13,6 +13,8 @@ else a loader reads is checked here, each failure one line (``VerificationError`
   set, read by ``use_safetensors=False`` or by a tool that globs weights, is never proven).
 * ``check_side_files``: the tokenizer, processor and generation files are the original's, as
   ``convert.write.copy_side_files`` copies them (a JSON file's ``auto_map`` dropped).
+* ``check_other_files``: nothing else is there (code, folders, notes), but hidden entries such
+  as a hub repository's ``.gitattributes``.
 * ``stored_dtype``: the least precise stored floating dtype, which sets the tolerance; the
   recorded ``options.dtype`` must name it.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 from normswap.architectures import Architecture
@@ -31,6 +34,7 @@ from normswap.checkpoint.provenance import Provenance
 from normswap.checkpoint.side_files import TOKENIZER_FILES
 from normswap.checkpoint.source import SAFETENSORS_INDEX, CheckpointReader
 from normswap.convert import card
+from normswap.convert.plan import ConversionPlan
 from normswap.dtypes import canonical_name, dtype_name, is_floating, least_precise
 from normswap.errors import NormswapError, VerificationError, quoted
 from normswap.modeling import MODELING_FILE, build, modeling_sha256
@@ -145,6 +149,58 @@ def _marker_paths(path: Path) -> set[str] | None:
     return {entry for entry in listed if isinstance(entry, str)} if isinstance(listed, list) else None
 
 
+# what normswap writes into a checkpoint folder besides its weight files and the side files
+WRITTEN_FILES = ("config.json", MODELING_FILE, "README.md")
+
+
+def check_other_files(path: Path, extra: tuple[str, ...] = ()) -> None:
+    """Refuse any entry of ``path`` that normswap does not write: its weight shards and their
+    index, ``WRITTEN_FILES``, the side files (``check_side_files`` holds them to the original's)
+    and ``extra`` (the stored rotation), each a file, and no folder. Hidden entries (a name
+    starting with a dot: ``.gitattributes``, a clone's ``.git``) are left alone; nothing reads
+    them as the model's (normswap's marker is one)."""
+    with CheckpointReader(path) as reader:
+        allowed = {*reader.shards, SAFETENSORS_INDEX, *WRITTEN_FILES, *SIDE_FILES, *extra}
+    with os.scandir(path) as entries:
+        names = sorted((entry.name, entry.is_dir()) for entry in entries)
+    for name, is_folder in names:
+        if name.startswith("."):
+            continue
+        if name in allowed and not is_folder:
+            inside_file(path, name)  # a regular file inside the checkpoint, as normswap writes it
+            continue
+        kind = "folder" if is_folder else "file"
+        raise VerificationError(f"{path} holds {quoted(name, 80)}, a {kind} normswap does not write; "
+                                "verification proves the folder holds only what normswap writes, so remove it")
+
+
+# the keys of a conversion's ``normswap`` block that its plan settles (``card.provenance_block``);
+# the others record the run (``source`` as the user named it, ``version``, the ``verification``
+# figures, whose last digits move with the thread count)
+PLANNED_KEYS = ("original_model_type", "norms_swapped", "norms_folded", "writers_centred", "untied",
+                "stock_loadable", "structure", "auto_class", "modeling_sha256")
+# the options a conversion records (``convert.pipeline``), from which verify rebuilds its plan
+OPTION_KEYS = ("method", "fold_gains", "dtype")
+
+
+def check_provenance_block(path: Path, provenance: Provenance, plan: ConversionPlan, auto_class: str) -> None:
+    """The conversion's ``normswap`` block states what ``plan`` (rebuilt from the original with the
+    recorded options, or the plan convert ran) did: each of ``PLANNED_KEYS``, one line naming the
+    first that differs."""
+    expected = card.provenance_block("", plan, provenance.options, auto_class)
+    for keys, written, where in ((provenance.block, {*expected, "verification"}, "normswap"),
+                                 (provenance.options, OPTION_KEYS, "normswap.options")):
+        unknown = sorted((key for key in keys if key not in written), key=str)
+        if unknown:
+            raise VerificationError(f"{path}: config.json key {quoted(f'{where}.{unknown[0]}', 80)} is not one "
+                                    "normswap writes for a conversion")
+    for key in PLANNED_KEYS:
+        found = provenance.block.get(key, _ABSENT)
+        if _canonical(found) != _canonical(expected[key]):
+            raise VerificationError(f"{path}: config.json key 'normswap.{key}' is not what the conversion did "
+                                    f"({_shown(found)}, expected {_shown(expected[key])})")
+
+
 def check_side_files(original_dir: Path, converted_dir: Path) -> None:
     """Each side file (``checkpoint.files.SIDE_FILES``) the original has is in the conversion and
     equal to the original's (a JSON file compared once the original's ``auto_map`` is dropped, as
@@ -213,7 +269,9 @@ def check_contents(reference_dir: Path, converted_dir: Path, reference_config: d
     check_modeling_file(converted_dir)
     if provenance.rotation is not None:
         rotation_block(converted_dir, converted_config)
-    check_weight_files(converted_dir, (ROTATION_FILE,) if provenance.rotation is not None else ())
+    extra = (ROTATION_FILE,) if provenance.rotation is not None else ()
+    check_weight_files(converted_dir, extra)
     check_side_files(reference_dir, converted_dir)
     architecture, source, _ = family_of(reference_dir, reference_config)
     check_config(source, converted_config, architecture, provenance, converted_dir)
+    check_other_files(converted_dir, extra)
