@@ -1,7 +1,8 @@
 """verify holds everything a converted folder holds to what normswap writes for its original: the
-modeling file and auto_map (whatever config.json records), config.json key by key, the side files,
-no second set of weights, and a tolerance from the stored dtypes, not from the recorded label.
-Every tampered copy fails in one line before any model runs."""
+modeling file and auto_map (whatever config.json records), config.json key by key, the normswap
+block's keys the plan settles, the side files, no second set of weights and nothing else, and a
+tolerance from the stored dtypes, not from the recorded label. Every tampered copy fails in one
+line before any model runs."""
 
 from __future__ import annotations
 
