@@ -235,8 +235,8 @@ def test_null_safetensors_metadata_is_none(source, tmp_path, capsys):
     assert main(["inspect", str(src)]) == 0
 
 
-@pytest.mark.parametrize(("metadata", "needle"), [([1], "is a JSON array"), ({"format": "pt", "x": {"y": [1]}},
-                                                                              "maps 'x' to a JSON object")])
+@pytest.mark.parametrize(("metadata", "needle"), [([1], "is an array"), ({"format": "pt", "x": {"y": [1]}},
+                                                                          "maps 'x' to an object")])
 def test_safetensors_metadata_maps_strings_to_strings(source, tmp_path, capsys, metadata, needle):
     """The safetensors library refuses any other ``__metadata__`` when a loader opens the file,
     so convert refuses it before writing."""

@@ -258,6 +258,24 @@ def test_overwrite_walks_a_tree_of_any_depth(source, tmp_path, capsys):
         assert (report / "mine" / "a" / "a").is_dir() and (report / "report.json").read_text() == "{}"
 
 
+def test_removal_leaves_a_tree_deeper_than_it_can_descend(tmp_path):
+    """Removing a tree deeper than the interpreter lets ``remove_tree`` descend is no internal
+    error: the tree is reported as left in place (the limit is lowered here to make it so)."""
+    import inspect
+    import sys
+
+    from normswap.checkpoint.removal import remove_tree
+
+    with deep_tree(tmp_path / "out", depth=300) as root:
+        limit = sys.getrecursionlimit()
+        sys.setrecursionlimit(len(inspect.stack()) + 100)
+        try:
+            left = remove_tree(root)
+        finally:
+            sys.setrecursionlimit(limit)
+        assert left == [root] and root.is_dir()
+
+
 @pytest.mark.parametrize("option", ["--text", "--audio", "--images"])
 def test_eval_input_inside_out_is_refused(converted, tmp_path, capsys, option):
     out = tmp_path / "report"

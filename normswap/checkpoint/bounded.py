@@ -154,14 +154,17 @@ def _checked(value: Any, what: str, mapping: bool, kind: str, list_word: str, *,
         elif isinstance(item, int) and not isinstance(item, bool) and len(str(abs(item))) > MAX_DIGITS:
             raise _unreadable(what, f"an integer of more than {MAX_DIGITS} digits")
     if mapping and not isinstance(value, dict):
-        raise NormswapError(f"{what} must hold {kind}, not {_kind_of(value, list_word)}")
+        found = "null (an empty file?)" if value is None else json_kind(value, list_word)
+        raise NormswapError(f"{what} must hold {kind}, not {found}")
     return value
 
 
-def _kind_of(value: Any, list_word: str) -> str:
+def json_kind(value: Any, list_word: str = "an array") -> str:
+    """What a parsed JSON or YAML value is, in words: ``a string``, ``an object``, ``null``..."""
     if value is None:
-        return "null (an empty file?)"
-    words = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: list_word}
+        return "null"
+    words = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: list_word,
+             dict: "an object"}
     return next((word for kind, word in words.items() if isinstance(value, kind)), type(value).__name__)
 
 

@@ -23,7 +23,7 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from normswap.checkpoint.bounded import parse_json
+from normswap.checkpoint.bounded import json_kind, parse_json
 from normswap.dtypes import check_tensor_dtype, dtype_name, itemsize, torch_dtype
 from normswap.errors import NormswapError
 
@@ -57,12 +57,6 @@ class StoredTensor:
     def nbytes(self) -> int:
         """Bytes of the tensor as stored."""
         return tensor_nbytes(self.shape, self.dtype_name)
-
-
-def _json_kind(value: object) -> str:
-    """The JSON name of a parsed value's type."""
-    kinds = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
-    return "null" if value is None else kinds.get(type(value), type(value).__name__)
 
 
 class SafetensorsShard:
@@ -119,10 +113,10 @@ class SafetensorsShard:
         if metadata is None:
             return
         if not isinstance(metadata, dict):
-            raise self._corrupt(f"__metadata__ is a JSON {_json_kind(metadata)}; it must map strings to strings")
+            raise self._corrupt(f"__metadata__ is {json_kind(metadata)}; it must map strings to strings")
         for key, value in metadata.items():
             if not isinstance(value, str):
-                raise self._corrupt(f"__metadata__ maps {key!r:.40} to a JSON {_json_kind(value)}; it must map "
+                raise self._corrupt(f"__metadata__ maps {key!r:.40} to {json_kind(value)}; it must map "
                                     "strings to strings")
 
     def _check_entry(self, name: str, entry: object, data_bytes: int) -> tuple[str, tuple[int, ...], int, int]:

@@ -153,21 +153,21 @@ def _marker_paths(path: Path) -> set[str] | None:
 WRITTEN_FILES = ("config.json", MODELING_FILE, "README.md")
 
 
-def check_other_files(path: Path, extra: tuple[str, ...] = ()) -> None:
-    """Refuse any entry of ``path`` that normswap does not write: its weight shards and their
-    index, ``WRITTEN_FILES``, the side files (``check_side_files`` holds them to the original's)
-    and ``extra`` (the stored rotation), each a file, and no folder. Hidden entries (a name
-    starting with a dot: ``.gitattributes``, a clone's ``.git``) are left alone; nothing reads
-    them as the model's (normswap's marker is one)."""
-    with CheckpointReader(path) as reader:
-        allowed = {*reader.shards, SAFETENSORS_INDEX, *WRITTEN_FILES, *SIDE_FILES, *extra}
+def check_other_files(path: Path) -> None:
+    """Refuse any entry of ``path`` that normswap does not write: ``WRITTEN_FILES``, each a
+    regular file inside the folder, the side files (``check_side_files`` holds them to the
+    original's) and weight files (``check_weight_files`` judges those), and no folder. Hidden
+    entries (a name starting with a dot: ``.gitattributes``, a clone's ``.git``, normswap's
+    marker) are left alone; nothing reads them as the model's."""
     with os.scandir(path) as entries:
         names = sorted((entry.name, entry.is_dir()) for entry in entries)
     for name, is_folder in names:
-        if name.startswith("."):
+        if name.startswith(".") or name.lower().endswith(WEIGHT_SUFFIXES):
             continue
-        if name in allowed and not is_folder:
-            inside_file(path, name)  # a regular file inside the checkpoint, as normswap writes it
+        if name in WRITTEN_FILES and not is_folder:
+            inside_file(path, name)
+            continue
+        if name in SIDE_FILES and not is_folder:
             continue
         kind = "folder" if is_folder else "file"
         raise VerificationError(f"{path} holds {quoted(name, 80)}, a {kind} normswap does not write; "
@@ -269,9 +269,8 @@ def check_contents(reference_dir: Path, converted_dir: Path, reference_config: d
     check_modeling_file(converted_dir)
     if provenance.rotation is not None:
         rotation_block(converted_dir, converted_config)
-    extra = (ROTATION_FILE,) if provenance.rotation is not None else ()
-    check_weight_files(converted_dir, extra)
+    check_weight_files(converted_dir, (ROTATION_FILE,) if provenance.rotation is not None else ())
     check_side_files(reference_dir, converted_dir)
     architecture, source, _ = family_of(reference_dir, reference_config)
     check_config(source, converted_config, architecture, provenance, converted_dir)
-    check_other_files(converted_dir, extra)
+    check_other_files(converted_dir)
