@@ -178,6 +178,9 @@ def _run(argv: list[str], interrupts: _Interrupts) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         parser.subcommand_parsers[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+    from normswap.commands import quiet_progress_bars
+
+    quiet_progress_bars(args)  # before the hub download or any library draws a bar
     try:
         if not getattr(args, "json", False):
             return int(modules[args.command].run(args) or 0)
