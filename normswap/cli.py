@@ -128,10 +128,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         interrupts.count = max(interrupts.count, 1)
         code = 130
-    except Exception:
-        if not interrupts.count:
+    except BaseException as error:
+        if isinstance(error, SystemExit | GeneratorExit):
             raise
-        code = 130  # a library turned the interrupt into an error of its own (an import that "failed")
+        if _rust_panic(error) and not interrupts.count:  # raised before a command ran (argument parsing)
+            print(f"normswap {command}: error: {_one_line(_panic_line(error, argparse.Namespace()))}",
+                  file=sys.stderr)
+            code = 2
+        elif not interrupts.count:
+            raise
+        else:
+            code = 130  # a library turned the interrupt into an error of its own (an import that "failed")
     finally:
         interrupts.restore(command_line)
     code = interrupts.outcome(command) or code
@@ -201,12 +208,35 @@ def _run(argv: list[str], interrupts: _Interrupts) -> int:
         where = f": {error.filename}" if error.filename else ""
         print(f"normswap {args.command}: error: {reason}{where}", file=sys.stderr)
         return 2
-    except Exception as error:  # the last line of defence: a bug in normswap, reported in one line
+    except BaseException as error:  # the last line of defence: a bug in normswap, reported in one line
+        if isinstance(error, KeyboardInterrupt | SystemExit | GeneratorExit):
+            raise
         if interrupts.count:
             raise KeyboardInterrupt from None  # a library turned the interrupt into an error of its own
+        if _rust_panic(error):  # a tokenizer's regex made the Rust library give up: the input's fault
+            print(f"normswap {args.command}: error: {_one_line(_panic_line(error, args))}", file=sys.stderr)
+            return 2
         print(f"normswap {args.command}: {INTERNAL_ERROR} {type(error).__name__}: {_one_line(str(error))[:300]} "
               f"(full traceback in {_save_traceback()}; outputs were not installed)", file=sys.stderr)
         return INTERNAL_EXIT
+
+
+def _rust_panic(error: BaseException) -> bool:
+    from normswap.checkpoint.tokenizer_panics import is_rust_panic
+
+    return is_rust_panic(error)
+
+
+def _panic_line(error: BaseException, args: argparse.Namespace) -> str:
+    """The line for a Rust panic: the tokenizer files among the command's local inputs."""
+    from normswap.checkpoint.tokenizer_panics import panic_line
+    from normswap.commands import command_inputs
+
+    try:
+        folders = [path for path in command_inputs(args) if path.is_dir()]
+    except Exception:  # an input that cannot be listed: the line names no file
+        folders = []
+    return panic_line(error, folders)
 
 
 # what the last line of defence prints: every refusal normswap expects has a line of its own

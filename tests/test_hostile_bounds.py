@@ -8,7 +8,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import shutil
 import struct
 from pathlib import Path
 
@@ -16,7 +18,7 @@ import pytest
 import torch
 from helpers import tiny_gpt2
 
-from normswap.checkpoint.source import CheckpointReader
+from normswap.checkpoint.source import CheckpointReader, example_model_path
 from normswap.cli import main
 
 HUGE_DIM = 2 ** 62
@@ -49,3 +51,46 @@ def test_a_zero_size_tensor_with_a_huge_dimension_converts_and_is_proven(zero_si
     with CheckpointReader(tmp_path / "out") as reader:
         assert reader.tensors["extra.empty"].shape == (HUGE_DIM, 0)
     assert "weights proven" in capsys.readouterr().out
+
+
+PANIC_REGEX = "(a|a)+$"
+
+
+@pytest.fixture(scope="module")
+def panicking_tokenizer(tmp_path_factory) -> tuple[Path, Path]:
+    """The bundled example with a ``Split`` pre-tokenizer whose regex makes Oniguruma give up
+    (read as a ``PreTrainedTokenizerFast``, so tokenizer.json is used as written), and a text
+    that trips it."""
+    root = tmp_path_factory.mktemp("panic")
+    model = root / "model"
+    shutil.copytree(example_model_path(), model)
+    data = json.loads((model / "tokenizer.json").read_text())
+    data["pre_tokenizer"] = {"type": "Split", "pattern": {"Regex": PANIC_REGEX}, "behavior": "Isolated",
+                             "invert": False}
+    (model / "tokenizer.json").write_text(json.dumps(data))
+    settings = json.loads((model / "tokenizer_config.json").read_text())
+    settings["tokenizer_class"] = "PreTrainedTokenizerFast"
+    (model / "tokenizer_config.json").write_text(json.dumps(settings))
+    text = root / "text.txt"
+    text.write_text(("a" * 40 + "b ") * 50)
+    return model, text
+
+
+@pytest.mark.parametrize("command", [["geometry"], ["eval", "--device", "cpu"]])
+def test_a_tokenizer_panic_is_one_line_naming_the_file_and_the_regex(panicking_tokenizer, capfd, command):
+    model, text = panicking_tokenizer
+    assert main([command[0], str(model), "--text", str(text), *command[1:], "--no-progress"]) == 2
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1, lines  # the Rust library's own panic lines are held back too
+    assert f"{model / 'tokenizer.json'}" in lines[0] and repr(PANIC_REGEX) in lines[0], lines[0]
+
+
+def test_a_panic_outside_the_held_back_calls_is_one_line_from_the_runner(panicking_tokenizer, capsys, monkeypatch):
+    from normswap.checkpoint import tokenizer_panics
+
+    model, text = panicking_tokenizer
+    monkeypatch.setattr(tokenizer_panics, "held_back", lambda folder: contextlib.nullcontext())
+    assert main(["geometry", str(model), "--text", str(text), "--no-progress"]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("normswap geometry: error: the tokenizer of"), lines
+    assert repr(PANIC_REGEX) in lines[0]

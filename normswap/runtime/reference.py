@@ -44,7 +44,11 @@ def tokenize_text(tokenizer, text: str) -> torch.Tensor:
     Special tokens are added exactly as the tokenizer does by default (the documentation's recipe):
     none for GPT-2, a leading BOS for OPT or Llama, which then gives the first word a context.
     """
-    with transformers_errors_only():  # the text is far longer than the model context on purpose
+    from normswap.checkpoint.tokenizer_panics import held_back
+
+    folder = Path(getattr(tokenizer, "name_or_path", "") or ".")
+    # the text is far longer than the model context on purpose; a panic of the tokenizer's regex is one line
+    with transformers_errors_only(), held_back(folder):
         encoded = tokenizer(text, return_tensors="pt")
     return encoded["input_ids"][0]
 
