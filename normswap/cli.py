@@ -8,7 +8,9 @@ in normswap: one line names its type and message and the temporary file that hol
 traceback, and the exit status is 70. Outputs are installed only after a command succeeds, so
 nothing is left behind.
 
-Interrupts are handled from ``main``'s first line: the first SIGINT (or SIGTERM) before anything
+Interrupts are handled from ``main``'s first line: every signal that ends a process by default and
+that a user or the system sends to stop a command (``INTERRUPTS``: SIGINT, SIGTERM, SIGHUP from a
+closed terminal, SIGQUIT, SIGUSR1) is one interrupt. The first one before anything
 is installed raises ``KeyboardInterrupt``, whose clean-up leaves nothing and ends in one line and
 exit 130; further interrupts while that clean-up runs are only counted. Once an output is
 installed (``normswap.checkpoint.output.installed``), an interrupt no longer stops the command:
@@ -75,9 +77,14 @@ def build_parser(only: str | None = None) -> tuple[argparse.ArgumentParser, dict
     return parser, modules
 
 
+# Python already turns SIGPIPE into BrokenPipeError (one line from ``_run``, as any OSError).
+INTERRUPTS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1")
+                   if hasattr(signal, name))
+
+
 class _Interrupts:
-    """SIGINT and SIGTERM handling for one command (see the module docstring); ``restore`` puts
-    back what was there."""
+    """Interrupt handling for one command (``INTERRUPTS``, see the module docstring); ``restore``
+    puts back what was there."""
 
     def __init__(self) -> None:
         self.count = 0
@@ -85,7 +92,7 @@ class _Interrupts:
         main_thread = threading.current_thread() is threading.main_thread()
         # a process started with a signal ignored (SIGINT for ``cmd &`` in a script) keeps ignoring it
         self.previous = {signum: signal.signal(signum, self._on_signal)
-                         for signum in (signal.SIGINT, signal.SIGTERM)
+                         for signum in INTERRUPTS
                          if main_thread and signal.getsignal(signum) is not signal.SIG_IGN}
 
     @staticmethod
