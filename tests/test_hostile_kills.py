@@ -8,7 +8,6 @@ line. The commands run in subprocesses: a signal and a kill need a process of th
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
