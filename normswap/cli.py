@@ -5,8 +5,10 @@ Each subcommand lives beside the code it drives, in a module that offers two fun
 dispatches, and is the one boundary that turns a ``NormswapError`` (bad input, exit 2; failed
 verification, exit 3) or an ``OSError`` (exit 2) into one line on stderr. Anything else is a bug
 in normswap: one line names its type and message and the temporary file that holds its full
-traceback, and the exit status is 70. Outputs are installed only after a command succeeds, so
-nothing is left behind.
+traceback, and the exit status is 70. A Rust panic (``pyo3_runtime.PanicException``, a
+``BaseException``), which a tokenizer's regex can cause, is one line naming the tokenizer file and
+its regexes, exit 2. Outputs are installed only after a command succeeds, so nothing is left
+behind.
 
 Interrupts are handled from ``main``'s first line: every signal that ends a process by default and
 that a user or the system sends to stop a command (``INTERRUPTS``: SIGINT, SIGTERM, SIGHUP from a

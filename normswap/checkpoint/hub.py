@@ -39,6 +39,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from email.message import Message
 from pathlib import Path
 from urllib.parse import quote, urljoin, urlparse
 
@@ -281,7 +282,7 @@ class _Fetch:
         body, _ = self._get(self.endpoint + path, what, limit=MAX_ANSWER_BYTES)
         return parse_json(body, f"the hub's answer for {what}", mapping=False)
 
-    def _get(self, url: str, what: str, *, limit: int, exact: bool = False, sink=None) -> tuple[bytes, dict]:
+    def _get(self, url: str, what: str, *, limit: int, exact: bool = False, sink=None) -> tuple[bytes, Message]:
         """The body of ``url`` (or its bytes handed to ``sink``), at most ``limit`` bytes (with
         ``exact``: exactly), within ``deadline(limit)`` seconds."""
         request = urllib.request.Request(url, headers={"User-Agent": "normswap", "Accept-Encoding": "identity"})
@@ -315,7 +316,7 @@ class _Fetch:
                                          f"({received:,} of {limit:,} bytes arrived)")
                 if exact and received != limit:
                     raise _HubAnswer(f"the hub sent {received:,} bytes of {what}, which the listing gives at {limit:,}")
-                return b"".join(chunks), dict(answer.headers)
+                return b"".join(chunks), answer.headers
         except urllib.error.HTTPError as error:
             raise _HubAnswer(self._refusal(error, what)) from None
         except (urllib.error.URLError, OSError, http.client.HTTPException) as error:

@@ -51,7 +51,14 @@ def tokenizer_regexes(folder: Path) -> list[str]:
 
 
 def panic_line(error: BaseException, folders: Iterable[Path]) -> str:
-    """One line for a tokenizer's panic: the tokenizer files among ``folders`` and their regexes."""
+    """One line for a Rust panic: for a tokenizer's (the panic came through tokenizing code), the
+    tokenizer files among ``folders`` and their regexes."""
+    frames, trace = [], error.__traceback__
+    while trace is not None and len(frames) < 10_000:
+        frames.append(trace.tb_frame.f_code.co_filename)
+        trace = trace.tb_next
+    if frames and not any("tokeniz" in name for name in frames[-3:]):
+        return f"a Rust library failed: {quoted(first_line(error), 160)}"
     files = [Path(folder) / TOKENIZER_FILE for folder in folders if (Path(folder) / TOKENIZER_FILE).is_file()]
     where = []
     for file in files:
