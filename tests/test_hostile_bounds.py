@@ -94,3 +94,22 @@ def test_a_panic_outside_the_held_back_calls_is_one_line_from_the_runner(panicki
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("normswap geometry: error: the tokenizer of"), lines
     assert repr(PANIC_REGEX) in lines[0]
+
+
+def test_a_slow_tokenizer_regex_ends_at_its_deadline(panicking_tokenizer, tmp_path, capsys, monkeypatch):
+    """A regex that backtracks at every position without panicking: the tokenization has a
+    deadline (here shortened to 0.05 s; the text takes the tokenizer about 0.4 s)."""
+    from normswap.checkpoint import tokenizer_panics
+
+    model, _ = panicking_tokenizer
+    slow = tmp_path / "model"
+    shutil.copytree(model, slow)
+    data = json.loads((slow / "tokenizer.json").read_text())
+    data["pre_tokenizer"]["pattern"]["Regex"] = "(a|aa)+c"
+    (slow / "tokenizer.json").write_text(json.dumps(data))
+    text = tmp_path / "text.txt"
+    text.write_text(("a" * 22 + "b") * 200)
+    monkeypatch.setattr(tokenizer_panics, "TOKENIZE_SECONDS", 0.05)
+    assert main(["geometry", str(slow), "--text", str(text), "--no-progress"]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "took more than 0 s" in lines[0] and "'(a|aa)+c'" in lines[0], lines

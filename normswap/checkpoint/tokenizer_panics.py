@@ -4,9 +4,10 @@ The ``tokenizers`` library turns a Rust panic into ``pyo3_runtime.PanicException
 ``BaseException`` that ``except Exception`` lets through. A ``tokenizer.json`` can cause one on
 purpose: a ``Split`` pre-tokenizer (or a ``Replace`` normalizer) whose regex backtracks without end,
 such as ``(a|a)+$``, makes the Oniguruma engine give up (its retry limit bounds the work of each
-match) and the library panic. ``held_back`` runs a block that tokenizes with the panic's own lines
-on stderr held back, and turns a panic into a ``NormswapError``; ``panic_line`` says which file
-and which regexes it came from.
+match) and the library panic; one that backtracks less at every position makes it slow instead.
+``held_back`` runs a block that tokenizes with the panic's own lines on stderr held back, and
+turns a panic into a ``NormswapError``; ``panic_line`` says which file and which regexes it came
+from; ``tokenized`` also bounds a tokenization's time.
 """
 
 from __future__ import annotations
@@ -14,13 +15,16 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-from collections.abc import Iterable, Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 from normswap.errors import NormswapError, first_line, quoted, quoted_list
 
 TOKENIZER_FILE = "tokenizer.json"
+T = TypeVar("T")
 
 
 def is_rust_panic(error: BaseException) -> bool:
@@ -67,6 +71,43 @@ def panic_line(error: BaseException, folders: Iterable[Path]) -> str:
     source = "; ".join(where) if where else "the checkpoint's tokenizer"
     return (f"the tokenizer of {source} failed inside the Rust tokenizers library: {quoted(first_line(error), 160)}; "
             "a regex that backtracks without end (such as '(a|a)+$') makes it give up")
+
+
+# A tokenization may take this long in all: a base, plus the text at a rate far below any real
+# tokenizer's (they run at millions of characters a second); a regex that backtracks at every
+# position runs far slower.
+TOKENIZE_SECONDS = 60.0
+TOKENIZE_CHARS_PER_SECOND = 20_000
+
+
+def tokenized(folder: Path | None, call: Callable[[], T], chars: int) -> T:
+    """``call()``, a tokenization of ``chars`` characters with ``folder``'s tokenizer, ``held_back``
+    and within its deadline. The Rust library lets go of the interpreter while it encodes a batch
+    (transformers' fast tokenizers always encode one), so the call runs in a thread that is left
+    behind when the deadline passes, and the command ends with one line."""
+    limit = TOKENIZE_SECONDS + chars / TOKENIZE_CHARS_PER_SECOND
+    result: list = []
+    failure: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            result.append(call())
+        except BaseException as error:  # handed to the caller's thread, a panic included
+            failure.append(error)
+
+    with held_back(folder):
+        thread = threading.Thread(target=work, name="normswap-tokenize", daemon=True)
+        thread.start()
+        thread.join(limit)
+        if thread.is_alive():
+            regexes = tokenizer_regexes(folder) if folder is not None else []
+            shown = f" (its regex {quoted_list(regexes, 3)})" if regexes else ""
+            raise NormswapError(f"tokenizing {chars:,} characters with {folder / TOKENIZER_FILE if folder else 'the tokenizer'}"
+                                f"{shown} took more than {limit:.0f} s; a regex that backtracks at every position "
+                                "makes a tokenizer this slow")
+        if failure:
+            raise failure[0]
+    return result[0]
 
 
 @contextmanager
