@@ -138,3 +138,16 @@ def test_a_redirect_to_another_host_is_followed_and_its_failure_named(files, tmp
     assert followed.returncode == 0, followed.stderr
     line = one_line(failed, "could not fetch 'org/gone'", "redirected model.safetensors to another host, 'localhost:9'")
     assert "unreachable at" not in line
+
+
+def test_a_cache_folder_linked_out_of_the_cache_is_not_written_through(files, tmp_path, victim):
+    """Every path the client writes must lie inside the repository's cache folder, links resolved."""
+    blobs = tmp_path / "work" / "hf" / "hub" / "models--org--model" / "blobs"
+    blobs.parent.mkdir(parents=True)
+    blobs.symlink_to(victim)
+    before = files_outside(tmp_path, tmp_path / "work" / "hf")
+    with FakeHub() as hub:
+        hub.add("org/model", files)
+        result = convert("org/model", hub, tmp_path)
+    one_line(result, "could not fetch 'org/model'", "lead out of the cache")
+    assert files_outside(tmp_path, tmp_path / "work" / "hf") == before
