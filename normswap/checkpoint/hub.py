@@ -104,6 +104,35 @@ def check_revision(revision: str | None) -> None:
                             "a leading '/', a backslash or a control character is refused)")
 
 
+def _bound_client_timeouts() -> None:
+    """Give the hub client's default HTTP client a connect and a read timeout (a client factory the
+    user installed is left alone): the datasets and lm-eval tasks a command fetches later in the
+    same process go through it."""
+    try:
+        from huggingface_hub import set_client_factory
+        from huggingface_hub.utils import _http
+    except ImportError:  # older clients use requests, with their own timeouts
+        return
+    if getattr(_http, "_GLOBAL_CLIENT_FACTORY", None) is not getattr(_http, "default_client_factory", None):
+        return
+    read = float(os.environ.get("HF_HUB_ETAG_TIMEOUT") or 10)
+
+    def bound(request) -> None:
+        # A request made with timeout=None carries no timeouts at all; fill in the missing ones.
+        timeouts = dict(request.extensions.get("timeout") or {})
+        timeouts["connect"] = timeouts.get("connect") or CONNECT_TIMEOUT
+        timeouts["read"] = timeouts.get("read") or read
+        request.extensions["timeout"] = timeouts
+
+    def bounded_client():
+        client = _http.default_client_factory()
+        client.timeout = _http.httpx2.Timeout(read, connect=CONNECT_TIMEOUT)
+        client.event_hooks["request"] = [*client.event_hooks["request"], bound]
+        return client
+
+    set_client_factory(bounded_client)
+
+
 def deadline(size: int) -> float:
     """Seconds one file of ``size`` bytes may take in all: three read timeouts, plus the time a
     slow link (``MIN_RATE``) takes for its bytes."""
@@ -114,6 +143,7 @@ def download(repo_id: str, *, trust_remote_code: bool, revision: str | None = No
     """The snapshot folder of ``repo_id`` at ``revision`` in the hub cache, fetched (as this
     module's docstring says) when the hub is reachable, else read from the cache."""
     check_revision(revision)
+    _bound_client_timeouts()
     patterns = list(_SIDE_PATTERNS) + (["*.py"] if trust_remote_code else [])
     cache = _repo_cache(repo_id)
     # Behind a proxy the endpoint itself is not dialled; the connect timeout bounds the wait.
