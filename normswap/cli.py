@@ -5,10 +5,14 @@ Each subcommand lives beside the code it drives, in a module that offers two fun
 dispatches, and is the one boundary that turns a ``NormswapError`` (bad input, exit 2; failed
 verification, exit 3) or an ``OSError`` (exit 2) into one line on stderr. Anything else is a bug
 in normswap: one line names its type and message and the temporary file that holds its full
-traceback, and the exit status is 70. Outputs are installed only after a command succeeds, so
-nothing is left behind.
+traceback, and the exit status is 70. A Rust panic (``pyo3_runtime.PanicException``, a
+``BaseException``), which a tokenizer's regex can cause, is one line naming the tokenizer file and
+its regexes, exit 2. Outputs are installed only after a command succeeds, so nothing is left
+behind.
 
-Interrupts are handled from ``main``'s first line: the first SIGINT (or SIGTERM) before anything
+Interrupts are handled from ``main``'s first line: every signal that ends a process by default and
+that a user or the system sends to stop a command (``INTERRUPTS``: SIGINT, SIGTERM, SIGHUP from a
+closed terminal, SIGQUIT, SIGUSR1) is one interrupt. The first one before anything
 is installed raises ``KeyboardInterrupt``, whose clean-up leaves nothing and ends in one line and
 exit 130; further interrupts while that clean-up runs are only counted. Once an output is
 installed (``normswap.checkpoint.output.installed``), an interrupt no longer stops the command:
@@ -75,9 +79,14 @@ def build_parser(only: str | None = None) -> tuple[argparse.ArgumentParser, dict
     return parser, modules
 
 
+# Python already turns SIGPIPE into BrokenPipeError (one line from ``_run``, as any OSError).
+INTERRUPTS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1")
+                   if hasattr(signal, name))
+
+
 class _Interrupts:
-    """SIGINT and SIGTERM handling for one command (see the module docstring); ``restore`` puts
-    back what was there."""
+    """Interrupt handling for one command (``INTERRUPTS``, see the module docstring); ``restore``
+    puts back what was there."""
 
     def __init__(self) -> None:
         self.count = 0
@@ -85,7 +94,7 @@ class _Interrupts:
         main_thread = threading.current_thread() is threading.main_thread()
         # a process started with a signal ignored (SIGINT for ``cmd &`` in a script) keeps ignoring it
         self.previous = {signum: signal.signal(signum, self._on_signal)
-                         for signum in (signal.SIGINT, signal.SIGTERM)
+                         for signum in INTERRUPTS
                          if main_thread and signal.getsignal(signum) is not signal.SIG_IGN}
 
     @staticmethod
@@ -128,10 +137,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         interrupts.count = max(interrupts.count, 1)
         code = 130
-    except Exception:
-        if not interrupts.count:
+    except BaseException as error:
+        if isinstance(error, SystemExit | GeneratorExit):
             raise
-        code = 130  # a library turned the interrupt into an error of its own (an import that "failed")
+        if _rust_panic(error) and not interrupts.count:  # raised before a command ran (argument parsing)
+            print(f"normswap {command}: error: {_one_line(_panic_line(error, argparse.Namespace()))}",
+                  file=sys.stderr)
+            code = 2
+        elif not interrupts.count:
+            raise
+        else:
+            code = 130  # a library turned the interrupt into an error of its own (an import that "failed")
     finally:
         interrupts.restore(command_line)
     code = interrupts.outcome(command) or code
@@ -178,6 +194,9 @@ def _run(argv: list[str], interrupts: _Interrupts) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         parser.subcommand_parsers[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+    from normswap.commands import quiet_progress_bars
+
+    quiet_progress_bars(args)  # before the hub download or any library draws a bar
     try:
         if not getattr(args, "json", False):
             return int(modules[args.command].run(args) or 0)
@@ -198,12 +217,35 @@ def _run(argv: list[str], interrupts: _Interrupts) -> int:
         where = f": {error.filename}" if error.filename else ""
         print(f"normswap {args.command}: error: {reason}{where}", file=sys.stderr)
         return 2
-    except Exception as error:  # the last line of defence: a bug in normswap, reported in one line
+    except BaseException as error:  # the last line of defence: a bug in normswap, reported in one line
+        if isinstance(error, KeyboardInterrupt | SystemExit | GeneratorExit):
+            raise
         if interrupts.count:
             raise KeyboardInterrupt from None  # a library turned the interrupt into an error of its own
+        if _rust_panic(error):  # a tokenizer's regex made the Rust library give up: the input's fault
+            print(f"normswap {args.command}: error: {_one_line(_panic_line(error, args))}", file=sys.stderr)
+            return 2
         print(f"normswap {args.command}: {INTERNAL_ERROR} {type(error).__name__}: {_one_line(str(error))[:300]} "
               f"(full traceback in {_save_traceback()}; outputs were not installed)", file=sys.stderr)
         return INTERNAL_EXIT
+
+
+def _rust_panic(error: BaseException) -> bool:
+    from normswap.checkpoint.tokenizer_panics import is_rust_panic
+
+    return is_rust_panic(error)
+
+
+def _panic_line(error: BaseException, args: argparse.Namespace) -> str:
+    """The line for a Rust panic: the tokenizer files among the command's local inputs."""
+    from normswap.checkpoint.tokenizer_panics import panic_line
+    from normswap.commands import command_inputs
+
+    try:
+        folders = [path for path in command_inputs(args) if path.is_dir()]
+    except Exception:  # an input that cannot be listed: the line names no file
+        folders = []
+    return panic_line(error, folders)
 
 
 # what the last line of defence prints: every refusal normswap expects has a line of its own

@@ -14,6 +14,13 @@ It speaks the part of the Hub's protocol that ``huggingface_hub`` uses to downlo
   ``EntryNotFound``; 401/403 with ``GatedRepo`` for gated repos; and a dropped connection.
 
 Every request is logged, so tests can assert what was (not) downloaded.
+
+A repo may be ``hostile`` (``HOSTILE``), answering as a bad mirror or anyone on a plain-HTTP path
+could: a commit id that is a path (``sha``: the ``value`` given), any revision resolved to main
+(``any-revision``), ``config.json`` as an endless chunked body (``endless``) or trickled a byte at a
+time (``trickle``), ``model.safetensors`` with its last 8 bytes changed (``wrong-bytes``) or listed
+at 10**13 bytes (``huge``), and its download redirected to another host (``redirect``: to the URL
+``value``).
 """
 
 from __future__ import annotations
@@ -23,11 +30,14 @@ import json
 import re
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
+HOSTILE = ("sha", "any-revision", "endless", "trickle", "wrong-bytes", "huge", "redirect")
+HUGE = 10 ** 13
 LFS_SUFFIXES = (".safetensors", ".bin", ".h5", ".msgpack", ".ot", ".onnx", ".parquet", ".onnx_data")
 
 
@@ -45,6 +55,8 @@ class Repo:
     refs: dict[str, str] = field(default_factory=dict)
     gated: int | None = None  # 401 or 403: refuse every request as a gated repo does without a token
     drop: bool = False  # close the connection without an answer
+    hostile: str = ""  # one of HOSTILE
+    value: str = ""  # the hostile commit id, or the redirect's target
 
     def commit(self, files: dict[str, bytes], ref: str = "main") -> str:
         """Add a commit holding ``files`` and point ``ref`` at it; returns its sha."""
@@ -57,6 +69,8 @@ class Repo:
     def resolve(self, revision: str) -> str | None:
         if revision in self.commits:
             return revision
+        if self.hostile == "any-revision":
+            return self.refs["main"]
         return self.refs.get(revision)
 
 
@@ -177,10 +191,16 @@ class FakeHub:
                 if repo is None:
                     return None
                 sha = repo.resolve(revision)
+                if sha is None and repo.hostile == "sha" and revision == repo.value:
+                    sha = repo.refs["main"]  # the hostile commit id, asked for, names the main commit
                 if sha is None:
                     self._error(404, "RevisionNotFound", f"Invalid rev id: {revision}", head)
                     return None
                 return sha, repo.commits[sha]
+
+            def _hostile(self, kind: str, repo_id: str) -> str:
+                repo = hub.repos.get((kind, repo_id))
+                return repo.hostile if repo is not None else ""
 
             def _api(self, kind: str, repo_id: str, what: str | None, revision: str, sub: str, head: bool) -> None:
                 found = self._commit(kind, repo_id, revision, head)
@@ -197,10 +217,14 @@ class FakeHub:
                         for depth in range(1, len(parts)):
                             folders.add(prefix + "/".join(parts[:depth]))
                         entries.append(self._entry(name, files[name]))
+                        if name == "model.safetensors" and self._hostile(kind, repo_id) == "huge":
+                            entries[-1]["size"] = entries[-1]["lfs"]["size"] = HUGE
                     entries += [{"type": "directory", "oid": git_blob_id(f.encode()), "size": 0, "path": f}
                                 for f in sorted(folders)]
                     body = json.dumps(entries).encode()
                 else:
+                    if self._hostile(kind, repo_id) == "sha":
+                        sha = hub.repos[(kind, repo_id)].value
                     info = {"id": repo_id, "_id": hashlib.md5(repo_id.encode()).hexdigest()[:24], "sha": sha,
                             "private": False, "gated": False, "disabled": False, "downloads": 0, "likes": 0,
                             "tags": [], "lastModified": "2024-01-01T00:00:00.000Z",
@@ -226,6 +250,16 @@ class FakeHub:
                 if data is None:
                     self._error(404, "EntryNotFound", f"{file} does not exist on {revision}", head)
                     return
+                hostile = self._hostile(kind, repo_id)
+                if hostile in ("endless", "trickle") and file == "config.json":
+                    self._endless(data, trickle=hostile == "trickle", head=head)
+                    return
+                target = hub.repos[(kind, repo_id)].value + self.path if hostile == "redirect" else ""
+                if target and file == "model.safetensors" and self.headers.get("Host") != urlparse(target).netloc:
+                    self._send(302, b"", {"Location": target}, head)
+                    return
+                if hostile == "wrong-bytes" and file == "model.safetensors":
+                    data = data[:-8] + bytes(8)
                 headers = {"X-Repo-Commit": sha, "Content-Type": "application/octet-stream",
                            "Accept-Ranges": "bytes"}
                 if file.endswith(LFS_SUFFIXES):
@@ -243,5 +277,27 @@ class FakeHub:
                     headers["Content-Range"] = f"bytes {start}-{end}/{len(data)}"
                 headers["Content-Length"] = str(len(body))
                 self._send(status, body, headers, head)
+
+            def _endless(self, data: bytes, trickle: bool, head: bool) -> None:
+                """``data``, then spaces for ever, chunked (``trickle``: a byte every half second)."""
+                self.send_response(200)
+                self.send_header("Content-Type", "application/octet-stream")
+                self.send_header("ETag", f'"{git_blob_id(data)}"')
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                if head:
+                    return
+                try:
+                    if trickle:
+                        for byte in data + b" " * 10_000:
+                            self.wfile.write(b"1\r\n" + bytes([byte]) + b"\r\n")
+                            self.wfile.flush()
+                            time.sleep(0.5)
+                    block = b" " * 65536
+                    self.wfile.write(b"%x\r\n" % len(data) + data + b"\r\n")
+                    while True:  # until the client hangs up
+                        self.wfile.write(b"%x\r\n" % len(block) + block + b"\r\n")
+                except OSError:
+                    self.close_connection = True
 
         return Handler

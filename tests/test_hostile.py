@@ -893,7 +893,10 @@ def test_killed_conversion_is_cleaned_by_the_next(source, tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_leaves_nothing(source, tmp_path):
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1"])
+def test_an_interrupting_signal_leaves_nothing(source, tmp_path, name):
+    """Every signal that ends a process by default and stops a command (a closed terminal sends
+    SIGHUP) is an interrupt: one line, exit 130, nothing left."""
     out = tmp_path / "deep" / "out"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     script = (
@@ -902,7 +905,7 @@ def test_sigterm_leaves_nothing(source, tmp_path):
         "real = pipeline.write_weights\n"
         "def write(*a, **k):\n"
         "    real(*a, **k)\n"
-        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        f"    os.kill(os.getpid(), signal.{name})\n"
         "pipeline.write_weights = write\n"
         "from normswap.cli import main\n"
         f"raise SystemExit(main(['convert', {str(source)!r}, '--out', {str(out)!r}, '--quiet']))\n"

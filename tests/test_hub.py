@@ -78,13 +78,19 @@ def hub():
 
 
 def normswap_cli(*args: str, hub: FakeHub | None, home: Path, cwd: Path, offline: bool = False,
-                 endpoint: str | None = None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
-    env.update(PYTHONPATH=str(ROOT), HF_HOME=str(home), HF_HUB_DISABLE_PROGRESS_BARS="1",
-               HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_ETAG_TIMEOUT="5", HF_HUB_DOWNLOAD_TIMEOUT="5")
-    env["HF_ENDPOINT"] = endpoint or (hub.endpoint if hub else "http://127.0.0.1:9")
+                 endpoint: str | None = None, env: dict[str, str | None] | None = None) -> subprocess.CompletedProcess:
+    """``normswap *args`` against ``hub``; ``env`` sets variables (None: unset)."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
+    base.update(PYTHONPATH=str(ROOT), HF_HOME=str(home), HF_HUB_DISABLE_PROGRESS_BARS="1",
+                HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_ETAG_TIMEOUT="5", HF_HUB_DOWNLOAD_TIMEOUT="5")
+    base["HF_ENDPOINT"] = endpoint or (hub.endpoint if hub else "http://127.0.0.1:9")
     if offline:
-        env["HF_HUB_OFFLINE"] = "1"
+        base["HF_HUB_OFFLINE"] = "1"
+    for key, value in (env or {}).items():
+        base.pop(key, None)
+        if value is not None:
+            base[key] = value
+    env = base
     return subprocess.run([sys.executable, "-m", "normswap.cli", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=600)
 

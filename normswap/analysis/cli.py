@@ -96,7 +96,12 @@ def token_ids(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase | Non
     if tokenizer is None:
         raise NormswapError(f"{args.model} has no tokenizer; pass --random-tokens to measure on random token ids")
     # the text is longer than the model's context on purpose: it is cut into windows below
-    ids = torch.tensor(tokenizer(text, verbose=False)["input_ids"][: args.max_tokens], dtype=torch.long)
+    from normswap.checkpoint.tokenizer_panics import tokenized
+
+    # a panic of the tokenizer's regex is one line, and its time is bounded
+    encoded = tokenized(Path(getattr(tokenizer, "name_or_path", "") or "."), lambda: tokenizer(text, verbose=False),
+                        len(text))
+    ids = torch.tensor(encoded["input_ids"][: args.max_tokens], dtype=torch.long)
     if ids.numel() < 2:
         raise NormswapError(f"{path} gives fewer than 2 tokens")
     return ids, str(path)

@@ -25,10 +25,18 @@ Every command that writes a folder (``convert``, ``run``) goes through ``claimed
    cannot remove safely is left in place and named. ``installed`` lists the outputs this
    process has installed, so that an interrupt arriving afterwards can say they are complete.
 
-On any failure, SIGINT or SIGTERM, the temporary folder, a claimed ``--out`` that is still empty
-and the parent folders this command created are removed. Only SIGKILL (or a power cut) can leave
-the temporary folder and an empty ``--out`` behind; the next command for that ``--out`` removes
-the first and reuses the second. Files get the process's umask, as ``save_pretrained``'s do.
+   Before the first rename the temporary folder gets ``journal.JOURNAL``, which lists what the
+   install puts into ``--out`` and is removed last, once all of it is in place; the temporary
+   marker stays in the temporary folder until then too (after an exchange it marks the old folder
+   set aside), so every state an install passes through is recognisable.
+
+On any failure or interrupt (SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1), the temporary folder, a
+claimed ``--out`` that is still empty and the parent folders this command created are removed.
+Only SIGKILL (or a power cut) can leave anything behind: a temporary folder (removed by the next
+command for that ``--out``, which says so), an empty ``--out`` (reused), or an ``--out`` holding
+the journal of an install cut short, which the next command finishes when everything is in place
+or else takes back, leaving the user's folder empty again (``journal.repair``), before it checks
+``--out``. Files get the process's umask, as ``save_pretrained``'s do.
 Before any of this, ``check_free_space`` refuses a filesystem too small for the weights, and
 ``progress_bar`` reports the writing.
 """
@@ -45,13 +53,14 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
+from normswap.checkpoint.journal import JOURNAL, read_journal, repair, write_journal
 from normswap.checkpoint.marker import KINDS as KINDS  # re-exported
 from normswap.checkpoint.marker import MARKER, describe_foreign, foreign_paths, marked_kind, write_marker
 from normswap.checkpoint.removal import mount_points, mounts_inside, remove_tree
 from normswap.checkpoint.renames import exchange, move_entries
 from normswap.checkpoint.space import check_free_space as check_free_space  # re-exported
 from normswap.checkpoint.space import progress_bar as progress_bar  # re-exported
-from normswap.checkpoint.temporaries import TMP_MARKER, drop_marker, make_temporary, remove_stale_temporaries
+from normswap.checkpoint.temporaries import TMP_MARKER, make_temporary, remove_stale_temporaries
 from normswap.errors import NormswapError
 
 installed: list[Path] = []  # every outermost --out this process installed (not one nested in another's work)
@@ -100,8 +109,8 @@ def check_out(out: Path, inputs: Sequence[Path], overwrite: bool, *, kind: str) 
         empty = not any(out.iterdir())
     except OSError as error:
         raise NormswapError(f"cannot read --out {out}: {error.strerror}") from None
-    if empty:
-        return
+    if empty or read_journal(out) is not None:
+        return  # an install cut short is repaired once --out is claimed, and checked again
     if not overwrite:
         raise NormswapError(f"--out {out} exists and is not empty; pass --overwrite to replace a folder normswap wrote")
     found = marked_kind(out)
@@ -135,9 +144,10 @@ class Claim:
         self.made_out = False  # whether this command created --out (else it was an empty folder already)
 
     def install(self) -> None:
-        """Write the marker and move the temporary folder to ``--out`` (see the module docstring)."""
+        """Write the marker and the journal, and move the temporary folder to ``--out`` (see the
+        module docstring); the journal goes last, once everything is in place."""
         write_marker(self.tmp, self.kind, leave_out=TMP_MARKER)
-        drop_marker(self.tmp)
+        write_journal(self.tmp, self.out)
         with _signals_held(_is_main_thread()):
             if not _same_folder(self._fd, self.out):
                 raise NormswapError(f"--out {self.out} was replaced by something else while normswap worked; "
@@ -147,21 +157,25 @@ class Claim:
                     raise NormswapError(f"something was written into --out {self.out} while normswap worked; "
                                         "left it as it is, nothing was written")
                 exchange(self.tmp, self.out)  # the old folder is now at self.tmp, removed below
+                # the old folder takes the temporary marker, so that a kill from here on leaves it removable
+                os.rename(self.out / TMP_MARKER, self.tmp / TMP_MARKER)
             else:
                 try:
                     if self.made_out:
                         os.rename(self.tmp, self.out)
-                    else:  # the user's own folder: kept, filled entry by entry
-                        move_entries(self.tmp, self.out, last=MARKER)
+                        os.unlink(self.out / TMP_MARKER)
+                    else:  # the user's own folder: kept, filled entry by entry, the journal first
+                        move_entries(self.tmp, self.out, first=JOURNAL, last=MARKER, keep=TMP_MARKER)
                 except OSError as error:
                     if error.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
                         raise NormswapError(f"something was written into --out {self.out} while normswap "
                                             "worked; left it as it is, nothing was written") from None
                     raise
+            os.unlink(self.out / JOURNAL)  # the install is complete
             self.installed = True
             if _open_claims and _open_claims[0] == self.out:
                 installed.append(self.out)
-        left = remove_tree(self.tmp)
+        left = remove_tree(self.tmp, last=TMP_MARKER)
         for path in left:
             self.log(f"left {path} in place: it cannot be removed safely (another filesystem, a mount point, or denied)")
 
@@ -177,7 +191,13 @@ def claimed_output(out: Path, *, inputs: Sequence[Path], overwrite: bool, kind: 
     log = log or (lambda message: print(f"normswap: {message}", file=sys.stderr))
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {', '.join(KINDS)}, not {kind!r}")
-    check_out(out, inputs, overwrite, kind=kind)
+    try:
+        check_out(out, inputs, overwrite, kind=kind)
+    except NormswapError:
+        # a refusal is one line: the temporary folders of a dead process are removed without a word
+        with suppress(OSError):
+            remove_stale_temporaries(out)
+        raise
     created: list[Path] = []
     fd = -1
     claim: Claim | None = None
@@ -204,6 +224,11 @@ def claimed_output(out: Path, *, inputs: Sequence[Path], overwrite: bool, kind: 
                 except FileExistsError:
                     pass
                 fd = _lock(out)
+                repaired = repair(out)  # an install cut short: its owner no longer holds the lock
+                if repaired:
+                    log(repaired)
+                    for stale in remove_stale_temporaries(out):
+                        log(f"removed {stale}, left by a normswap process that no longer runs")
                 check_out(out, inputs, overwrite, kind=kind)  # again, now that nobody else can write here
                 claim = Claim(out, make_temporary(out), fd, kind, log)
                 claim.made_out = out in created
@@ -305,8 +330,10 @@ def _same_folder(fd: int, path: Path) -> bool:
 
 @contextmanager
 def _signals_held(enabled: bool = True) -> Iterator[None]:
-    """Defer SIGINT and SIGTERM until the block is done (they are delivered afterwards)."""
-    held = {signal.SIGINT, signal.SIGTERM}
+    """Defer the interrupts (SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1) until the block is done (they
+    are delivered afterwards)."""
+    held = {signal.SIGINT, signal.SIGTERM, *(getattr(signal, name) for name in ("SIGHUP", "SIGQUIT", "SIGUSR1")
+                                             if hasattr(signal, name))}
     if not enabled:
         yield
         return

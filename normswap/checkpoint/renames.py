@@ -58,9 +58,11 @@ def _move(source: Path, target: Path) -> None:
     os.rename(source, target)
 
 
-def move_entries(tmp: Path, out: Path, last: str) -> None:
-    """Move every entry of ``tmp`` into the empty folder ``out``, the entry named ``last`` last."""
-    names = sorted(os.listdir(tmp), key=lambda name: (name == last, name))
+def move_entries(tmp: Path, out: Path, last: str, first: str = "", keep: str = "") -> None:
+    """Move every entry of ``tmp`` but ``keep`` into the empty folder ``out``: the entry named
+    ``first`` first, the one named ``last`` last."""
+    names = sorted((name for name in os.listdir(tmp) if name != keep),
+                   key=lambda name: (name != first, name == last, name))
     moved: list[str] = []
     try:
         for name in names:

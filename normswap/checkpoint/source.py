@@ -206,10 +206,12 @@ class CheckpointReader:
         import torch
 
         info = self.tensors[name]
-        if len(info.shape) == 0 or info.shape[0] == 0 or not self.is_safetensors:
+        # A tensor of no bytes has no rows to walk, whatever its first dimension says ([2**62, 0]):
+        # past this test every dimension is at least 1, so the loop runs at most ``nbytes`` times.
+        if len(info.shape) == 0 or info.nbytes == 0 or not self.is_safetensors:
             return self.get(name).to(dtype)
         out = torch.empty(info.shape, dtype=dtype) if empty is None else empty(tuple(info.shape), dtype)
-        rows = max(1, slice_bytes // max(1, info.nbytes // info.shape[0]))
+        rows = max(1, slice_bytes // (info.nbytes // info.shape[0]))
         with self._staging_lock:  # one slice buffer, kept: fresh buffers fault in new pages every read
             row = info.nbytes // info.shape[0]
             if self._staging is None or self._staging.numel() < rows * row:

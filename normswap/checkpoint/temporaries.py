@@ -3,7 +3,9 @@ whose process is gone (``normswap.checkpoint.output`` explains the lifecycle).
 
 A temporary folder carries ``TMP_MARKER``, a file holding the random token that ends the
 folder's name. Clean-up removes only folders whose marker is a regular file with that token: a
-user's folder that merely looks like a temporary one by its name is never touched.
+user's folder that merely looks like a temporary one by its name is never touched. The one
+exception is an empty folder of that exact name (process id, start time, token) whose process is
+gone: what a removal killed between the marker and the folder leaves; removing it loses nothing.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from __future__ import annotations
 import os
 import secrets
 import stat
-from contextlib import suppress
 from pathlib import Path
 
 from normswap.checkpoint.removal import remove_tree
@@ -43,12 +44,6 @@ def make_temporary(out: Path) -> Path:
         with open(tmp / TMP_MARKER, "x", encoding="utf-8") as marker:
             marker.write(token + "\n")
         return tmp
-
-
-def drop_marker(tmp: Path) -> None:
-    """Remove the temporary marker before ``tmp`` is installed as an output."""
-    with suppress(FileNotFoundError):
-        os.unlink(tmp / TMP_MARKER)
 
 
 def _marked(path: Path, token: str) -> bool:
@@ -94,4 +89,14 @@ def remove_stale_temporaries(out: Path) -> list[Path]:
         path = out.parent / name
         if _marked(path, parts[2]) and not remove_tree(path, last=TMP_MARKER):
             removed.append(path)
+        elif not os.path.islink(path) and _remove_empty(path):
+            removed.append(path)  # a removal cut short between the marker and the folder: empty, so nothing is lost
     return removed
+
+
+def _remove_empty(path: Path) -> bool:
+    try:
+        os.rmdir(path)
+    except OSError:  # not empty, not a folder, or gone
+        return False
+    return True

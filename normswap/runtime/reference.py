@@ -44,8 +44,13 @@ def tokenize_text(tokenizer, text: str) -> torch.Tensor:
     Special tokens are added exactly as the tokenizer does by default (the documentation's recipe):
     none for GPT-2, a leading BOS for OPT or Llama, which then gives the first word a context.
     """
-    with transformers_errors_only():  # the text is far longer than the model context on purpose
-        encoded = tokenizer(text, return_tensors="pt")
+    from normswap.checkpoint.tokenizer_panics import tokenized
+
+    folder = Path(getattr(tokenizer, "name_or_path", "") or ".")
+    # the text is far longer than the model context on purpose; a panic of the tokenizer's regex is
+    # one line, and its time is bounded
+    with transformers_errors_only():
+        encoded = tokenized(folder, lambda: tokenizer(text, return_tensors="pt"), len(text))
     return encoded["input_ids"][0]
 
 

@@ -522,10 +522,12 @@ def _same_bytes_expected(tensor: TensorPlan, source: CheckpointReader) -> bool:
 def _row_chunks(reader: CheckpointReader, name: str, buffer: torch.Tensor) -> Iterator[torch.Tensor]:
     """``name`` in slices of rows of at most CHUNK_BYTES, read into ``buffer`` (overwritten by the next)."""
     info = reader.tensors[name]
-    if len(info.shape) == 0 or info.shape[0] == 0 or not reader.is_safetensors:
+    # A tensor of no bytes has no rows to walk, whatever its first dimension says ([2**62, 0]):
+    # past this test every dimension is at least 1, so the loop runs at most ``nbytes`` times.
+    if len(info.shape) == 0 or info.nbytes == 0 or not reader.is_safetensors:
         yield reader.get(name)
         return
-    rows = max(1, CHUNK_BYTES // max(1, info.nbytes // info.shape[0]))
+    rows = max(1, CHUNK_BYTES // (info.nbytes // info.shape[0]))
     for start in range(0, info.shape[0], rows):
         yield reader.read_rows(name, start, min(rows, info.shape[0] - start), buffer)
 
