@@ -21,24 +21,10 @@ import argparse
 import datetime
 import json
 import platform
-import statistics
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
-
-
-def _us(call: Callable, calls: int) -> float:
-    for _ in range(50):
-        call()
-    rounds = []
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(calls):
-            call()
-        rounds.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(rounds)
+from bench_kernels import _host_us  # scripts/ is the script's first path entry
 
 
 def _models(n_embd: int):
@@ -72,9 +58,9 @@ def run(calls: int) -> list[dict]:
                 for name, model in (("stock", stock), ("rmsnorm", converted), ("patched", patched)):
                     block, final = model.transformer.h[0], model.transformer.ln_f
                     timings[name] = {
-                        "block_us": _us(lambda b=block, x=x: b(x), calls),
-                        "final_norm_us": _us(lambda f=final, x=x: f(x), calls * 4),
-                        "norm_only_us": _us(lambda n=block.ln_1, x=x: n(x), calls * 4),
+                        "block_us": _host_us(lambda b=block, x=x: b(x), calls),
+                        "final_norm_us": _host_us(lambda f=final, x=x: f(x), calls * 4),
+                        "norm_only_us": _host_us(lambda n=block.ln_1, x=x: n(x), calls * 4),
                     }
                 for name, t in timings.items():
                     per_token = (12 * t["block_us"] + t["final_norm_us"]) / batch
