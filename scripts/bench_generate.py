@@ -179,13 +179,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", help="comma-separated subset of the shapes' names")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {MODES}")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: steadier)")
+    parser.add_argument("--new-tokens", type=int, help="decode this many new tokens (default: the device's setting)")
+    parser.add_argument("--rounds", type=int, help="timing rounds (default: the device's setting)")
     parser.add_argument("--out", type=Path, help="write the JSON here")
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
     if device == "cpu":
         torch.set_num_threads(args.threads)
     kind = "quick" if args.quick else device
-    shapes, settings = SHAPES[kind], SETTINGS[kind]
+    shapes, settings = SHAPES[kind], dict(SETTINGS[kind])
+    for key, value in (("new", args.new_tokens), ("rounds", args.rounds)):
+        if value is not None:
+            if value < 1:
+                parser.error(f"--{'new-tokens' if key == 'new' else 'rounds'} must be >= 1")
+            settings[key] = value
     names = args.models.split(",") if args.models else list(shapes)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     started = time.time()

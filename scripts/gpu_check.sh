@@ -1,19 +1,24 @@
 #!/usr/bin/env bash
-# The GPU checks of normswap's kernels in one run of at most 7 minutes on one H200, every step
-# under a hard time limit and writing its results as it goes (a step cut short keeps them).
+# The GPU checks of normswap's kernels in one run of at most 6 minutes on one H200, setup
+# included, every step under a hard time limit and writing its JSON as it goes (a step cut short
+# keeps what it wrote).
 #
 #   bash scripts/gpu_check.sh                     # results to $OUT if set, else benchmarks/results/gpu/
 #   GPU_CHECK_DRY_RUN=1 bash scripts/gpu_check.sh # every step on the CPU at tiny sizes, into a temp dir
 #
-# Steps and limits (seconds):
-#   setup           10  wheels carried in wheels/ or .whl/ (Liger-Kernel, the comparison peer),
-#                       installed offline; versions
-#   aot             35  every kernel variant compiled for sm_90: registers, spills, load widths
-#   tests           80  the kernel, design, patch and fusion tests compiled on the GPU (bf16 in)
-#   bench_kernels  100  scripts/bench_kernels.py: bf16 forward at M=32768 with every design side
-#                       by side, backward, decode, then M=4096, >2**31 elements, fp16
-#   bench_generate 150  scripts/bench_generate.py: GPT-2-small and 1.3B shapes, eager then compiled
-# 375 s of limits, about 6.5 minutes with the machine's start. The run never reaches the network.
+# Wheels (the machine has no network): fill the git-ignored wheels/ folder before the run with
+#   pip download --no-deps -d wheels liger-kernel==0.8.5 transformers==5.24.0
+# (Liger-Kernel, the comparison peer; the transformers release the fusion fingerprints know, as the
+# machine's own is older). They are installed offline into /tmp/normswap-site.
+#
+# Steps in order, and limits (seconds):
+#   setup            10  the carried wheels installed offline; versions
+#   generate_small   90  scripts/bench_generate.py, GPT-2 small, every mode (eager, compiled,
+#                        compiled-kernel), 32 new tokens, 2 rounds
+#   bench_kernels    90  scripts/bench_kernels.py --budget-s 80
+#   generate_1.3b    90  scripts/bench_generate.py, the 1.3B shape, every mode, 32 new tokens, 1 round
+#   tests            60  a kernel test subset (designs, fusion, patch), compiled on the GPU
+# 340 s of limits, under 6 minutes with setup. The run never reaches the network.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DRY="${GPU_CHECK_DRY_RUN:-0}"
@@ -51,20 +56,22 @@ export PYTHONPATH="$PWD:${PYTHONPATH:-}"
     echo "dry_run=$DRY dest=$DEST"
 } >>"$summary" 2>&1
 
-# the new designs and fusions first: a step cut short has tested them
-KERNEL_TESTS=(tests/test_kernels_designs.py tests/test_kernels_fusion.py tests/test_patch.py tests/test_kernels.py)
 if [ "$DRY" = 0 ]; then
-    step aot 35 python3 -m normswap.kernels.aot_check --json "$DEST/aot.json"
-    step tests 80 python3 -m pytest -v -p no:cacheprovider -m "not slow" "${KERNEL_TESTS[@]}"
-    step bench_kernels 100 python3 scripts/bench_kernels.py --budget-s 90 --out "$DEST/bench_kernels-cuda.json"
-    step bench_generate 150 python3 scripts/bench_generate.py --out "$DEST/bench_generate-cuda.json"
+    step generate_small 90 python3 scripts/bench_generate.py --models gpt2-small --new-tokens 32 --rounds 2 \
+        --out "$DEST/bench_generate-small-cuda.json"
+    step bench_kernels 90 python3 scripts/bench_kernels.py --budget-s 80 --out "$DEST/bench_kernels-cuda.json"
+    step generate_1.3b 90 python3 scripts/bench_generate.py --models gpt2-1.3b --new-tokens 32 --rounds 1 \
+        --out "$DEST/bench_generate-1.3b-cuda.json"
+    step tests 60 python3 -m pytest -v -p no:cacheprovider -m "not slow" tests/test_kernels_designs.py \
+        tests/test_kernels_fusion.py tests/test_patch.py
 else
-    step aot 60 python3 -m normswap.kernels.aot_check --limit 6 --jobs 1 --json "$DEST/aot.json"
-    step tests 90 python3 -m pytest -v -p no:cacheprovider tests/test_kernels_designs.py \
-        -k "dispatch or bench_designs or packs or multirow"
-    step bench_kernels 120 python3 scripts/bench_kernels.py --dry-run --budget-s 100 --out "$DEST/bench_kernels-dry-run.json"
-    step bench_generate 90 python3 scripts/bench_generate.py --cpu --quick --modes eager,compiled \
-        --out "$DEST/bench_generate-cpu-quick.json"
+    step generate_small 90 python3 scripts/bench_generate.py --quick --new-tokens 2 --rounds 1 \
+        --out "$DEST/bench_generate-small-cpu.json"
+    step bench_kernels 90 python3 scripts/bench_kernels.py --dry-run --budget-s 80 --out "$DEST/bench_kernels-dry-run.json"
+    step generate_1.3b 90 python3 scripts/bench_generate.py --quick --modes eager --new-tokens 2 --rounds 1 \
+        --out "$DEST/bench_generate-1.3b-cpu.json"
+    step tests 60 python3 -m pytest -v -p no:cacheprovider tests/test_kernels_designs.py \
+        -k "dispatch or packs"
 fi
 # the test log as JSON (written even when the step was cut: it reads the lines pytest got out)
 python3 - "$DEST/tests.log" "$DEST/tests.json" <<'EOF'

@@ -63,7 +63,8 @@ def test_gpu_check_dry_run(tmp_path):
                           timeout=900)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     summary = (tmp_path / "summary.txt").read_text()
-    for name in ("aot", "tests", "bench_kernels", "bench_generate"):
+    for name in ("generate_small", "bench_kernels", "generate_1.3b", "tests"):
         assert f"{name} rc=0" in summary, summary
-    for name in ("aot.json", "tests.json", "bench_kernels-dry-run.json", "bench_generate-cpu-quick.json"):
+    for name in ("bench_generate-small-cpu.json", "bench_kernels-dry-run.json", "bench_generate-1.3b-cpu.json",
+                 "tests.json"):
         assert (tmp_path / name).exists(), name

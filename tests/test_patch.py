@@ -162,3 +162,15 @@ def test_fallback_is_bitwise_the_modeling_forward(shape, dtype):
         assert torch.equal(fallback.rms_norm_torch(x, norm.weight, norm.bias, norm.eps), norm(x))
         y, s = fallback.add_rms_norm_torch(x, x.flip(0), norm.weight, norm.bias, norm.eps)
         assert torch.equal(s, x + x.flip(0)) and torch.equal(y, norm(x + x.flip(0)))
+
+
+@pytest.mark.parametrize("eps, error", [(float("nan"), ValueError), (-1.0, ValueError), ("1e-5", TypeError)])
+def test_patched_norm_with_bad_eps_raises_the_door_error(eps, error):
+    """A patched norm's quick argument check sends what it does not pass through rms_norm's own checks."""
+    model = patch(tiny_gpt2())
+    norm = model.transformer.ln_f
+    x = torch.randn(2, 32)
+    assert torch.equal(norm(x), fallback.rms_norm_torch(x, norm.weight, norm.bias, norm.eps))
+    norm.eps = eps
+    with pytest.raises(error, match="eps"):
+        norm(x)

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .ops.rms_norm import rms_norm
+from .ops.rms_norm import module_rms_norm
 
 # block.__dict__[_NEXT] = (norm, next block or None): the norm the block's output feeds
 _NEXT = "_normswap_next_norm"
@@ -69,7 +69,7 @@ def take_pending(norm: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
 def add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm(x + residual), x + residual), fused when ``norm`` is a hook-free normswap RMSNorm."""
     if is_rmsnorm(norm) and not has_hooks(norm):
-        return rms_norm(x, norm.weight, norm.bias, norm.eps, residual=residual)
+        return module_rms_norm(norm, x, residual)
     s = x + residual
     return norm(s), s
 
@@ -82,7 +82,7 @@ def end_add(block: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.
     norm, next_block = target
     if has_hooks(norm) or (next_block is not None and has_hooks(next_block)):
         return x + residual
-    y, s = rms_norm(x, norm.weight, norm.bias, norm.eps, residual=residual)
+    y, s = module_rms_norm(norm, x, residual)
     norm.__dict__[_PENDING] = (s, _version(s), y)
     return s
 

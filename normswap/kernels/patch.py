@@ -26,7 +26,7 @@ from normswap.arguments import checked
 
 from . import fusion
 from .fusion import is_rmsnorm
-from .ops.rms_norm import rms_norm
+from .ops.rms_norm import module_rms_norm
 
 __all__ = ["is_rmsnorm", "patch", "unpatch"]
 
@@ -38,7 +38,7 @@ def _rmsnorm_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
         y = fusion.take_pending(self, x)
         if y is not None:
             return y
-    return rms_norm(x, self.weight, self.bias, self.eps)
+    return module_rms_norm(self, x)
 
 
 @checked

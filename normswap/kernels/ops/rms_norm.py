@@ -179,9 +179,21 @@ def rms_norm(
     float32; s and y are each rounded once to x's dtype (see the module docstring).
     """
     _check_arguments(x, weight, bias, eps, residual)
+    return rms_norm_checked(x, weight, bias, eps, residual)
+
+
+def rms_norm_checked(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``rms_norm`` for arguments already checked (``_check_arguments``, or
+    ``module_rms_norm``'s checks): the door's checks cost about a microsecond per decode call."""
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         s = x + residual  # broadcasting or type promotion: leave it to torch, then normalise
-        return rms_norm(s, weight, bias, eps), s
+        return rms_norm_checked(s, weight, bias, eps), s
     if use_kernels(x):
         if torch.compiler.is_compiling():
             if compile_path == "kernel":
@@ -215,3 +227,18 @@ def _check_arguments(x, weight, bias, eps, residual) -> None:
         raise TypeError(f"rms_norm: eps must be a float, not {type(eps).__name__}")
     if not math.isfinite(eps) or eps < 0:
         raise ValueError(f"rms_norm: eps must be a finite number >= 0, not {eps}")
+
+
+def module_rms_norm(
+    norm: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``rms_norm`` with a norm module's own weight, bias and eps: the checks of the door that a
+    module's call needs (its weight and bias are its tensors, its residual the block's), in a
+    fraction of their time; anything they do not pass goes through the door and its message."""
+    weight, bias, eps = norm.weight, norm.bias, norm.eps
+    if isinstance(x, torch.Tensor) and x.dim() and (residual is None or isinstance(residual, torch.Tensor)):
+        last = x.shape[-1:]
+        if ((weight is None or weight.shape == last) and (bias is None or bias.shape == last)
+                and type(eps) is float and 0 <= eps < math.inf):
+            return rms_norm_checked(x, weight, bias, eps, residual)
+    return rms_norm(x, weight, bias, eps, residual=residual)
