@@ -171,8 +171,11 @@ def save(model: nn.Module, folder: str | Path, *, overwrite: bool = False) -> No
     reader = StateDictReader({name: state[name] for name in plan.tensors})
     stored = replace(plan, tensors={name: replace(tensor, source=name, steps=[]) for name, tensor in plan.tensors.items()})
     out = output.absolute(folder)
-    source = Path(str(getattr(model.config, "_name_or_path", "") or "")).expanduser()
-    inputs = [source.resolve()] if str(source) and source.is_dir() else []  # never write into the original
+    # never write into the folder the model was loaded from; a model built from a config has none
+    # (an empty name, which as a path would be the current folder)
+    name = str(getattr(model.config, "_name_or_path", "") or "")
+    source = Path(name).expanduser()
+    inputs = [source.resolve()] if name and source.is_dir() else []
     install(out, inputs, stored, reader, None, copy.deepcopy(config_json["normswap"]),
             config_json=lambda block: {**config_json, "normswap": block}, verifier=None, must_pass=False,
             overwrite=overwrite, quiet=True, verify_options={}, extra_files=lambda tmp: _save_generation(model, tmp))

@@ -65,3 +65,12 @@ def test_save_refuses_other_models_and_foreign_folders(tmp_path):
     with pytest.raises(NormswapError, match="tokenizer.json"):
         converted.save_pretrained(tmp_path / "out")
     assert (tmp_path / "out" / "tokenizer.json").read_text() == "{}"
+
+
+def test_a_model_built_in_memory_saves_below_the_current_folder(tmp_path, monkeypatch):
+    """A model made from a config has no input folder: ``./out`` is not "inside the input"."""
+    monkeypatch.chdir(tmp_path)
+    normswap.save(normswap.convert_model(transformers.GPT2LMHeadModel(GPT2()).eval()), "out")
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+    with pytest.raises(NormswapError, match=r"^out .*is or contains the current folder"):
+        normswap.save(normswap.convert_model(transformers.GPT2LMHeadModel(GPT2()).eval()), ".")
