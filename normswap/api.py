@@ -18,9 +18,12 @@ from normswap.checkpoint.provenance import Provenance, family_config
 from normswap.checkpoint.source import StateDictReader, read_config, resolve_source
 from normswap.convert import card
 from normswap.dtypes import dtype_name
-from normswap.errors import NormswapError
+from normswap.errors import NormswapError, options_named
 from normswap.modeling import build, online
 from normswap.rotate.options import DEFAULT_CALIBRATION_TOKENS, DEFAULT_FORM
+
+# how messages name the output arguments of convert_checkpoint and rotate_checkpoint
+_OUT_ARGUMENTS = {"--out": "out", "--overwrite": "overwrite=True"}
 
 
 def _check_loading(where: str, kwargs: dict) -> None:
@@ -176,9 +179,11 @@ def save(model: nn.Module, folder: str | Path, *, overwrite: bool = False) -> No
     name = str(getattr(model.config, "_name_or_path", "") or "")
     source = Path(name).expanduser()
     inputs = [source.resolve()] if name and source.is_dir() else []
-    install(out, inputs, stored, reader, None, copy.deepcopy(config_json["normswap"]),
-            config_json=lambda block: {**config_json, "normswap": block}, verifier=None, must_pass=False,
-            overwrite=overwrite, quiet=True, verify_options={}, extra_files=lambda tmp: _save_generation(model, tmp))
+    with options_named({"--out": "folder", "--overwrite": "overwrite=True"}):
+        install(out, inputs, stored, reader, None, copy.deepcopy(config_json["normswap"]),
+                config_json=lambda block: {**config_json, "normswap": block}, verifier=None, must_pass=False,
+                overwrite=overwrite, quiet=True, verify_options={},
+                extra_files=lambda tmp: _save_generation(model, tmp))
 
 
 def _save_generation(model: nn.Module, folder: Path) -> None:
@@ -229,9 +234,10 @@ def convert_checkpoint(
     from normswap.convert.pipeline import convert_checkpoint as convert
     from normswap.verify.checkpoint import verify_checkpoint
 
-    return convert(src, out, fold_gains=fold_gains, method=method, dtype=dtype, overwrite=overwrite,
-                   trust_remote_code=trust_remote_code, atol=atol, rtol=rtol, allow_inexact=allow_inexact,
-                   quiet=quiet, verification=verification, revision=revision, verifier=verify_checkpoint)
+    with options_named(_OUT_ARGUMENTS):
+        return convert(src, out, fold_gains=fold_gains, method=method, dtype=dtype, overwrite=overwrite,
+                       trust_remote_code=trust_remote_code, atol=atol, rtol=rtol, allow_inexact=allow_inexact,
+                       quiet=quiet, verification=verification, revision=revision, verifier=verify_checkpoint)
 
 
 @checked
@@ -253,8 +259,9 @@ def rotate_checkpoint(
     from normswap.rotate.pipeline import rotate_checkpoint as rotate
     from normswap.verify.checkpoint import verify_rotated
 
-    return rotate(src, out, method=method, seed=seed, form=form, calibration=calibration,
-                  calibration_tokens=calibration_tokens,
-                  dtype=dtype, overwrite=overwrite, trust_remote_code=trust_remote_code, atol=atol, rtol=rtol,
-                  verification=verification, quiet=quiet, verifier=verify_rotated, media=MediaInputs(),
-                  online_hadamard=online_hadamard)
+    with options_named(_OUT_ARGUMENTS):
+        return rotate(src, out, method=method, seed=seed, form=form, calibration=calibration,
+                      calibration_tokens=calibration_tokens,
+                      dtype=dtype, overwrite=overwrite, trust_remote_code=trust_remote_code, atol=atol, rtol=rtol,
+                      verification=verification, quiet=quiet, verifier=verify_rotated, media=MediaInputs(),
+                      online_hadamard=online_hadamard)

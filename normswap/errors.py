@@ -6,6 +6,10 @@ Everything a user can cause (bad paths, unsupported models, failed verification)
 
 from __future__ import annotations
 
+import contextvars
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+
 
 class NormswapError(Exception):
     """An error caused by the input, reported to the user as one line."""
@@ -15,6 +19,25 @@ class NormswapError(Exception):
 
 class ArgumentError(NormswapError, ValueError):
     """A bad value of an API argument: a ``ValueError`` to Python callers, one line at the CLI."""
+
+
+_OPTION_NAMES: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextVar("option_names", default=None)
+
+
+@contextmanager
+def options_named(names: Mapping[str, str]) -> Iterator[None]:
+    """Within the block, messages name each command-line option as ``names`` spells it: a Python
+    API call names its own arguments (``out``, ``overwrite=True``), not the CLI's flags."""
+    token = _OPTION_NAMES.set(names)
+    try:
+        yield
+    finally:
+        _OPTION_NAMES.reset(token)
+
+
+def option(flag: str) -> str:
+    """``flag`` (``--out``) as the current caller spells it (see ``options_named``)."""
+    return (_OPTION_NAMES.get() or {}).get(flag, flag)
 
 
 def first_line(error: BaseException) -> str:

@@ -68,9 +68,10 @@ def test_save_refuses_other_models_and_foreign_folders(tmp_path):
 
 
 def test_a_model_built_in_memory_saves_below_the_current_folder(tmp_path, monkeypatch):
-    """A model made from a config has no input folder: ``./out`` is not "inside the input"."""
+    """A model made from a config has no input folder: ``./out`` is not "inside the input"; an
+    error names the API's argument, not the CLI's flag."""
     monkeypatch.chdir(tmp_path)
     normswap.save(normswap.convert_model(transformers.GPT2LMHeadModel(GPT2()).eval()), "out")
     assert (tmp_path / "out" / "model.safetensors").is_file()
-    with pytest.raises(NormswapError, match=r"^out .*is or contains the current folder"):
+    with pytest.raises(NormswapError, match=r"^folder .*is or contains the current folder"):
         normswap.save(normswap.convert_model(transformers.GPT2LMHeadModel(GPT2()).eval()), ".")

@@ -12,7 +12,7 @@ import json
 import os
 from pathlib import Path
 
-from normswap.errors import quoted
+from normswap.errors import option, quoted
 
 MARKER = ".normswap-output"
 KINDS = ("checkpoint", "report", "run")
@@ -87,5 +87,5 @@ def describe_foreign(out: Path, paths: list[str]) -> str:
     """The one-line refusal for an ``--out`` holding ``paths`` normswap did not write."""
     shown = ", ".join(quoted(path, 80) for path in paths[:3])
     more = f" and {len(paths) - 3} more" if len(paths) > 3 else ""
-    return (f"--out {out} holds {shown}{more}, which normswap did not write; --overwrite only replaces "
+    return (f"{option('--out')} {out} holds {shown}{more}, which normswap did not write; {option('--overwrite')} only replaces "
             "what normswap wrote, so move them away or pick another --out")

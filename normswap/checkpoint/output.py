@@ -61,7 +61,7 @@ from normswap.checkpoint.renames import exchange, move_entries
 from normswap.checkpoint.space import check_free_space as check_free_space  # re-exported
 from normswap.checkpoint.space import progress_bar as progress_bar  # re-exported
 from normswap.checkpoint.temporaries import TMP_MARKER, make_temporary, remove_stale_temporaries
-from normswap.errors import NormswapError
+from normswap.errors import NormswapError, option
 
 installed: list[Path] = []  # every outermost --out this process installed (not one nested in another's work)
 _open_claims: list[Path] = []
@@ -71,7 +71,7 @@ def absolute(out: str | Path) -> Path:
     """``out`` as an absolute path, symbolic links kept (``--out .`` becomes the current folder)."""
     path = Path(os.path.abspath(os.path.expanduser(str(out))))
     if not path.name:
-        raise NormswapError(f"--out {out} is the filesystem root; name a folder")
+        raise NormswapError(f"{option('--out')} {out} is the filesystem root; name a folder")
     return path
 
 
@@ -86,24 +86,24 @@ def _within(inner: Path, outer: Path) -> bool:
 def check_out(out: Path, inputs: Sequence[Path], overwrite: bool, *, kind: str) -> None:
     """Refuse an ``--out`` that normswap may not write (see the module docstring); no side effects."""
     if out.is_symlink():
-        raise NormswapError(f"--out {out} is a symbolic link; pass the folder itself")
+        raise NormswapError(f"{option('--out')} {out} is a symbolic link; pass the folder itself")
     real = _real(out)
     for item in inputs:
         source = _real(Path(item))
         if source == real:
-            raise NormswapError(f"--out {out} is the input {item}; refusing to write over an input")
+            raise NormswapError(f"{option('--out')} {out} is the input {item}; refusing to write over an input")
         if _within(source, real):
-            raise NormswapError(f"--out {out} contains the input {item}; refusing to write over an input")
+            raise NormswapError(f"{option('--out')} {out} contains the input {item}; refusing to write over an input")
         if _within(real, source):
-            raise NormswapError(f"--out {out} lies inside the input {item}; refusing to write into an input")
+            raise NormswapError(f"{option('--out')} {out} lies inside the input {item}; refusing to write into an input")
     if _within(_real(Path.cwd()), real):
-        raise NormswapError(f"--out {out} is or contains the current folder; pass another folder")
+        raise NormswapError(f"{option('--out')} {out} is or contains the current folder; pass another folder")
     if not out.exists():
         return
     if not out.is_dir():
-        raise NormswapError(f"--out {out} exists and is not a folder")
+        raise NormswapError(f"{option('--out')} {out} exists and is not a folder")
     if os.path.realpath(out) in mount_points():
-        raise NormswapError(f"--out {out} is a mount point, which cannot be replaced by renaming a folder onto it "
+        raise NormswapError(f"{option('--out')} {out} is a mount point, which cannot be replaced by renaming a folder onto it "
                             "(as normswap installs); pass a folder inside it")
     try:
         empty = not any(out.iterdir())
@@ -112,19 +112,19 @@ def check_out(out: Path, inputs: Sequence[Path], overwrite: bool, *, kind: str) 
     if empty or read_journal(out) is not None:
         return  # an install cut short is repaired once --out is claimed, and checked again
     if not overwrite:
-        raise NormswapError(f"--out {out} exists and is not empty; pass --overwrite to replace a folder normswap wrote")
+        raise NormswapError(f"{option('--out')} {out} exists and is not empty; pass {option('--overwrite')} to replace a folder normswap wrote")
     found = marked_kind(out)
     if found is None:
         raise NormswapError(
-            f"--out {out} was not written by normswap (it has no {MARKER}); --overwrite only replaces "
+            f"{option('--out')} {out} was not written by normswap (it has no {MARKER}); {option('--overwrite')} only replaces "
             "folders normswap wrote, so remove or rename it yourself"
         )
     if found != kind:
-        raise NormswapError(f"--out {out} holds a normswap {found or 'output of unknown kind'}, not a {kind}; "
-                            f"--overwrite only replaces a folder of the same kind, so pick another --out")
+        raise NormswapError(f"{option('--out')} {out} holds a normswap {found or 'output of unknown kind'}, not a {kind}; "
+                            f"{option('--overwrite')} only replaces a folder of the same kind, so pick another {option('--out')}")
     mounts = mounts_inside(out)
     if mounts:
-        raise NormswapError(f"--out {out} holds {mounts[0]}, a mount point or another filesystem; normswap never "
+        raise NormswapError(f"{option('--out')} {out} holds {mounts[0]}, a mount point or another filesystem; normswap never "
                             "removes across filesystems, so unmount it or pick another --out")
     foreign = foreign_paths(out)
     if foreign:
@@ -150,7 +150,7 @@ class Claim:
         write_journal(self.tmp, self.out)
         with _signals_held(_is_main_thread()):
             if not _same_folder(self._fd, self.out):
-                raise NormswapError(f"--out {self.out} was replaced by something else while normswap worked; "
+                raise NormswapError(f"{option('--out')} {self.out} was replaced by something else while normswap worked; "
                                     "left it as it is, nothing was written")
             if any(self.out.iterdir()):
                 if marked_kind(self.out) != self.kind or mounts_inside(self.out) or foreign_paths(self.out):
@@ -288,7 +288,7 @@ def _make_parents(parent: Path) -> list[Path]:
             raise
         created.append(folder)
     if not parent.is_dir():
-        raise NormswapError(f"--out cannot be created in {parent}: it is not a folder")
+        raise NormswapError(f"{option('--out')} cannot be created in {parent}: it is not a folder")
     return created
 
 
@@ -303,7 +303,7 @@ def _lock(out: Path) -> int:
         fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError as error:
         if error.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise NormswapError(f"--out {out} is not a folder") from None
+            raise NormswapError(f"{option('--out')} {out} is not a folder") from None
         raise
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -315,7 +315,7 @@ def _lock(out: Path) -> int:
         raise
     if not _same_folder(fd, out):
         os.close(fd)
-        raise NormswapError(f"--out {out} changed while normswap claimed it; try again")
+        raise NormswapError(f"{option('--out')} {out} changed while normswap claimed it; try again")
     return fd
 
 

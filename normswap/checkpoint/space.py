@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from normswap.errors import NormswapError
+from normswap.errors import NormswapError, option
 
 
 def check_free_space(out: Path, needed: int) -> None:
@@ -18,7 +18,7 @@ def check_free_space(out: Path, needed: int) -> None:
     except OSError:
         return  # no figure to compare with; a full disk is still reported when writing
     if usage.total == 0:
-        raise NormswapError(f"--out {out} is on a filesystem that stores no files ({existing} is on a "
+        raise NormswapError(f"{option('--out')} {out} is on a filesystem that stores no files ({existing} is on a "
                             "virtual one, as /proc and /sys are); pick a folder on a disk")
     free = usage.free
     if free < needed:

@@ -173,8 +173,11 @@ def row_blocks(plan: TensorPlan, source: ShardSource,
     read from the source and run through ``fold``'s in-place slice kernels. Row blocks are whole
     slices for steps along a non-leading axis, so the values are exactly those of
     ``fold.apply_slice_steps``. Each block is overwritten by the next."""
+    if math.prod(plan.shape) == 0:  # no elements, no rows to walk, whatever the first dimension says
+        yield 0, torch.empty(tuple(plan.shape), dtype=torch.float64)
+        return
     rows_total = plan.shape[0]
-    row = max(1, math.prod(plan.shape[1:]))
+    row = math.prod(plan.shape[1:])
     rows = max(1, slice_elements // row)
     kernels = [fold.slice_kernel(step, source.read) for step in plan.steps]
     source_dtype = source.reader.tensors[plan.source].dtype
