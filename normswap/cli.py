@@ -47,7 +47,30 @@ SUBCOMMANDS: list[tuple[str, str, str]] = [
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with normswap's error form: one line on stderr, exit 2 (no usage block; --help has it)."""
+    """argparse with normswap's error form: one line on stderr, exit 2 (no usage block; --help has it).
+
+    Options are never abbreviated: for a tool that writes files, ``--fold-gain`` taken silently
+    as ``--fold-gains`` is a mistyped flag acted on. A subcommand names its unknown options
+    before anything else is checked, so that ``--ouy zz`` is reported as ``--ouy``, not as
+    ``--out`` missing."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        if self._subparsers is None:  # a subcommand's own options; the top level only dispatches
+            strings = sys.argv[1:] if args is None else list(args)
+            unknown = []
+            for arg in strings:
+                if arg == "--":
+                    break
+                parsed = self._parse_optional(arg)
+                if parsed is not None and parsed[0] is None:
+                    unknown.append(arg)
+            if unknown:
+                self.error(f"unrecognized arguments: {' '.join(unknown)}")
+        return super().parse_known_args(args, namespace)
 
     def error(self, message: str) -> NoReturn:
         sys.stderr.write(f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")

@@ -229,3 +229,16 @@ def test_bundled_names_the_bundled_text_everywhere():
     assert parser.parse_args(["geometry", "a", "--text", "bundled"]).text == BUNDLED_TEXT
     for flag in ("--calibration", "--held-out"):
         assert "'bundled'" in option("rotate", flag).help
+
+
+@pytest.mark.parametrize(("argv", "named"), [
+    (["convert", "normswap:austen-gpt2", "--ouy", "zz"], "--ouy"),  # named before "--out is required"
+    (["convert", "normswap:austen-gpt2", "--out", "x", "--fold-gain"], "--fold-gain"),  # no abbreviation
+    (["eval", "normswap:austen-gpt2", "--limi=3"], "--limi=3"),
+])
+def test_an_unknown_or_abbreviated_flag_is_named_first(capsys, argv, named):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1
+    assert f"normswap {argv[0]}: error: unrecognized arguments: {named} " in err[0] and "required" not in err[0]
