@@ -32,7 +32,7 @@ import sys
 import threading
 from typing import NoReturn
 
-from normswap.errors import NormswapError, one_line
+from normswap.errors import NormswapError, one_line, options_named
 
 # (subcommand, module implementing it, one-line help)
 SUBCOMMANDS: list[tuple[str, str, str]] = [
@@ -221,12 +221,13 @@ def _run(argv: list[str], interrupts: _Interrupts) -> int:
 
     quiet_progress_bars(args)  # before the hub download or any library draws a bar
     try:
-        if not getattr(args, "json", False):
-            return int(modules[args.command].run(args) or 0)
-        # --json: stdout carries the JSON alone; every other line goes to stderr.
-        args.json_stream = sys.stdout
-        with contextlib.redirect_stdout(sys.stderr):
-            return int(modules[args.command].run(args) or 0)
+        with options_named({}):  # messages name the command's flags, also where it calls the API
+            if not getattr(args, "json", False):
+                return int(modules[args.command].run(args) or 0)
+            # --json: stdout carries the JSON alone; every other line goes to stderr.
+            args.json_stream = sys.stdout
+            with contextlib.redirect_stdout(sys.stderr):
+                return int(modules[args.command].run(args) or 0)
     except NormswapError as error:
         if interrupts.count:
             raise KeyboardInterrupt from None  # the interrupt surfaced as this error: report the interrupt

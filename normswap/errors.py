@@ -27,8 +27,10 @@ _OPTION_NAMES: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.Co
 @contextmanager
 def options_named(names: Mapping[str, str]) -> Iterator[None]:
     """Within the block, messages name each command-line option as ``names`` spells it: a Python
-    API call names its own arguments (``out``, ``overwrite=True``), not the CLI's flags."""
-    token = _OPTION_NAMES.set(names)
+    API call names its own arguments (``out``, ``overwrite=True``), not the CLI's flags. The
+    outermost caller decides: a command that runs through the API keeps its flags' names
+    (the command line enters ``options_named({})`` first)."""
+    token = _OPTION_NAMES.set(names if _OPTION_NAMES.get() is None else _OPTION_NAMES.get())
     try:
         yield
     finally:
