@@ -15,17 +15,27 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import check_exact, vision_outputs
+import transformers
+from helpers import check_exact, make_hard, save, tiny_gpt2, vision_outputs
 from media_models import tiny_dinov2_hub
 from test_bad_input import assert_one_line_error, run_cli
 
 from normswap.checkpoint import side_files
+from normswap.checkpoint.source import CheckpointReader
 from normswap.cli import main
 from normswap.errors import NormswapError
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # ---------------------------------------------------------------------------------------------
 # the hub's DINOv2 layout
@@ -118,3 +128,123 @@ def test_hub_dinov2_pixels_too_small_for_a_patch_are_one_line(dinov2_hub, tmp_pa
         "Batch", (), {"pixel_values": torch.zeros(1, 3, 1, 32)})())
     code, err = run_cli(capsys, "geometry", str(dinov2_hub), "--images", "bundled")
     assert_one_line_error(code, err, "makes 3x1x32 pixel values; the model reads images from one 2x2 patch up to 592x592")
+
+
+# ---------------------------------------------------------------------------------------------
+# many shards
+
+SHARDS = 1204  # a 100-layer GPT-2 holds 1,204 tensors: one per shard
+OPEN_FILES = 1024  # a common default soft limit of open files
+
+
+def one_tensor_per_shard(single: Path, src: Path) -> Path:
+    """The checkpoint ``single`` (one model.safetensors) again at ``src``, one tensor per shard."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(single / "model.safetensors")
+    src.mkdir()
+    shutil.copyfile(single / "config.json", src / "config.json")
+    weight_map = {}
+    for number, name in enumerate(sorted(state), 1):
+        weight_map[name] = f"model-{number:05d}-of-{len(state):05d}.safetensors"
+        save_file({name: state[name]}, src / weight_map[name], metadata={"format": "pt"})
+    (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return src
+
+
+@pytest.fixture(scope="module")
+def many_shards(tmp_path_factory) -> Path:
+    """A 100-layer GPT-2 (d=8) in 1,204 safetensors shards of one tensor each, with its index."""
+    root = tmp_path_factory.mktemp("shards")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=100, n_embd=8, n_head=2, vocab_size=50, n_positions=16, bos_token_id=0,
+                                     eos_token_id=0)
+    single = save(make_hard(transformers.GPT2LMHeadModel(config)), root / "single")
+    src = one_tensor_per_shard(single, root / "sharded")
+    assert len(list(src.glob("*.safetensors"))) == SHARDS
+    return src
+
+
+def _limit_open_files() -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (OPEN_FILES, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
+
+def test_more_shards_than_open_files_convert_and_verify(many_shards, tmp_path):
+    out = tmp_path / "out"
+    process = subprocess.run(
+        [sys.executable, "-m", "normswap.cli", "convert", str(many_shards), "--out", str(out), "--quiet"],
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, preexec_fn=_limit_open_files, capture_output=True, text=True,
+        timeout=300)
+    assert process.returncode == 0, process.stderr[-2000:]
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) == SHARDS
+    assert "Too many open files" not in process.stderr
+
+
+def _open_files() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")
+def test_the_reader_holds_a_bounded_pool_of_shards_open(many_shards):
+    before = _open_files()
+    with CheckpointReader(many_shards) as reader:
+        assert _open_files() - before <= CheckpointReader.MAX_OPEN_SHARDS
+        for name in reader.tensors:
+            reader.get(name)
+            assert _open_files() - before <= CheckpointReader.MAX_OPEN_SHARDS
+    assert _open_files() == before
+
+
+def test_threads_share_the_pool(many_shards, monkeypatch):
+    """Eight threads reading every tensor through a pool of two: each read holds its shard open,
+    whatever the others close, and every value is the stored one."""
+    from safetensors.torch import load_file
+
+    monkeypatch.setattr(CheckpointReader, "MAX_OPEN_SHARDS", 2)
+    names = sorted(json.loads((many_shards / "model.safetensors.index.json").read_text())["weight_map"])[:200]
+    failures = []
+    with CheckpointReader(many_shards) as reader:
+        expected = {name: load_file(many_shards / reader.tensors[name].shard)[name] for name in names}
+
+        def read(offset: int) -> None:
+            try:
+                for name in names[offset:] + names[:offset]:
+                    assert torch.equal(reader.get(name), expected[name]), name
+                    assert reader.read_rows(name, 0, 1).shape[0] == 1
+            except Exception as error:  # reported in the main thread
+                failures.append(error)
+
+        threads = [threading.Thread(target=read, args=(25 * index,)) for index in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert len(reader._recent) <= 2
+    assert not failures, failures[0]
+
+
+@pytest.mark.parametrize("how", ["rewritten", "replaced", "removed"])
+def test_a_shard_that_changes_between_reads_is_one_line(tmp_path, monkeypatch, how):
+    monkeypatch.setattr(CheckpointReader, "MAX_OPEN_SHARDS", 2)
+    src = one_tensor_per_shard(tiny_gpt2(tmp_path / "single"), tmp_path / "src")
+    with CheckpointReader(src) as reader:
+        first, *rest = sorted(reader.tensors, key=lambda name: reader.tensors[name].shard)
+        shard = src / reader.tensors[first].shard
+        for name in rest[:3]:  # closes the first shard
+            reader.get(name)
+        data, status = shard.read_bytes(), shard.stat()
+        if how == "rewritten":  # in place: the same inode and size, a later modification time
+            with open(shard, "r+b") as file:
+                file.seek(len(data) - 4)
+                file.write(bytes(4))
+            if shard.stat().st_mtime_ns == status.st_mtime_ns:  # within one tick of the clock files are stamped by
+                os.utime(shard, ns=(status.st_atime_ns, status.st_mtime_ns + 1))
+        elif how == "replaced":  # a copy renamed over it: same bytes, another inode
+            (tmp_path / "elsewhere").write_bytes(data)
+            (tmp_path / "elsewhere").rename(shard)
+        else:
+            shard.unlink()
+        with pytest.raises(NormswapError, match="changed while it was read") as refusal:
+            reader.get(first)
+    assert str(shard) in str(refusal.value) and "\n" not in str(refusal.value)
