@@ -21,6 +21,8 @@ import shutil
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -248,3 +250,190 @@ def test_a_shard_that_changes_between_reads_is_one_line(tmp_path, monkeypatch, h
         with pytest.raises(NormswapError, match="changed while it was read") as refusal:
             reader.get(first)
     assert str(shard) in str(refusal.value) and "\n" not in str(refusal.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# the sweep: headers, full disks, read-only parents, names
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory) -> Path:
+    return tiny_gpt2(tmp_path_factory.mktemp("gpt2") / "gpt2")
+
+
+@pytest.fixture(scope="module")
+def reference(gpt2, tmp_path_factory) -> Path:
+    """``gpt2`` converted at a plain path: the bytes every legitimate layout must give."""
+    out = tmp_path_factory.mktemp("reference") / "rms"
+    assert main(["convert", str(gpt2), "--out", str(out), "--quiet", "--verify", "none"]) == 0
+    return out
+
+
+def _raw_header(path: Path) -> tuple[str, bytes]:
+    raw = path.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    return raw[8: 8 + length].decode(), raw[8 + length:]
+
+
+def _write_raw(path: Path, header: str, data: bytes) -> None:
+    encoded = header.encode() + b" " * (-len(header) % 8)
+    path.write_bytes(len(encoded).to_bytes(8, "little") + encoded + data)
+
+
+def _repeat_entry(header: str, same: bool) -> str:
+    """The header with its first tensor's entry given twice: identical, or the second naming
+    the next tensor's bytes (Python's parser keeps the last of two keys, safetensors' refuses)."""
+    entries = json.loads(header)
+    names = sorted((name for name in entries if name != "__metadata__"), key=lambda name: entries[name]["data_offsets"])
+    first, second = names[:2]
+    twin = dict(entries[first]) if same else {**entries[second]}
+    return header.rstrip()[:-1] + f',{json.dumps(first)}:{json.dumps(twin)}' + "}"
+
+
+@pytest.mark.parametrize("same", [True, False], ids=["identical", "another-tensor's-bytes"])
+@pytest.mark.parametrize("command", ["convert", "inspect"])
+def test_a_header_naming_a_tensor_twice_is_one_line(gpt2, tmp_path, capsys, command, same):
+    src = tmp_path / "src"
+    shutil.copytree(gpt2, src)
+    header, data = _raw_header(src / "model.safetensors")
+    _write_raw(src / "model.safetensors", _repeat_entry(header, same), data)
+    code, err = run_cli(capsys, command, str(src), *(["--out", str(tmp_path / "out")] if command == "convert" else []))
+    assert_one_line_error(code, err, "model.safetensors", "twice")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["src"]
+
+
+def test_an_index_naming_a_tensor_twice_is_one_line(gpt2, tmp_path, capsys):
+    src = one_tensor_per_shard(gpt2, tmp_path / "src")
+    text = (src / "model.safetensors.index.json").read_text()
+    first = sorted(json.loads(text)["weight_map"])[0]
+    (src / "model.safetensors.index.json").write_text(
+        text.replace('"weight_map": {', f'"weight_map": {{{json.dumps(first)}: "model-00002-of-{len(json.loads(text)["weight_map"]):05d}.safetensors", '))
+    code, err = run_cli(capsys, "convert", str(src), "--out", str(tmp_path / "out"))
+    assert_one_line_error(code, err, "model.safetensors.index.json", "twice")
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_index_naming_an_unprintable_shard_is_one_line(gpt2, tmp_path, capsys):
+    src = one_tensor_per_shard(gpt2, tmp_path / "src")
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    first = sorted(index["weight_map"])[0]
+    index["weight_map"][first] = "model\udcff\n.safetensors"
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    code, err = run_cli(capsys, "inspect", str(src))
+    assert_one_line_error(code, err, "is not a file name in the checkpoint folder")
+
+
+@contextmanager
+def tmpfs(folder: Path, size: str, *, read_only: bool = False) -> Iterator[Path]:
+    """A real tmpfs of ``size`` mounted at ``folder`` (read-only when asked), unmounted after;
+    the test is skipped where mounting needs a privilege this process lacks."""
+    folder.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a tmpfs needs root")
+    options = f"size={size}" + (",ro" if read_only else "")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+@pytest.fixture(scope="module")
+def wide_gpt2(tmp_path_factory) -> Path:
+    """A GPT-2 whose converted weights take 940 kB: more than the small disks below hold."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=96, n_head=2, vocab_size=50, n_positions=16, bos_token_id=0,
+                                     eos_token_id=0)
+    return save(make_hard(transformers.GPT2LMHeadModel(config)), tmp_path_factory.mktemp("wide") / "gpt2")
+
+
+@pytest.mark.parametrize(("case", "needle"), [
+    ("before-writing", "not enough disk space beside --out"),  # the free-space check sees it
+    ("while-writing-weights", "no space left on the device while writing model.safetensors"),
+    ("after-the-weights", "no space left on the device while writing"),  # the weights fit, the side files do not
+])
+def test_a_full_disk_under_out_is_one_line_and_leaves_it_empty(wide_gpt2, tmp_path, capsys, monkeypatch, case, needle):
+    weights = (wide_gpt2 / "model.safetensors").stat().st_size
+    # 32 KiB past the weights: room for them and the free-space check, not for the side files
+    # (the README, config and modeling file take 40-60 KiB)
+    size = {"after-the-weights": f"{weights // 1024 + 32}k"}.get(case, "400k")
+    with tmpfs(tmp_path / "disk", size) as disk:
+        if case == "while-writing-weights":  # another process fills the disk once the check has passed
+            usage = shutil.disk_usage(disk)
+            monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=10**12))
+        code, err = run_cli(capsys, "convert", str(wide_gpt2), "--out", str(disk / "deep" / "out"), "--quiet")
+        assert_one_line_error(code, err, needle, "nothing was written")
+        assert list(disk.iterdir()) == [] and shutil.disk_usage(disk).used == 0
+
+
+def test_a_full_tmpdir_does_not_stop_a_conversion(gpt2, reference, tmp_path, monkeypatch):
+    with tmpfs(tmp_path / "tmp", "16k") as full:
+        (full / "filler").write_bytes(bytes(16 << 10))
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(full)}
+        process = subprocess.run([sys.executable, "-m", "normswap.cli", "convert", str(gpt2), "--out",
+                                  str(tmp_path / "out"), "--quiet"], env=env, capture_output=True, text=True, timeout=300)
+        assert process.returncode == 0, process.stderr[-2000:]
+        assert sorted(path.name for path in full.iterdir()) == ["filler"]
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == (reference / "model.safetensors").read_bytes()
+
+
+@contextmanager
+def read_only_folder(folder: Path) -> Iterator[Path]:
+    """A folder no process may write: a read-only tmpfs where this process may mount one (root
+    writes through permission bits), else a folder without write permission."""
+    if os.geteuid() == 0:
+        with tmpfs(folder, "64k", read_only=True):
+            yield folder
+        return
+    folder.mkdir()
+    folder.chmod(0o555)
+    try:
+        yield folder
+    finally:
+        folder.chmod(0o755)
+
+
+@pytest.mark.parametrize("out", ["out", "deep/out"])
+def test_a_read_only_parent_of_out_is_one_line(gpt2, tmp_path, capsys, out):
+    with read_only_folder(tmp_path / "locked") as locked:
+        code, err = run_cli(capsys, "convert", str(gpt2), "--out", str(locked / out), "--quiet")
+        assert_one_line_error(code, err, str(locked), "nothing was written")
+        assert list(locked.iterdir()) == []
+
+
+NAMES = {"spaces": "my model v2", "newline": "model\nnext", "leading-dash": "-model", "unicode": "modèle ✓ 模型"}
+
+
+@pytest.mark.parametrize("case", list(NAMES))
+def test_folder_names_convert_exactly(gpt2, reference, tmp_path, capsys, monkeypatch, case):
+    """Any UTF-8 name is a folder name: as the source and as --out, relative (after ``./``, so
+    that a leading dash is not an option) or absolute, the output is the reference's, byte for
+    byte, and verified."""
+    name = NAMES[case]
+    src = tmp_path / f"{name} src"
+    shutil.copytree(gpt2, src)
+    monkeypatch.chdir(tmp_path)
+    code = main(["convert", f"./{src.name}", "--out", f"./{name}", "--quiet"])
+    assert code == 0, capsys.readouterr().err
+    out = tmp_path / name
+    assert (out / "model.safetensors").read_bytes() == (reference / "model.safetensors").read_bytes()
+    record = json.loads((out / "config.json").read_text())["normswap"]
+    assert record["source"] == f"./{src.name}" and record["verification"]["passed"]
+    assert "Traceback" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where", ["source", "out"])
+def test_a_folder_name_utf8_cannot_decode_is_one_line(gpt2, tmp_path, capsys, where):
+    """A name with a byte such as 0xff: normswap could read it, but transformers' safetensors
+    loader cannot open it, so such a checkpoint could never be verified or loaded."""
+    odd = Path(os.fsdecode(bytes(tmp_path) + b"/model\xff"))
+    if where == "source":
+        shutil.copytree(gpt2, odd)
+        args = ["convert", str(odd), "--out", str(tmp_path / "out")]
+    else:
+        args = ["convert", str(gpt2), "--out", str(odd)]
+    code, err = run_cli(capsys, *args)
+    assert_one_line_error(code, err, "model\\xff is not a UTF-8 path")
+    assert sorted(os.listdir(tmp_path)) == (["model\udcff"] if where == "source" else [])

@@ -115,7 +115,7 @@ class SafetensorsShard:
         if length > min(size - 8, self.MAX_HEADER_BYTES):
             raise self._corrupt(f"header length {length} does not fit in the file's {size} bytes")
         try:
-            header = parse_json(os.pread(self._fd, length, 8), "header", mapping=False)
+            header = parse_json(os.pread(self._fd, length, 8), "header", mapping=False, unique_keys=True)
         except NormswapError as error:
             raise self._corrupt(f"unreadable header ({str(error).removeprefix('cannot read header: ')})") from None
         if not isinstance(header, dict):

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from normswap.checkpoint.bounded import read_json
-from normswap.checkpoint.files import check_files, inside_file
+from normswap.checkpoint.files import check_files, check_utf8_path, inside_file
 from normswap.checkpoint.pickle_io import load_pickle_shard
 from normswap.checkpoint.reads import RecentReads as RecentReads  # re-exported for the writer
 from normswap.checkpoint.safetensors_io import SafetensorsShard, StoredTensor
@@ -64,6 +64,7 @@ def resolve_source(src: str | Path, *, trust_remote_code: bool = False, revision
         return path
     path = Path(src).expanduser()
     if path.exists():
+        check_utf8_path(Path(os.path.abspath(path)), "the checkpoint")
         if not path.is_dir():
             raise NormswapError(f"{src} is not a directory; pass a checkpoint directory or a hub id")
         if not (path / "config.json").is_file():
@@ -79,6 +80,7 @@ def resolve_source(src: str | Path, *, trust_remote_code: bool = False, revision
     from normswap.checkpoint.hub import download
 
     path = download(str(src), trust_remote_code=trust_remote_code, revision=revision)
+    check_utf8_path(path, "the hub cache's copy")
     check_files(path)
     check_side_files(path)
     return path
@@ -317,7 +319,7 @@ def _read_errors(what: str) -> Iterator[None]:
 def _weight_map(index: Path) -> dict[str, str]:
     """An index's ``weight_map``: tensor name -> shard file name, a plain name in the checkpoint
     folder (the file itself may be a link, as in the hub cache)."""
-    data = read_json(index, mapping=False)
+    data = read_json(index, mapping=False, unique_keys=True)  # a tensor named twice has no one shard
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict):
         raise NormswapError(f"{index}: 'weight_map' must be a mapping of tensor names to shard files")
@@ -327,7 +329,8 @@ def _weight_map(index: Path) -> dict[str, str]:
         if not isinstance(shard, str):
             raise NormswapError(f"{index}: the shard of {name} must be a file name (got {shard!r:.40})")
         parts = shard.replace("\\", "/").split("/")
-        if not shard or shard.startswith(("/", "~")) or any(part in ("", ".", "..") for part in parts):
+        if (not shard or shard.startswith(("/", "~")) or any(part in ("", ".", "..") for part in parts)
+                or not shard.isprintable()):
             raise NormswapError(f"{index}: the shard of {name}, {shard!r:.60}, is not a file name in the checkpoint folder")
     return weight_map
 
