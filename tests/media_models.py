@@ -1,4 +1,4 @@
-"""Tiny random Whisper, ViT, CLIP and other image-model checkpoints with their own processors, built from configs.
+"""Tiny random Whisper, ViT, CLIP, DINOv2 and other image-model checkpoints with their own processors, built from configs.
 
 Each is made hard (``helpers.make_hard``) and saved with a feature extractor or image processor and,
 where the family has one, a byte-level tokenizer built in memory, so that speech and vision
@@ -86,4 +86,21 @@ def tiny_clip(path: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     save(make_hard(T.CLIPModel(config), seed), path, tokenizer)
     T.CLIPImageProcessor(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16}).save_pretrained(path)
+    return path
+
+
+def tiny_dinov2_hub(path: Path, seed: int = 0) -> Path:
+    """A 2-layer DINOv2 backbone (no head) in the hub's layout, scaled down by its patch: the hub's
+    ``facebook/dinov2-*`` configs say ``image_size`` 518 with 14-pixel patches (37x37 positions),
+    and their processor (``BitImageProcessor``) resizes the shorter side to 256 and crops 224
+    (16x16 patches). Here: image_size 74 with 2-pixel patches (37x37), shorter side to 36, crop 32
+    (16x16), so the model resamples its position table for every image, as the hub's does."""
+    config = T.Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, image_size=74, patch_size=2,
+                            layerscale_value=0.3)
+    torch.manual_seed(seed)
+    save(make_hard(T.Dinov2Model(config), seed), path)
+    processor = T.BitImageProcessorPil(size={"shortest_edge": 36}, crop_size={"height": 32, "width": 32},
+                                       do_center_crop=True, resample=3, image_mean=[0.485, 0.456, 0.406],
+                                       image_std=[0.229, 0.224, 0.225])
+    processor.save_pretrained(path)
     return path

@@ -27,23 +27,27 @@ MAX_YAML_NODES = 200_000  # values in a YAML file once its aliases are expanded 
 MAX_ALIASES = 1000
 
 
-def read_json(path: Path, *, what: str | None = None, mapping: bool = True, walk: bool = True) -> Any:
+def read_json(path: Path, *, what: str | None = None, mapping: bool = True, walk: bool = True,
+              unique_keys: bool = False) -> Any:
     """The JSON value in ``path``, bounded as this module describes; ``mapping`` requires an object.
 
     ``what`` names the file in messages (default: its path). ``walk=False`` leaves out the walk
     that bounds depth and size (a tokenizer file of MBs, whose own parser bounds its depth):
-    the parse itself stays bounded (integers, size, Python's recursion).
+    the parse itself stays bounded (integers, size, Python's recursion). ``unique_keys`` refuses
+    an object that repeats a key, where parsers disagree or keep the last silently (a weight
+    file's header or index naming one tensor twice).
     """
-    return parse_json(_read_bytes(path, what), what or str(path), mapping=mapping, walk=walk)
+    return parse_json(_read_bytes(path, what), what or str(path), mapping=mapping, walk=walk, unique_keys=unique_keys)
 
 
-def parse_json(raw: bytes | str, what: str, *, mapping: bool = True, walk: bool = True) -> Any:
+def parse_json(raw: bytes | str, what: str, *, mapping: bool = True, walk: bool = True,
+               unique_keys: bool = False) -> Any:
     """``raw`` parsed as JSON with the bounds of ``read_json``; ``what`` names it in messages."""
     import json
 
     text = _decoded(raw, what)
     try:
-        value = json.loads(text, parse_int=_bounded_int(what))
+        value = json.loads(text, parse_int=_bounded_int(what), object_pairs_hook=_unique(what) if unique_keys else None)
     except RecursionError:
         raise _unreadable(what, _TOO_DEEP) from None
     except json.JSONDecodeError as error:
@@ -133,6 +137,18 @@ def _bounded_int(what: str):
         return int(text)
 
     return parse
+
+
+def _unique(what: str):
+    def build(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        found: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in found:
+                raise _unreadable(what, f"it names {key!r:.60} twice in one object")
+            found[key] = value
+        return found
+
+    return build
 
 
 def _checked(value: Any, what: str, mapping: bool, kind: str, list_word: str, *, max_nodes: int) -> Any:

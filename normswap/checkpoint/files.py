@@ -32,6 +32,19 @@ READ_FILES = (
 )
 
 
+def check_utf8_path(path: Path, what: str) -> None:
+    """Refuse a path the file system holds but UTF-8 does not decode (a byte such as 0xff in a
+    folder's name): the safetensors library, with which transformers loads weights, opens only
+    UTF-8 paths, so such a checkpoint could be read but never loaded or verified. ``what`` names
+    the path in the message (``--out``)."""
+    try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:
+        shown = os.fsencode(path).decode("utf-8", "backslashreplace")
+        raise NormswapError(f"{what} {shown} is not a UTF-8 path; transformers' safetensors loader opens only UTF-8 "
+                            "paths, so rename it") from None
+
+
 def allowed_roots(folder: Path) -> list[Path]:
     """The real folders a checkpoint's files may resolve into: the folder itself and, for a hub
     cache snapshot, its repository's ``blobs/``."""

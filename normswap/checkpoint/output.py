@@ -53,6 +53,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
+from normswap.checkpoint.files import check_utf8_path
 from normswap.checkpoint.journal import JOURNAL, read_journal, repair, write_journal
 from normswap.checkpoint.marker import KINDS as KINDS  # re-exported
 from normswap.checkpoint.marker import MARKER, describe_foreign, foreign_paths, marked_kind, write_marker
@@ -87,6 +88,8 @@ def check_out(out: Path, inputs: Sequence[Path], overwrite: bool, *, kind: str) 
     """Refuse an ``--out`` that normswap may not write (see the module docstring); no side effects."""
     if out.is_symlink():
         raise NormswapError(f"{option('--out')} {out} is a symbolic link; pass the folder itself")
+    if kind == "checkpoint":
+        check_utf8_path(out, option("--out"))
     real = _real(out)
     for item in inputs:
         source = _real(Path(item))

@@ -65,8 +65,12 @@ class SafetensorsShard:
     The file is ``[8-byte little-endian header length n][n bytes of JSON][data]``; each header
     entry gives a tensor's dtype, shape and ``data_offsets`` [begin, end) into the data section.
     ``entries`` holds, per tensor, torch's name of its dtype (``float32``; parsing imports no
-    torch), its shape and its byte range. A header that does not parse, or promises bytes the file does not have (a truncated
-    download), is reported at once as a ``NormswapError``.
+    torch), its shape and its byte range. A header that does not parse, or promises bytes the file
+    does not have (a truncated download), is reported at once as a ``NormswapError``.
+
+    The header is read once; the file may be closed (``close``) and opened again (``reopen``) while
+    it is read, as ``source.CheckpointReader`` keeps a bounded pool of shards open, and it must be
+    the very file first opened each time.
     """
 
     MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -75,23 +79,43 @@ class SafetensorsShard:
         self.file = file
         self._fd = os.open(file, os.O_RDONLY)
         try:
+            self._identity = _identity(os.fstat(self._fd))
             self.entries = self._parse_header()
         except BaseException:
             os.close(self._fd)
             raise
 
+    @property
+    def is_open(self) -> bool:
+        return self._fd >= 0
+
+    def reopen(self) -> None:
+        """Open the file again after ``close``. It must be the file first opened: the same device,
+        inode, size and modification time; a file replaced, rewritten or removed meanwhile is
+        refused, since its header (read at first open) no longer describes it."""
+        if self._fd >= 0:
+            return
+        try:
+            fd = os.open(self.file, os.O_RDONLY)
+        except FileNotFoundError:
+            raise NormswapError(f"{self.file} changed while it was read (it was removed)") from None
+        if _identity(os.fstat(fd)) != self._identity:
+            os.close(fd)
+            raise NormswapError(f"{self.file} changed while it was read")
+        self._fd = fd
+
     def _corrupt(self, why: str) -> NormswapError:
         return NormswapError(f"weight file {self.file} is corrupt or truncated: {why}")
 
     def _parse_header(self) -> dict[str, tuple[str, tuple[int, ...], int, int]]:
-        size = os.fstat(self._fd).st_size
+        size = self._identity[2]
         if size < 8:
             raise self._corrupt(f"{size} bytes, too short for a safetensors header")
         length = int.from_bytes(os.pread(self._fd, 8, 0), "little")
         if length > min(size - 8, self.MAX_HEADER_BYTES):
             raise self._corrupt(f"header length {length} does not fit in the file's {size} bytes")
         try:
-            header = parse_json(os.pread(self._fd, length, 8), "header", mapping=False)
+            header = parse_json(os.pread(self._fd, length, 8), "header", mapping=False, unique_keys=True)
         except NormswapError as error:
             raise self._corrupt(f"unreadable header ({str(error).removeprefix('cannot read header: ')})") from None
         if not isinstance(header, dict):
@@ -219,7 +243,8 @@ class SafetensorsShard:
             done += got
 
     def locate(self, name: str) -> tuple[int, int]:
-        """The open file descriptor and absolute offset of the bytes of ``name``."""
+        """The open file descriptor and absolute offset of the bytes of ``name`` (the descriptor
+        lasts until ``close``)."""
         _, _, begin, _ = self.entries[name]
         return self._fd, self.data_start + begin
 
@@ -314,6 +339,11 @@ def copy_range(source_fd: int, source_offset: int, fd: int, offset: int, count: 
 
 def _natural(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _identity(status: os.stat_result) -> tuple[int, int, int, int]:
+    """What tells a file from its replacement or a rewrite: device, inode, size, modification time."""
+    return status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns
 
 
 @cache

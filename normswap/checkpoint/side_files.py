@@ -40,6 +40,11 @@ AUDIO_LEVELS = {"dither": (0.0, 1.0), "padding_value": (-1.0, 1.0)}
 # model type -> the feature extractor and processor classes its preprocessor_config.json may name
 FEATURE_EXTRACTORS = {"whisper": ("WhisperFeatureExtractor", "WhisperProcessor")}
 MAX_IMAGE_SCALE = 8  # a processor may resize to at most this multiple of the model's image size
+# families whose models resample their position table to each input's size (bicubic, in float32)
+# on every call: on transformers 5.24 DINOv2 and BEiT read any image of at least one patch, while
+# ViT, DeiT and CLIP refuse a size other than image_size unless called with
+# interpolate_pos_encoding=True, which neither transformers' pipelines nor normswap pass
+ANY_IMAGE_SIZE_FAMILIES = frozenset({"dinov2", "beit"})
 MAX_IMAGE_SIDE = 4096  # ... or, for a model whose config names no image size, to this many pixels
 # |image_mean| and image_std bounds: pixels are normalised from [0, 1] or [0, 255] (a mean of 0 is allowed)
 NORMALISATION = {"image_mean": (1e-6, 1e3), "image_std": (1e-6, 1e3)}
@@ -223,12 +228,16 @@ def _check_images(data: dict, config: dict, where: str) -> None:
     limit = MAX_IMAGE_SCALE * max(model_pair) if model_pair else MAX_IMAGE_SIDE
     sizes = {key: _image_size(data[key], key, limit, where) for key in ("size", "crop_size") if data.get(key) is not None}
     final = sizes.get("crop_size") if data.get("do_center_crop") and "crop_size" in sizes else sizes.get("size")
-    if model_pair and final and "height" in final and "width" in final and (final["height"], final["width"]) != model_pair:
-        raise NormswapError(f"{where}: the processor makes {final['height']}x{final['width']} images, but the model "
+    final_pair = (final["height"], final["width"]) if final and "height" in final and "width" in final else None
+    any_size = reads_any_image_size(config.get("model_type"))
+    if any_size:
+        _check_patches(final_pair or (final or {}).get("shortest_edge"), vision.get("patch_size"), where)
+    elif model_pair and final_pair and final_pair != model_pair:
+        raise NormswapError(f"{where}: the processor makes {final_pair[0]}x{final_pair[1]} images, but the model "
                             f"reads {model_pair[0]}x{model_pair[1]} (image_size)")
     if data.get("do_resize") is False and not (data.get("do_center_crop") and "crop_size" in sizes):
-        raise NormswapError(f"{where}: 'do_resize' false keeps each image's own size, but the model reads "
-                            f"{'x'.join(map(str, model_pair or ('its',)))} images (image_size)")
+        reads = "batches of one size" if any_size else f"{'x'.join(map(str, model_pair or ('its',)))} images (image_size)"
+        raise NormswapError(f"{where}: 'do_resize' false keeps each image's own size, but the model reads {reads}")
     _check_processor_type(data.get("image_processor_type"), config, where)
     if data.get("resample") is not None and data["resample"] not in range(6):
         raise NormswapError(f"{where}: 'resample' must be one of Pillow's filters 0 to 5 (got {_show(data['resample'])})")
@@ -249,6 +258,25 @@ def _check_images(data: dict, config: dict, where: str) -> None:
         if not all(low <= abs(item) <= high for item in values if not (key == "image_mean" and item == 0)):
             raise NormswapError(f"{where}: '{key}' must be of magnitude {low:g} to {high:g}, as pixel normalisation "
                                 f"is (got {_show(value)})")
+
+
+def reads_any_image_size(model_type: object) -> bool:
+    """Whether a model of ``model_type`` (a config's, ``normswap_<family>`` for the free form)
+    reads images of any size, resampling its position table to each (``ANY_IMAGE_SIZE_FAMILIES``)."""
+    return str(model_type).removeprefix("normswap_") in ANY_IMAGE_SIZE_FAMILIES
+
+
+def _check_patches(final: tuple[int, int] | int | None, patch_size: object, where: str) -> None:
+    """A model that reads any image size still reads whole patches: the processor's images (or
+    their shorter side, ``final`` as an int, when the resize keeps each image's aspect) must hold one."""
+    patch = (patch_size, patch_size) if _positive_int(patch_size) else (
+        tuple(patch_size) if isinstance(patch_size, list) and len(patch_size) == 2 else None)
+    sides = (final, final) if isinstance(final, int) else final
+    if patch and sides and (sides[0] < patch[0] or sides[1] < patch[1]):
+        made = (f"resizes each image's shorter side to {final} pixels" if isinstance(final, int)
+                else f"makes {sides[0]}x{sides[1]} images")
+        raise NormswapError(f"{where}: the processor {made}, smaller than one {patch[0]}x{patch[1]} patch "
+                            "(patch_size)")
 
 
 def _check_processor_type(name: object, config: dict, where: str) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from normswap.checkpoint.bounded import read_json
-from normswap.checkpoint.files import check_files, inside_file
+from normswap.checkpoint.files import check_files, check_utf8_path, inside_file
 from normswap.checkpoint.pickle_io import load_pickle_shard
 from normswap.checkpoint.reads import RecentReads as RecentReads  # re-exported for the writer
 from normswap.checkpoint.safetensors_io import SafetensorsShard, StoredTensor
@@ -63,6 +64,7 @@ def resolve_source(src: str | Path, *, trust_remote_code: bool = False, revision
         return path
     path = Path(src).expanduser()
     if path.exists():
+        check_utf8_path(Path(os.path.abspath(path)), "the checkpoint")
         if not path.is_dir():
             raise NormswapError(f"{src} is not a directory; pass a checkpoint directory or a hub id")
         if not (path / "config.json").is_file():
@@ -78,6 +80,7 @@ def resolve_source(src: str | Path, *, trust_remote_code: bool = False, revision
     from normswap.checkpoint.hub import download
 
     path = download(str(src), trust_remote_code=trust_remote_code, revision=revision)
+    check_utf8_path(path, "the hub cache's copy")
     check_files(path)
     check_side_files(path)
     return path
@@ -114,13 +117,25 @@ class CheckpointReader:
     time: their tensors are views of the mapped file, so memory holds the pages touched in the
     current shard, never a whole model. A ``mapped`` reader reads rows of safetensors shards over
     the file's mapped pages (``read_rows``), for a process that runs nothing else.
+
+    A checkpoint may have more shards than a process may hold open files (1,024 is a common soft
+    limit): at most ``MAX_OPEN_SHARDS`` safetensors shards are open at once, the least recently
+    used closed to open another, and a shard opened again must be the file first opened
+    (``SafetensorsShard.reopen``). A shard being read is held open meanwhile (``holding``), by
+    whichever thread reads it.
     """
+
+    MAX_OPEN_SHARDS = 32
 
     def __init__(self, path: Path, mapped: bool = False) -> None:
         self.path, self.mapped = path, mapped
         self.shards = _weight_shards(path)
         self.is_safetensors = self.shards[0].endswith(".safetensors")
-        self._open: dict[str, object] = {}
+        self._open: dict[str, SafetensorsShard] = {}  # every safetensors shard read so far, open or closed
+        self._pickled: dict[str, dict[str, torch.Tensor]] = {}  # the one bin shard mapped now
+        self._recent: OrderedDict[str, None] = OrderedDict()  # the open safetensors shards, least recently used first
+        self._held: dict[str, int] = {}  # shard -> the reads holding it open
+        self._pool_lock = threading.Lock()
         self.tensors: dict[str, TensorInfo] = {}
         self._staging: torch.Tensor | None = None  # ``read_as``'s slice buffer
         self._staging_lock = threading.Lock()
@@ -145,44 +160,78 @@ class CheckpointReader:
         self.close()
 
     def close(self) -> None:
-        for handle in self._open.values():
-            if isinstance(handle, SafetensorsShard):
+        with self._pool_lock:
+            for handle in self._open.values():
                 handle.close()
-        self._open.clear()
+            self._open.clear()
+            self._recent.clear()
+            self._pickled.clear()
 
     def _scan(self, shard: str) -> Iterator[TensorInfo]:
         if shard.endswith(".safetensors"):
-            for name, (dtype, shape, _, _) in self._handle(shard).entries.items():
+            with self._holding_shard(shard) as handle:
+                entries = handle.entries
+            for name, (dtype, shape, _, _) in entries.items():
                 yield TensorInfo(name, shard, dtype, shape)
         else:
-            for name, tensor in self._handle(shard).items():
+            for name, tensor in self._pickle(shard).items():
                 yield TensorInfo(name, shard, tensor.dtype, tuple(tensor.shape))
 
-    def _handle(self, shard: str):
-        if shard not in self._open:
-            file = self.path / shard
-            with _read_errors(f"weight file {file}"):
-                if shard.endswith(".safetensors"):
-                    self._open[shard] = SafetensorsShard(file)
-                else:
-                    # bin shards are whole pickles; keep only one mapped at a time
-                    self._open = {k: v for k, v in self._open.items() if k.endswith(".safetensors")}
-                    self._open[shard] = load_pickle_shard(file)
-        return self._open[shard]
+    def _pickle(self, shard: str) -> dict[str, torch.Tensor]:
+        """A bin shard's tensors: whole pickles, so only one is kept mapped at a time."""
+        if shard not in self._pickled:
+            with _read_errors(f"weight file {self.path / shard}"):
+                self._pickled = {shard: load_pickle_shard(self.path / shard)}
+        return self._pickled[shard]
+
+    @contextmanager
+    def holding(self, name: str) -> Iterator[None]:
+        """The safetensors shard of tensor ``name`` held open while the block runs (so that a
+        descriptor from ``locate`` stays valid); nothing for other sources."""
+        if not self.is_safetensors:
+            yield
+            return
+        with self._holding_shard(self.tensors[name].shard):
+            yield
+
+    @contextmanager
+    def _holding_shard(self, shard: str) -> Iterator[SafetensorsShard]:
+        """``shard``'s handle, open and kept open until the block ends; shards no read holds are
+        closed, least recently used first, down to ``MAX_OPEN_SHARDS`` open."""
+        with self._pool_lock, _read_errors(f"weight file {self.path / shard}"):
+            handle = self._open.get(shard)
+            if handle is None:
+                handle = self._open[shard] = SafetensorsShard(self.path / shard)
+            else:
+                handle.reopen()
+            self._recent[shard] = None
+            self._recent.move_to_end(shard)
+            self._held[shard] = self._held.get(shard, 0) + 1
+        try:
+            yield handle
+        finally:
+            with self._pool_lock:
+                self._held[shard] -= 1
+                idle = [name for name in self._recent if not self._held.get(name)]
+                for name in idle[: max(0, len(self._recent) - self.MAX_OPEN_SHARDS)]:
+                    del self._recent[name]
+                    self._open[name].close()
 
     def get(self, name: str) -> torch.Tensor:
         """The tensor called ``name``, read from disk now."""
         info = self.tensors[name]
-        with _read_errors(f"tensor {name} from {info.shard}"):
-            if self.is_safetensors:
-                return self._handle(info.shard).read(name)
-            return self._handle(info.shard)[name]
+        if not self.is_safetensors:
+            with _read_errors(f"tensor {name} from {info.shard}"):
+                return self._pickle(info.shard)[name]
+        with self._holding_shard(info.shard) as handle, _read_errors(f"tensor {name} from {info.shard}"):
+            return handle.read(name)
 
     def read_array(self, name: str) -> numpy.ndarray:
         """The tensor ``name`` as a numpy array, read now (without torch from safetensors shards)."""
         if self.is_safetensors:
-            with _read_errors(f"tensor {name} from {self.tensors[name].shard}"):
-                return self._handle(self.tensors[name].shard).read_array(name)
+            shard = self.tensors[name].shard
+            with self._holding_shard(shard) as handle, _read_errors(f"tensor {name} from {shard}"):
+                return handle.read_array(name)
         return self.get(name).float().numpy()
 
     def read_rows(self, name: str, start: int, count: int, buffer: torch.Tensor | None = None) -> torch.Tensor:
@@ -190,12 +239,13 @@ class CheckpointReader:
         ``buffer``, a reusable uint8 tensor, for safetensors shards; for a ``mapped`` reader, over
         the file's mapped pages instead, with no copy: ``SafetensorsShard.mapped_rows``)."""
         info = self.tensors[name]
-        with _read_errors(f"tensor {name} from {info.shard}"):
-            if self.is_safetensors and self.mapped:
-                return self._handle(info.shard).mapped_rows(name, start, count)
-            if self.is_safetensors:
-                return self._handle(info.shard).read_rows(name, start, count, buffer)
-            return self._handle(info.shard)[name].narrow(0, start, count)
+        if not self.is_safetensors:
+            with _read_errors(f"tensor {name} from {info.shard}"):
+                return self._pickle(info.shard)[name].narrow(0, start, count)
+        with self._holding_shard(info.shard) as handle, _read_errors(f"tensor {name} from {info.shard}"):
+            if self.mapped:
+                return handle.mapped_rows(name, start, count)
+            return handle.read_rows(name, start, count, buffer)
 
     def read_as(self, name: str, dtype: torch.dtype, slice_bytes: int = 8 << 20,
                 empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None) -> torch.Tensor:
@@ -222,10 +272,12 @@ class CheckpointReader:
         return out
 
     def locate(self, name: str) -> tuple[int, int] | None:
-        """(file descriptor, offset) of the raw bytes of ``name`` in a safetensors shard, else None."""
+        """(file descriptor, offset) of the raw bytes of ``name`` in a safetensors shard, else None.
+        The descriptor is valid while the block of ``holding(name)`` runs, and no longer."""
         if not self.is_safetensors:
             return None
-        return self._handle(self.tensors[name].shard).locate(name)
+        with self._holding_shard(self.tensors[name].shard) as handle:
+            return handle.locate(name)
 
 
 def source_inputs(source_dir: Path) -> list[Path]:
@@ -267,7 +319,7 @@ def _read_errors(what: str) -> Iterator[None]:
 def _weight_map(index: Path) -> dict[str, str]:
     """An index's ``weight_map``: tensor name -> shard file name, a plain name in the checkpoint
     folder (the file itself may be a link, as in the hub cache)."""
-    data = read_json(index, mapping=False)
+    data = read_json(index, mapping=False, unique_keys=True)  # a tensor named twice has no one shard
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict):
         raise NormswapError(f"{index}: 'weight_map' must be a mapping of tensor names to shard files")
@@ -277,7 +329,8 @@ def _weight_map(index: Path) -> dict[str, str]:
         if not isinstance(shard, str):
             raise NormswapError(f"{index}: the shard of {name} must be a file name (got {shard!r:.40})")
         parts = shard.replace("\\", "/").split("/")
-        if not shard or shard.startswith(("/", "~")) or any(part in ("", ".", "..") for part in parts):
+        if (not shard or shard.startswith(("/", "~")) or any(part in ("", ".", "..") for part in parts)
+                or not shard.isprintable()):
             raise NormswapError(f"{index}: the shard of {name}, {shard!r:.60}, is not a file name in the checkpoint folder")
     return weight_map
 

@@ -42,7 +42,7 @@ class ShardSource:
     """What the writer needs from the checkpoint: cached reads, and the fast paths it allows.
 
     * ``unchanged(plan)``: (fd, offset) of the source bytes of a tensor the plan keeps as it is
-      (same dtype, no steps): copied file to file in the kernel.
+      (same dtype, no steps): copied file to file in the kernel, within ``holding(plan)``.
     * ``row_streamable(plan)``: the plan has only slice-wise steps across a non-leading axis
       (centring a writer along its hidden axis, folding a gain into rows), so the tensor can go
       from source file to output file a block of rows at a time, never whole in memory.
@@ -69,6 +69,13 @@ class ShardSource:
         if self.reader.tensors[plan.source].dtype != plan.dtype:
             return None
         return self.reader.locate(plan.source)
+
+    def holding(self, plan: TensorPlan) -> contextlib.AbstractContextManager:
+        """The source shard of ``plan``'s tensor held open while the block runs (``unchanged``'s
+        descriptor is valid only meanwhile)."""
+        if not self._direct or plan.source is None:
+            return contextlib.nullcontext()
+        return self.reader.holding(plan.source)
 
     def row_streamable(self, plan: TensorPlan) -> bool:
         return (
@@ -143,9 +150,10 @@ def write_tensor(fd: int, position: int, plan: TensorPlan, source: ShardSource,
                  whole: threading.Lock | None = None) -> None:
     """Write one tensor's bytes at ``position``: copied when unchanged, streamed by rows when the
     steps allow, else computed whole (holding ``whole``, when given, meanwhile)."""
-    where = source.unchanged(plan)
-    if where is not None and safetensors_io.copy_range(where[0], where[1], fd, position, plan.nbytes):
-        return
+    with source.holding(plan):  # the source shard's descriptor stays open while the kernel copies from it
+        where = source.unchanged(plan)
+        if where is not None and safetensors_io.copy_range(where[0], where[1], fd, position, plan.nbytes):
+            return
     if source.row_streamable(plan):
         _stream_rows(fd, position, plan, source)
         return

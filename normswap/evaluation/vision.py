@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from normswap.checkpoint.provenance import original_model_type
+from normswap.checkpoint.side_files import MAX_IMAGE_SCALE, reads_any_image_size
 from normswap.errors import NormswapError
 from normswap.evaluation.media import ImageSet, checkpoint_processor, read_images
 from normswap.evaluation.runner import ModelEval
@@ -103,10 +104,22 @@ def prepare(path: Path, spec: str, tokenizer, config: dict, limit: int | None = 
 
 
 def _check_pixels(pixels: torch.Tensor, config: dict, path: Path) -> None:
+    """The processor's pixel values: the model's channels, and its image_size (any size of whole
+    patches up to ``MAX_IMAGE_SCALE`` times it, for a family that resamples its positions)."""
     vision = config.get("vision_config") if isinstance(config.get("vision_config"), dict) else config
     size, channels = vision.get("image_size"), vision.get("num_channels", 3)
     expected = [channels, *(size if isinstance(size, list) else [size, size])]
     where = path / "preprocessor_config.json"
+    if reads_any_image_size(config.get("model_type")) and pixels.shape[1] == channels:
+        patch = vision.get("patch_size")
+        least = patch if isinstance(patch, list) else [patch, patch]
+        most = MAX_IMAGE_SCALE * max(expected[1:])
+        if all(isinstance(side, int) for side in (*least, *expected[1:])) and not all(
+                low <= side <= most for low, side in zip(least, pixels.shape[2:], strict=True)):
+            raise NormswapError(f"{where}: the image processor makes {'x'.join(map(str, pixels.shape[1:]))} pixel "
+                                f"values; the model reads images from one {least[0]}x{least[1]} patch up to "
+                                f"{most}x{most} pixels")
+        expected = list(pixels.shape[1:])
     if list(pixels.shape[1:]) != expected:
         raise NormswapError(f"{where}: the image processor makes {'x'.join(map(str, pixels.shape[1:]))} pixel values, "
                             f"but the model reads {'x'.join(map(str, expected))} (num_channels, image_size)")
