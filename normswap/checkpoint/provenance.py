@@ -20,7 +20,9 @@ from normswap.errors import NormswapError, quoted
 # command, so that the provenance check and the CLI's choices are one list
 ROTATION_METHODS = ("hadamard", "orthogonal", "pca")
 ROTATION_FORMS = ("commuting", "free")
-ROTATION_FILE = "normswap_rotation.safetensors"  # Q, stored beside a rotated checkpoint's weights
+# Q, stored beside a rotated checkpoint's weights in the safetensors format, under a name no weight
+# loader globs (``*.safetensors``, ``*.bin``), so that no tool takes it for a shard
+ROTATION_FILE = "normswap_rotation.record"
 # the kinds of ``normswap.convert.steps.Structure`` (a test keeps the two in step)
 STRUCTURE_KINDS = ("identity", "centre_input", "centre_output", "gain_plus_one")
 WIDTH_KEYS = ("n_embd", "hidden_size", "d_model")

@@ -79,7 +79,8 @@ def install(
         reader.close()
         if extra_files is not None:
             extra_files(tmp)
-        (tmp / MODELING_FILE).write_bytes(modeling_source())
+        if config_json(provenance).get("auto_map"):  # only a config that names its classes loads the file
+            (tmp / MODELING_FILE).write_bytes(modeling_source())
         if source_dir is not None:  # tokenizer, processor and generation files
             copy_side_files(source_dir, tmp)
         write_json(tmp / "config.json", config_json(provenance))

@@ -249,9 +249,10 @@ def commuting_refusal(architecture: Architecture, config: dict) -> str | None:
                 return (f"a write into its stream at {outside[0]} is computed at run time or is a norm's output "
                         f"({kind}), not a tensor a rotation can be folded into")
     for norm in architecture.norms:
-        # a model output no layer reads keeps its gain γ, and diag(γ) does not commute with Q
+        # a model output no layer reads keeps its gain γ, and diag(γ) does not commute with Q; a
+        # template with choices may name modules the class lacks, so only a single name is judged here
         outside = [name for name in _names_of(norm.pattern) if not in_fixed_stream(name, fixed)]
-        if norm.output_is_model_output and not norm.readers and outside:
+        if norm.output_is_model_output and not norm.readers and outside == [norm.module]:
             return (f"its final norm's output is a model output ({outside[0]} gives the last hidden state, and no "
                     "layer reads it to take its gain), so the output would come out rotated")
     for bake in architecture.bake:
