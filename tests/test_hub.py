@@ -111,6 +111,8 @@ def test_convert_gpt2_downloads_only_what_it_needs_then_uses_the_cache(hub, tmp_
     assert result.returncode == 0, result.stderr
     out = tmp_path / "gpt2-rms"
     assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+    # the card names its source and copies the source card's license
+    assert 'base_model: "gpt2"\nlicense: "mit"\npipeline_tag: "text-generation"\n' in (out / "README.md").read_text()
     fetched = hub.downloads("gpt2")
     assert "model.safetensors" in fetched and "config.json" in fetched and "tokenizer.json" in fetched
     assert not set(fetched) & set(NOT_NEEDED), fetched

@@ -145,7 +145,8 @@ def download(repo_id: str, *, trust_remote_code: bool, revision: str | None = No
     module's docstring says) when the hub is reachable, else read from the cache."""
     check_revision(revision)
     _bound_client_timeouts()
-    patterns = [*_SIDE_PATTERNS, ROTATION_FILE] + (["*.py"] if trust_remote_code else [])
+    # README.md: the source card, whose license the converted card copies
+    patterns = [*_SIDE_PATTERNS, "README.md", ROTATION_FILE] + (["*.py"] if trust_remote_code else [])
     cache = _repo_cache(repo_id)
     # Behind a proxy the endpoint itself is not dialled; the connect timeout bounds the wait.
     offline = _offline()
