@@ -44,7 +44,7 @@ from pathlib import Path
 from urllib.parse import quote, urljoin, urlparse
 
 from normswap.checkpoint.bounded import MAX_BYTES, parse_json
-from normswap.checkpoint.provenance import ROTATION_FILE
+from normswap.checkpoint.names import ROTATION_FILE
 from normswap.errors import NormswapError, quoted
 from normswap.errors import first_line as _first_line
 
