@@ -149,7 +149,7 @@ def convert_model(model: nn.Module, *, fold_gains: bool = False, method: str = "
     if getattr(model, "generation_config", None) is not None:
         converted.generation_config = copy.deepcopy(model.generation_config)
     options = {"method": method, "fold_gains": fold_gains, "dtype": dtype_name(main_dtype(plan))}
-    source = getattr(model, "name_or_path", "") or "an in-memory model"
+    source = getattr(model, "name_or_path", "") or card.IN_MEMORY
     provenance = card.provenance_block(source, plan, options, architecture.auto_class)
     converted._normswap_output = (card.converted_config(config, plan, model, architecture, provenance), plan)
     return converted.to(device).eval()

@@ -10,7 +10,7 @@ In one run, each step a fresh process, repeated ``--repeat`` times (min and medi
 * ``inspect``: ``import torch`` against ``normswap inspect normswap:austen-gpt2`` (text, and
   ``--json --fold-gains``), interleaved (and from ``--before TREE``), for the inspect target;
 * ``normswap eval austen-rms --baseline normswap:austen-gpt2 --tasks local`` (the bundled model
-  converted once first) and ``normswap run recipes/austen-gpt2.yaml``, each also with
+  converted once first) and ``normswap run austen-gpt2``, each also with
   ``--plain-lm-eval`` (lm-eval's own HFLM path), interleaved, with the speed-up between them;
 * ``convert``: for a synthetic fp16 GPT-2 checkpoint (``--convert-sizes``; default the 1.5B one,
   3.1 GB in 4 shards), ``cp`` of its files, the stock class's import (``verify``'s share that is
@@ -137,7 +137,7 @@ def bench_commands(work: Path, slow_repeat: int, steps: set[str]) -> dict:
         commands["eval"] = normswap("eval", "austen-rms", "--baseline", "normswap:austen-gpt2", "--tasks", "local",
                                     "--no-progress")
     if "run" in steps:
-        recipe = str(ROOT / "recipes" / "austen-gpt2.yaml")
+        recipe = str(ROOT / "normswap" / "recipes" / "austen-gpt2.yaml")
         commands["run"] = normswap("run", recipe, "--out", str(work / "run"), "--overwrite", "--no-progress")
     variants = {}
     for name, command in commands.items():

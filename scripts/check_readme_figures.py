@@ -39,7 +39,7 @@ NORMSWAP = [sys.executable, "-m", "normswap.cli"]
 
 # name -> the commands it runs (in order, in the temporary folder), as printed beside its figures
 COMMANDS: dict[str, list[list[str]]] = {
-    "run": [[*NORMSWAP, "run", str(ROOT / "recipes" / "austen-gpt2.yaml"), "--out", "out/run-austen",
+    "run": [[*NORMSWAP, "run", "austen-gpt2", "--out", "out/run-austen",
              "--no-progress"]],
     # docs/geometry.md's command, on the checkpoint the recipe run converted (out/austen-rms in the text)
     "geometry": [[*NORMSWAP, "geometry", "normswap:austen-gpt2", "--compare", "out/run-austen/converted",
@@ -56,7 +56,7 @@ NEEDS = {"geometry": ["run"]}  # geometry reads run's converted checkpoint
 DEFAULT = ("run", "geometry", "naive")
 # the commands as the documents print them -> the key of COMMANDS that reruns them
 PRINTED = {
-    "normswap run recipes/austen-gpt2.yaml --out out/run-austen": "run",
+    "normswap run austen-gpt2 --out out/run-austen": "run",
     "normswap geometry normswap:austen-gpt2 --compare out/austen-rms": "geometry",
     "normswap geometry normswap:austen-gpt2 --compare out/austen-rms --out out/geometry --plot": "geometry",
     "normswap convert normswap:austen-gpt2 --out out/naive --method naive --allow-inexact": "naive",

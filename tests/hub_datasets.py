@@ -1,4 +1,4 @@
-"""Stand-ins for the hub datasets behind ``recipes/gpt2.yaml``, for ``hubserver.FakeHub``.
+"""Stand-ins for the hub datasets behind ``normswap/recipes/gpt2.yaml``, for ``hubserver.FakeHub``.
 
 Each is a dataset repo laid out as ``datasets`` expects of the hub (a ``README.md`` whose YAML
 ``configs`` name parquet files per split), with the repo id, config name, split and fields that

@@ -156,6 +156,20 @@ def test_dinov2_swiglu_refused_for_its_fused_checkpoint_names(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_inspect_names_the_tensors_the_checkpoint_holds(tmp_path, capsys):
+    """DINOv2's files hold attention.attention.query / attention.output.dense, which transformers 5
+    renames on load (q_proj, o_proj): the plan is shown under the files' own names."""
+    from normswap.cli import main
+
+    src = save(T.Dinov2Model(T.Dinov2Config(**VIT_LIKE)), tmp_path / "src")
+    assert main(["inspect", str(src)]) == 0
+    shown = capsys.readouterr().out
+    assert "read by encoder.layer.0.attention.attention.query.weight" in shown
+    assert "  encoder.layer.1.attention.output.dense.weight\n" in shown
+    assert "o_proj" not in shown.split("written under")[0]
+    assert "encoder.layer.0.attention.attention.key.bias -> encoder.layer.0.attention.k_proj.bias" in shown
+
+
 # the commuting rotation: a stream whose first write is computed at run time (sinusoidal
 # positions) or is a norm's output (mBART's layernorm_embedding) is refused in one line; a
 # LayerScale folds into its writer first, so BEiT rotates and verifies through the stock class

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -137,6 +138,15 @@ def test_device_defaults_to_auto(command, tiny):
     # run keeps the recipe's device when it names one, and is auto otherwise
     assert device.default == ("auto" if command != "run" else None)
     assert "auto" in device.help
+
+
+def test_the_readme_names_the_commands_that_take_device():
+    """The README's vocabulary paragraph says which commands take --device and which do not."""
+    readme = " ".join((Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8").split())
+    takes = {command for command in ALL_COMMANDS
+             if any("--device" in action.option_strings for action in subparser(command)._actions)}
+    assert "`--device` (`eval`, `run` and `geometry`," in readme and takes == {"eval", "run", "geometry"}
+    assert "while `convert`, `rotate`, `verify` and `inspect` work on the CPU in float64 and take no `--device`" in readme
 
 
 def test_auto_is_cuda_when_available_else_cpu(monkeypatch):

@@ -36,6 +36,7 @@ def test_gpt2_is_exact(tmp_path, tied, fold_gains):
 
 def test_converted_config_and_files(tmp_path):
     src = tiny_gpt2(tmp_path)
+    (src / "README.md").write_text("---\nlicense: apache-2.0\nlanguage: [en]\n---\n# a source card\n")
     out = tmp_path / "rms"
     block = normswap.convert_checkpoint(src, out, fold_gains=True)
     config = json.loads((out / "config.json").read_text())
@@ -47,6 +48,9 @@ def test_converted_config_and_files(tmp_path):
     assert (out / "modeling_normswap.py").is_file()
     card = (out / "README.md").read_text()
     assert "max_abs_diff" in card and "RMSNorm" in card
+    assert card.startswith("---\nlibrary_name: transformers\ntags:\n- normswap\n- rmsnorm\n"
+                           f'base_model: "{src}"\nlicense: "apache-2.0"\npipeline_tag: "text-generation"\n---\n')
+    assert "http" not in card  # no link to a page that may not exist
     assert "**Folded gains:** yes, 5 norms folded" in card  # words, not a Python value
     assert "import normswap" not in (out / "modeling_normswap.py").read_text()
     # the folded norms are weightless: unit gain, zero bias except the final norm's β/γ
@@ -150,3 +154,18 @@ def test_bundled_model_perplexity_is_unchanged(tmp_path):
     original, converted = perplexities
     assert original < 200  # a trained model, far from the 2048-token uniform guess
     assert abs(converted - original) / original < 1e-4
+
+
+@pytest.mark.parametrize("text", [
+    "no front matter\nlicense: mit\n", "---\nlicense: [mit, gpl]\n---\n", "---\nlicense: {a: b}\n---\n",
+    "---\nlicense: mit\n", "---\n: : [\n---\n", "---\nlicense: \"mit\\nevil: 1\"\n---\n", "\xff\xfe---",
+    "---\n" + "a: &a [x]\n" + "".join(f"b{i}: &b{i} [*{'a' if i == 0 else f'b{i - 1}'}, *{'a' if i == 0 else f'b{i - 1}'}]\n" for i in range(40)) + "---\n",
+], ids=["no-front-matter", "list", "mapping", "unclosed", "bad-yaml", "newline", "not-utf8", "alias-bomb"])
+def test_a_source_card_gives_a_license_only_when_it_states_one_plainly(tmp_path, text):
+    from normswap.convert.card import source_license
+
+    (tmp_path / "README.md").write_bytes(text.encode("utf-8", errors="surrogateescape")
+                                         if text != "\xff\xfe---" else b"\xff\xfe---")
+    assert source_license(tmp_path) is None
+    (tmp_path / "README.md").write_text("---\r\nlicense: cc-by-nc-4.0\r\n---\r\n")
+    assert source_license(tmp_path) == "cc-by-nc-4.0"

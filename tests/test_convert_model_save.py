@@ -36,8 +36,9 @@ def test_saved_in_memory_conversion_is_the_command_output(tmp_path, make, stock_
     assert from_command["normswap"].pop("source") == str(tmp_path / "src")
     assert from_memory == from_command  # auto_map, model type, provenance: all of it
     assert "auto_map" in from_memory and from_memory["normswap"]["stock_loadable"] is stock_loadable
-    card = (memory / "README.md").read_text()
-    assert card.replace("an in-memory model", str(tmp_path / "src")) == (command / "README.md").read_text()
+    card, named = (memory / "README.md").read_text(), (command / "README.md").read_text()
+    assert f'base_model: "{tmp_path / "src"}"\n' in named and "base_model" not in card  # memory names no source
+    assert card.replace("an in-memory model", str(tmp_path / "src")) == named.replace(f'base_model: "{tmp_path / "src"}"\n', "")
     assert (from_memory["model_type"] in CONFIG_MAPPING_NAMES) is stock_loadable  # stock refuses bloom's
 
     ids = token_ids(VOCAB)

@@ -280,7 +280,7 @@ def test_recipe_read_within_bounds(tmp_path, capsys, problem):
 
 def _task_folder(tmp_path: Path, change=None, raw: bytes | None = None) -> Path:
     folder = tmp_path / "evals"
-    shutil.copytree(ROOT / "evals", folder)
+    shutil.copytree(ROOT / "normswap" / "evals", folder)
     task = folder / "persuasion_lastword.yaml"
     if raw is not None:
         task.write_bytes(raw)
@@ -362,7 +362,7 @@ def test_task_class_that_is_no_code_is_refused_even_when_code_is_trusted(tmp_pat
 def test_bundled_tasks_pass_the_schema():
     from normswap.evaluation.task_schema import check_task
 
-    for task in sorted((ROOT / "evals").glob("*.yaml")):
+    for task in sorted((ROOT / "normswap" / "evals").glob("*.yaml")):
         check_task(bounded.read_yaml(task), str(task))
 
 

@@ -38,7 +38,7 @@ NOT_NEEDED = ("tf_model.h5", "flax_model.msgpack", "rust_model.ot", "onnx/decode
 def gpt2_like_repo(seed: int = 0, **overrides) -> dict[str, bytes]:
     """A tiny GPT-2 in the layout of the hub's ``gpt2`` repo (``GPT2Model`` names, no ``transformer.``)."""
     bundled = example_model_path()
-    # GPT-2's context (1024), so that recipes/gpt2.yaml runs with its own max_length
+    # GPT-2's context (1024), so that normswap/recipes/gpt2.yaml runs with its own max_length
     settings = dict(n_layer=2, n_embd=32, n_head=4, vocab_size=2048, n_positions=1024, bos_token_id=0, eos_token_id=0)
     settings.update(overrides)
     config = GPT2Config(architectures=["GPT2LMHeadModel"], **settings)
@@ -111,6 +111,8 @@ def test_convert_gpt2_downloads_only_what_it_needs_then_uses_the_cache(hub, tmp_
     assert result.returncode == 0, result.stderr
     out = tmp_path / "gpt2-rms"
     assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+    # the card names its source and copies the source card's license
+    assert 'base_model: "gpt2"\nlicense: "mit"\npipeline_tag: "text-generation"\n' in (out / "README.md").read_text()
     fetched = hub.downloads("gpt2")
     assert "model.safetensors" in fetched and "config.json" in fetched and "tokenizer.json" in fetched
     assert not set(fetched) & set(NOT_NEEDED), fetched
@@ -173,7 +175,7 @@ def test_offline_and_unreachable_are_one_line(tmp_path):
 
 
 def test_gpt2_recipe_runs_literally_against_the_local_hub(hub, tmp_path):
-    """``normswap run recipes/gpt2.yaml --limit 3``: the model and every dataset of the recipe come
+    """``normswap run gpt2 --limit 3``: the model and every dataset of the recipe come
     from the local hub (stand-in rows, see ``hub_datasets``); the report shows the published
     anchors beside the measured values."""
     add_all(hub)

@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile
-from media_models import tiny_clip, tiny_vit, tiny_whisper
+import transformers as T
+from media_models import tiny_clip, tiny_image_model, tiny_vit, tiny_whisper
 from test_bad_input import assert_one_line_error, run_cli
 
 import normswap
@@ -29,6 +30,12 @@ BUNDLED_SPEECH = media._data_dir("speech")
 BUNDLED_IMAGES = media._data_dir("images")
 
 
+def _tiny_dinov2(path):
+    """A DINOv2 backbone (no head) on 16×16 images."""
+    return tiny_image_model(path, T.Dinov2Model, T.Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                                                image_size=16, patch_size=8, layerscale_value=0.3))
+
+
 class _Converted(dict):
     """family -> (source, converted) folders, each built and converted once, on first use."""
 
@@ -37,7 +44,7 @@ class _Converted(dict):
         self.root = root
 
     def __missing__(self, family: str) -> tuple:
-        build = {"whisper": tiny_whisper, "vit": tiny_vit, "clip": tiny_clip}[family]
+        build = {"whisper": tiny_whisper, "vit": tiny_vit, "clip": tiny_clip, "dinov2": _tiny_dinov2}[family]
         src = build(self.root / family)
         normswap.convert_checkpoint(src, self.root / f"{family}-rms", quiet=True)
         self[family] = (src, self.root / f"{family}-rms")
@@ -336,6 +343,21 @@ def test_clip_eval_and_geometry(models, tmp_path, capsys):
     code = main(["geometry", str(src), "--images", "bundled"])
     printed = capsys.readouterr().out
     assert code == 0 and "side vision:" in printed and "side text:" in printed
+
+
+def test_a_backbone_report_shows_what_was_measured_under_its_own_name(models, tmp_path, capsys):
+    """DINOv2 has no classifier: the report says so, and shows the pooled and per-token agreement,
+    over all images and per image, under dinov2/, with no empty score tables."""
+    _, report, agreement = _image_eval(models, "dinov2", tmp_path, capsys)
+    assert set(agreement) == {f"dinov2/{key}" for key in ("min_cosine_pooled_output", "max_abs_delta_pooled_output",
+                                                          "min_cosine_token_hidden_state",
+                                                          "max_abs_delta_token_hidden_state")}
+    assert agreement["dinov2/min_cosine_token_hidden_state"] > 0.9999 and report["verdict"] == "pass"
+    assert "no classification head" in report["unscored"]
+    assert len(report["samples"]) == 6 and {"pooled cosine", "token max abs Δ"} <= set(report["samples"][0])
+    markdown = (tmp_path / "report.md").read_text()
+    assert "Nothing to score: dinov2 has no classification head" in markdown and "## Per image" in markdown
+    assert "task/metric" not in markdown and "Per-document" not in markdown and "vit/" not in markdown
 
 
 # ---------------------------------------------------------------------------------------------

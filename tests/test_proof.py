@@ -165,7 +165,7 @@ def test_rotated_tensors_and_the_rotation_matrix(sources, tmp_path):
     names = {"rotated_writer": "transformer.h.0.mlp.c_proj.weight", "rotated_reader": "transformer.h.1.attn.c_attn.weight",
              "rotated_embedding_rows": "transformer.wte.weight", "rotated_head": "lm_head.weight"}
     assert _escapes(src, out, names) == []
-    file, config_file = out / "normswap_rotation.safetensors", out / "config.json"
+    file, config_file = out / "normswap_rotation.record", out / "config.json"
     pristine, config = file.read_bytes(), config_file.read_text()
     q = load_file(file)["rotation"]
     for how in MUTATIONS:

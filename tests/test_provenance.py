@@ -82,7 +82,7 @@ def test_provenance_view(pair, tmp_path):
 
 
 GOOD_ROTATION = {"method": "hadamard", "seed": 0, "dimension": 32, "construction": "diag(±1)·H/√d",
-                 "matrix_sha256": "0" * 64, "matrix_file": "normswap_rotation.safetensors", "form": "commuting",
+                 "matrix_sha256": "0" * 64, "matrix_file": "normswap_rotation.record", "form": "commuting",
                  "centred": False, "fixed_streams": {}, "rotated_outputs": {}, "rotated": {"writers": 3}}
 GOOD_SLICING = {"hidden_size": 24, "original_hidden_size": 32, "blocks": "transformer.h",
                 "stream_axes": [["transformer\\.wte\\.weight", 1]], "branches": [["ln_1", "attn"]]}

@@ -39,7 +39,7 @@ def tiny_checkpoint(path: Path, seed: int = 0) -> Path:
 
 @pytest.fixture(scope="module")
 def offline_recipe(tmp_path_factory) -> Path:
-    """recipes/austen-gpt2.yaml, on the bundled model and text that ship in the package."""
+    """normswap/recipes/austen-gpt2.yaml, on the bundled model and text that ship in the package."""
     assert (example_model_path() / "config.json").is_file() and BUNDLED_TEXT.is_file()
     return RECIPES_DIR / "austen-gpt2.yaml"
 

@@ -421,7 +421,7 @@ def test_refuses_already_rotated(tmp_path, capsys, gpt2_src):
     [
         (lambda: transformers.ViTModel(transformers.ViTConfig(
             hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, image_size=8,
-            patch_size=4)), "outputs a model output"),
+            patch_size=4)), "its final norm's output is a model output"),
         (lambda: transformers.WhisperForConditionalGeneration(transformers.WhisperConfig(**WHISPER)),
          "centres part of its stream at run time"),
         (lambda: transformers.CLIPModel(transformers.CLIPConfig(text_config=CLIP_TEXT, vision_config=CLIP_VISION,
@@ -432,6 +432,18 @@ def test_refuses_already_rotated(tmp_path, capsys, gpt2_src):
 def test_refuses_families_without_rotation_invariant_norms(tmp_path, capsys, model, needle):
     src = save(model(), tmp_path / "src")
     _refused(tmp_path, capsys, str(src), "--form", "free", needles=("cannot rotate", needle))
+
+
+@pytest.mark.parametrize("form", ["commuting", "free"])
+def test_dinov2_is_refused_before_its_weights_are_read(tmp_path, capsys, form):
+    """The README's reason, before any weight is read: the tensor data is cut off after the header."""
+    model = transformers.Dinov2Model(transformers.Dinov2Config(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, image_size=8, patch_size=4))
+    src = save(model, tmp_path / "src")
+    weights = src / "model.safetensors"
+    header = 8 + int.from_bytes(weights.read_bytes()[:8], "little")
+    weights.write_bytes(weights.read_bytes()[:header])
+    _refused(tmp_path, capsys, str(src), "--form", form, needles=("its final norm's output is a model output",))
 
 
 def test_refuses_gain_that_cannot_fold(tmp_path, capsys):

@@ -93,6 +93,9 @@ def test_commuting_rotation_is_exact_in_the_stock_class(tmp_path, case, method):
         assert run.error(model) <= 1, f"{run.dtype}: max |Δ| is {run.error(model):.3g} of the tolerance"
         config = json.loads((run.target / "config.json").read_text())
         assert config["model_type"] == _family(case) and "auto_map" not in config
+        # what a stock checkpoint holds, plus records under names no loader globs
+        assert [p.name for p in run.target.glob("*.safetensors")] == ["model.safetensors"]
+        assert not (run.target / "modeling_normswap.py").exists() and (run.target / "normswap_rotation.record").is_file()
         rotation = config["normswap"]["rotation"]
         assert rotation["form"] == "commuting" and rotation["centred"] is False and rotation["method"] == method
         assert config["normswap"]["stock_loadable"] and config["normswap"]["writers_centred"] == 0

@@ -60,10 +60,16 @@ def parse_json(raw: bytes | str, what: str, *, mapping: bool = True, walk: bool 
 def read_yaml(path: Path, *, what: str | None = None, mapping: bool = True, loader: type | None = None) -> Any:
     """The YAML document in ``path``, bounded as this module describes, read by ``loader`` (a
     subclass of ``yaml.SafeLoader``; default the safe loader itself, which refuses every tag)."""
+    where = what or str(path)
+    return parse_yaml(_read_bytes(path, where), where, mapping=mapping, loader=loader)
+
+
+def parse_yaml(raw: bytes | str, what: str, *, mapping: bool = True, loader: type | None = None) -> Any:
+    """``raw`` parsed as one YAML document with the bounds of ``read_yaml``; ``what`` names it in messages."""
     import yaml
 
-    where = what or str(path)
-    text = _decoded(_read_bytes(path, where), where)
+    where = what
+    text = _decoded(raw, where)
     try:  # the reader refuses characters YAML does not allow (a NUL) as it is built
         loader = _bounded_loader_class(loader or yaml.SafeLoader)(text, where)
     except yaml.YAMLError as error:

@@ -44,6 +44,7 @@ from pathlib import Path
 from urllib.parse import quote, urljoin, urlparse
 
 from normswap.checkpoint.bounded import MAX_BYTES, parse_json
+from normswap.checkpoint.names import ROTATION_FILE
 from normswap.errors import NormswapError, quoted
 from normswap.errors import first_line as _first_line
 
@@ -144,7 +145,8 @@ def download(repo_id: str, *, trust_remote_code: bool, revision: str | None = No
     module's docstring says) when the hub is reachable, else read from the cache."""
     check_revision(revision)
     _bound_client_timeouts()
-    patterns = list(_SIDE_PATTERNS) + (["*.py"] if trust_remote_code else [])
+    # README.md: the source card, whose license the converted card copies
+    patterns = [*_SIDE_PATTERNS, "README.md", ROTATION_FILE] + (["*.py"] if trust_remote_code else [])
     cache = _repo_cache(repo_id)
     # Behind a proxy the endpoint itself is not dialled; the connect timeout bounds the wait.
     offline = _offline()

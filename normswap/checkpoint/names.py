@@ -7,6 +7,10 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
+# Q, stored beside a rotated checkpoint's weights in the safetensors format, under a name no weight
+# loader globs (``*.safetensors``, ``*.bin``), so that no tool takes it for a shard
+ROTATION_FILE = "normswap_rotation.record"
+
 # a module-list index inside a dotted name: the 3 of ``transformer.h.3.attn``
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.)")
 

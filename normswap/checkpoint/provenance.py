@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from normswap.checkpoint import validation
+from normswap.checkpoint.names import ROTATION_FILE
 from normswap.errors import NormswapError, quoted
 
 # how a rotation's Q is made (``rotate``'s --method) and its forms (--form); kept here, below every
 # command, so that the provenance check and the CLI's choices are one list
 ROTATION_METHODS = ("hadamard", "orthogonal", "pca")
 ROTATION_FORMS = ("commuting", "free")
-ROTATION_FILE = "normswap_rotation.safetensors"  # Q, stored beside a rotated checkpoint's weights
 # the kinds of ``normswap.convert.steps.Structure`` (a test keeps the two in step)
 STRUCTURE_KINDS = ("identity", "centre_input", "centre_output", "gain_plus_one")
 WIDTH_KEYS = ("n_embd", "hidden_size", "d_model")

@@ -36,22 +36,41 @@ def run(args: argparse.Namespace) -> int:
     print(f"checkpoint: {path}")
     print(f"architecture: {config.get('model_type')} ({', '.join(config.get('architectures') or ['?'])})")
     print("exact conversion: possible")
+    stored = stored_names(plan)
     print(f"norms ({len(plan.norms)}):")
     for norm in plan.norms:
-        detail = f"baked into {norm.baked_into}" if norm.baked_into else f"read by {', '.join(norm.readers) or '-'}"
+        readers = ", ".join(stored.get(name, name) for name in norm.readers) or "-"
+        detail = f"baked into {norm.baked_into}" if norm.baked_into else f"read by {readers}"
         fold = ""
         if args.fold_gains:
             fold = " [gains folded" + (", keeps β/γ" if norm.kept_bias else "") + "]" if norm.folded_gain else f" [not folded: {norm.note}]"
-        print(f"  {norm.name}: {detail}{fold}")
+        print(f"  {_module(stored, norm.name)}: {detail}{fold}")
     print(f"tensors to centre ({len(plan.writers)}):")
     for name in plan.writers:
-        print(f"  {name}")
-    print("tied head: " + (", ".join(f"{head} untied from {emb}" for head, emb in plan.untied) or "not tied"))
+        print(f"  {stored.get(name, name)}")
+    print("tied head: " + (", ".join(f"{head} untied from {stored.get(emb, emb)}" for head, emb in plan.untied)
+                           or "not tied"))
+    if plan.renamed:
+        print(f"written under transformers' names ({len(plan.renamed)} tensors renamed): "
+              + ", ".join(f"{old} -> {new}" for old, new in list(plan.renamed.items())[:3])
+              + (", …" if len(plan.renamed) > 3 else ""))
     if plan.structure:
         print(f"structural changes: {plan.structure}")
     if plan.dropped:
         print(f"dropped (buffers rebuilt by transformers): {len(plan.dropped)}")
     return 0
+
+
+def stored_names(plan: ConversionPlan) -> dict[str, str]:
+    """Each renamed tensor's name in the plan (transformers' current name, which the output is
+    written under) -> the name the checkpoint's files hold."""
+    return {new: old for old, new in plan.renamed.items()}
+
+
+def _module(stored: dict[str, str], module: str) -> str:
+    """A module's path as the checkpoint's files name it (read off its weight's stored name)."""
+    name = stored.get(f"{module}.weight")
+    return module if name is None else name.removesuffix(".weight")
 
 
 def plan_as_dict(plan: ConversionPlan) -> dict:
@@ -60,5 +79,6 @@ def plan_as_dict(plan: ConversionPlan) -> dict:
         **plan.summary(),
         "norms": [vars(norm) for norm in plan.norms],
         "writers": plan.writers,
+        "renamed": plan.renamed,
         "tensors": {name: [type(step).__name__ for step in tensor.steps] for name, tensor in plan.tensors.items()},
     }

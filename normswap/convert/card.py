@@ -3,10 +3,14 @@
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from normswap import __version__
 from normswap.dtypes import dtype_name
+from normswap.errors import NormswapError
 from normswap.modeling import modeling_sha256
 
 if TYPE_CHECKING:
@@ -17,15 +21,9 @@ if TYPE_CHECKING:
     from normswap.convert.plan import ConversionPlan
 
 MODEL_CARD = """\
----
-library_name: transformers
-tags:
-- normswap
-- rmsnorm
----
-# RMSNorm conversion of `{source}`
+{front_matter}# RMSNorm conversion of `{source}`
 
-This checkpoint was written by [normswap](https://pypi.org/project/normswap/) {version}. It computes
+This checkpoint was written by normswap {version}. It computes
 the same function as `{source}` with every LayerNorm replaced by an RMSNorm.
 {lineage}
 ## What was done
@@ -72,15 +70,9 @@ LayerNorm(x·Q) ≠ LayerNorm(x)·Q.
 """
 
 COMMUTING_CARD = """\
----
-library_name: transformers
-tags:
-- normswap
-- rotation
----
-# `{source}`, its residual stream rotated
+{front_matter}# `{source}`, its residual stream rotated
 
-Written by [normswap](https://pypi.org/project/normswap/) {version}. It computes the same function as
+Written by normswap {version}. It computes the same function as
 `{source}` with the stock classes: load it with `{auto_class}.from_pretrained(PATH)`, no remote code.
 {lineage}
 ## What was done
@@ -217,15 +209,19 @@ def auto_map(model_type: str, model_name: str, config_name: str, auto_class: str
     }
 
 
-def model_card(provenance: dict) -> str:
-    """README.md of a converted checkpoint: what was done, how to load it, the measured figures."""
+def model_card(provenance: dict, fields: dict[str, str] | None = None) -> str:
+    """README.md of a converted checkpoint: the hub's card ``fields`` (``hub_fields``) in its front
+    matter, then what was done, how to load it, the measured figures."""
     from normswap.text import format_table
 
     verification = provenance.get("verification")
     options = provenance["options"]
     folded = len(provenance["norms_folded"])
+    rotation = provenance.get("rotation")
+    commuting = rotation is not None and not rotation.get("centred", True)
+    front = front_matter(("normswap", "rotation" if commuting else "rmsnorm"), fields or {})
     card = MODEL_CARD.format(
-        source=provenance["source"], lineage=lineage(provenance),
+        front_matter=front, source=provenance["source"], lineage=lineage(provenance),
         auto_class=provenance["auto_class"],
         version=provenance["version"],
         method=options["method"],
@@ -245,9 +241,8 @@ def model_card(provenance: dict) -> str:
         probe=(verification or {}).get("probe", "-"),
         tolerance=(verification or {}).get("tolerance", {}).get("limit", float("nan")),
     )
-    rotation = provenance.get("rotation")
-    if rotation is not None and not rotation.get("centred", True):
-        card = COMMUTING_CARD.format(source=provenance["source"], version=provenance["version"], lineage=lineage(provenance),
+    if commuting:
+        card = COMMUTING_CARD.format(front_matter=front, source=provenance["source"], version=provenance["version"], lineage=lineage(provenance),
                                      auto_class=provenance["auto_class"], folded=folded, dtype=options["dtype"],
                                      untied=", ".join(provenance["untied"]) or "nothing (the head was not tied)",
                                      table=format_table(verification["loaders"]) if verification else "(not verified)")
@@ -257,3 +252,75 @@ def model_card(provenance: dict) -> str:
         card += section.format(**{**rotation, "seed": seed, "fixed": ", ".join(rotation.get("fixed_streams", {}).values())
                                   or "none", "outputs": ", ".join(rotation.get("rotated_outputs", {})) or "none"})
     return card
+
+
+# ---------------------------------------------------------------------------------------------
+# The hub's card fields
+
+# the hub's task of each model class, by the end of its name (normswap_<type> classes end alike)
+_TASKS = (("ForImageClassification", "image-classification"), ("ForImageClassificationWithTeacher", "image-classification"),
+          ("ForCausalLM", "text-generation"), ("LMHeadModel", "text-generation"),
+          ("ForConditionalGeneration", "text2text-generation"))
+_LICENSE = re.compile(r"[A-Za-z0-9][A-Za-z0-9.+_-]{0,63}")  # a hub license id: apache-2.0, cc-by-nc-4.0, other
+IN_MEMORY = "an in-memory model"  # the source of a model built in memory, which names no base model
+_CARD_BYTES = 64 << 10  # a card's front matter lies at its start; the rest is prose
+
+
+def front_matter(tags: tuple[str, ...], fields: dict[str, str]) -> str:
+    """The card's YAML front matter: library, tags, then ``fields`` in a stable order (values as
+    JSON strings, which YAML reads as they are, whatever characters a path holds)."""
+    lines = ["---", "library_name: transformers", "tags:", *(f"- {tag}" for tag in tags)]
+    lines += [f"{key}: {json.dumps(fields[key])}" for key in ("base_model", "license", "pipeline_tag") if fields.get(key)]
+    return "\n".join([*lines, "---", ""])
+
+
+def pipeline_tag(model_type: str, class_name: str) -> str:
+    """The hub's ``pipeline_tag`` of a model of ``model_type`` loaded as ``class_name``."""
+    from normswap.architectures import ARCHITECTURES
+
+    if model_type == "whisper":
+        return "automatic-speech-recognition"
+    task = next((task for suffix, task in _TASKS if class_name.endswith(suffix)), None)
+    if task is not None:
+        return task
+    if class_name.endswith("CLIPModel"):
+        return "zero-shot-image-classification"
+    family = next((a for a in ARCHITECTURES.values() if model_type in a.model_types), None)
+    if class_name.endswith("CLIPVisionModel") or (family is not None and family.probe == "vision"):
+        return "image-feature-extraction"
+    return "feature-extraction"
+
+
+def hub_fields(provenance: dict, config: dict, source_dir: Path | None) -> dict[str, str]:
+    """The card fields the hub and its users read: ``base_model`` (the source as it was named),
+    ``pipeline_tag`` (from the written class) and ``license``, copied from the source's own card."""
+    classes = config.get("architectures") or [""]
+    source = provenance.get("source") or ""
+    fields = {"base_model": "" if source == IN_MEMORY else source,
+              "pipeline_tag": pipeline_tag(provenance.get("original_model_type", ""), str(classes[0]))}
+    license = source_license(source_dir) if source_dir is not None else None
+    if license is not None:
+        fields["license"] = license
+    return fields
+
+
+def source_license(folder: Path) -> str | None:
+    """The ``license`` of the card (README.md) in ``folder``, from its YAML front matter; None when
+    it has no card, no front matter, or none this reads (a card is prose for people: a front
+    matter that does not parse gives no license rather than refusing the checkpoint)."""
+    from normswap.checkpoint.bounded import parse_yaml
+    from normswap.checkpoint.files import inside_file
+
+    try:
+        path = inside_file(folder, "README.md")
+        if path is None:
+            return None
+        with open(path, "rb") as handle:
+            head = handle.read(_CARD_BYTES).decode("utf-8", errors="replace").replace("\r\n", "\n")
+        if not head.startswith("---\n") or "\n---" not in head[3:]:
+            return None
+        matter = parse_yaml(head[4:head.index("\n---", 3)], f"{path}'s front matter")
+    except (NormswapError, OSError):
+        return None
+    license = matter.get("license") if isinstance(matter, dict) else None
+    return license if isinstance(license, str) and _LICENSE.fullmatch(license) else None

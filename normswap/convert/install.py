@@ -57,7 +57,7 @@ def install(
     out: Path, inputs: list[Path], plan: ConversionPlan, reader: CheckpointReader, source_dir: Path | None,
     provenance: dict, *, config_json: Callable[[dict], dict], verifier: Verifier | None, must_pass: bool,
     overwrite: bool, quiet: bool, verify_options: dict, extra_files: Callable[[Path], None] | None = None,
-    records_as: tuple[str, ...] = ("verification",), model_card: Callable[[dict], str] = card.model_card,
+    records_as: tuple[str, ...] = ("verification",), model_card: Callable[[dict, dict], str] = card.model_card,
 ) -> None:
     """Write ``plan``'s checkpoint beside ``out``, verify it, and install it at ``out``.
 
@@ -68,7 +68,7 @@ def install(
     failed verification raises ``VerificationError`` and nothing is installed. ``source_dir``
     None (a model from memory) has no side files to copy and cannot be verified. The verifier's
     figures are recorded in the provenance under the keys ``records_as``; the card is
-    ``model_card(provenance)``.
+    ``model_card(provenance, fields)``, ``fields`` the hub's card fields (``card.hub_fields``).
     """
     total = sum(tensor.nbytes for tensor in plan.tensors.values())
     output.check_free_space(out, total)
@@ -79,7 +79,8 @@ def install(
         reader.close()
         if extra_files is not None:
             extra_files(tmp)
-        (tmp / MODELING_FILE).write_bytes(modeling_source())
+        if config_json(provenance).get("auto_map"):  # only a config that names its classes loads the file
+            (tmp / MODELING_FILE).write_bytes(modeling_source())
         if source_dir is not None:  # tokenizer, processor and generation files
             copy_side_files(source_dir, tmp)
         write_json(tmp / "config.json", config_json(provenance))
@@ -93,7 +94,8 @@ def install(
             write_json(tmp / "config.json", config_json(provenance))
             if must_pass and not result["passed"]:
                 raise VerificationError(_failure_line(result))
-        (tmp / "README.md").write_text(model_card(provenance))
+        fields = card.hub_fields(provenance, config_json(provenance), source_dir)
+        (tmp / "README.md").write_text(model_card(provenance, fields))
         claim.install()
 
 

@@ -66,7 +66,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stride", type=int, help="strided perplexity stride in tokens (default: --max-length)")
     parser.add_argument("--no-perplexity", action="store_true", help="skip both perplexity measurements")
     parser.add_argument("--tasks", default="",
-                        help="comma-separated lm-eval tasks: local ones from evals/ ('local' = all of them) "
+                        help="comma-separated lm-eval tasks: the bundled local ones ('local' = all of them) "
                              "or standard ones (lambada_openai, hellaswag, ...; need the hub)")
     add_report_options(parser)
     parser.add_argument("--ppl-rtol", type=tolerance, help="relative tolerance for perplexities (default by dtype)")

@@ -36,5 +36,5 @@ def require_hub(what: str) -> None:
     if not hub_reachable():
         raise NormswapError(
             f"{what} needs the Hugging Face hub, which is unreachable (offline?); "
-            "use local text (--text) and local tasks (evals/), or run online"
+            "use local text (--text) and local tasks (normswap/evals/), or run online"
         )

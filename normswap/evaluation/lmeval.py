@@ -5,7 +5,7 @@ models of a comparison are evaluated exactly as loaded, with the same batch size
 Under ``accelerate launch`` with several processes lm-eval must load the model itself to shard the
 data, so there ``HFLM`` gets the checkpoint path instead (see README.md beside this file).
 
-Local tasks live in ``evals/`` (``local_tasks.py`` makes them runnable).
+Local tasks live in ``normswap/evals/`` (``local_tasks.py`` makes them runnable).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def plan_tasks(requested: list[str], *, with_text_task: bool = False) -> TaskPla
         if not hub_reachable():
             # Offline, a name that is not local cannot run whatever it is: say both things at once.
             raise NormswapError(
-                f"unknown task(s) {quoted_list(unknown)}: not in evals/ (local tasks: {known_local}, or "
+                f"unknown task(s) {quoted_list(unknown)}: not in normswap/evals/ (local tasks: {known_local}, or "
                 f"'{LOCAL_ALIAS}'), and standard lm-eval tasks need the Hugging Face hub, which is unreachable"
             )
         from lm_eval.tasks import TaskManager

@@ -1,11 +1,11 @@
-"""The task YAMLs shipped in ``evals/``, made runnable.
+"""The task YAMLs shipped in ``normswap/evals/``, made runnable.
 
 Local tasks are ordinary lm-eval YAMLs whose ``data_files`` are relative to the YAML. lm-eval
 resolves relative paths against the working directory, so before each run the YAMLs are copied
 into a scratch folder with ``data_files`` rewritten to absolute paths; the ``--text`` documents
 become one more task there, scored by rolling loglikelihood.
 
-A task folder is code (``task_code``): the bundled ``evals/`` is trusted; one named by
+A task folder is code (``task_code``): the bundled ``normswap/evals/`` is trusted; one named by
 ``NORMSWAP_EVALS_DIR`` runs its ``!function``, ``include:`` and ``class:`` only with
 ``--trust-remote-code`` (then lm-eval reads the original YAML, through an ``include:`` of it, so
 its code resolves beside it), and is refused, naming what it holds, without.
@@ -28,18 +28,18 @@ from normswap.evaluation.text import TextSource
 
 # The task generated at run time over the --text documents (rolling loglikelihood).
 TEXT_TASK = "normswap_text"
-# Shorthand for all tasks shipped in evals/.
+# Shorthand for all tasks shipped in normswap/evals/.
 LOCAL_ALIAS = "local"
 
-BUNDLED_EVALS = Path(__file__).resolve().parents[2] / "evals"
+BUNDLED_EVALS = Path(__file__).resolve().parents[1] / "evals"  # package data, in a wheel too
 
 
 def evals_dir() -> Path:
-    """The ``evals/`` folder: ``$NORMSWAP_EVALS_DIR``, else the one beside the package (a checkout)."""
+    """The local task folder: ``$NORMSWAP_EVALS_DIR``, else the package's own ``normswap/evals/``."""
     override = os.environ.get("NORMSWAP_EVALS_DIR")
     path = Path(override) if override else BUNDLED_EVALS
     if not path.is_dir():
-        raise NormswapError(f"local task folder {path} not found; set NORMSWAP_EVALS_DIR to a copy of evals/")
+        raise NormswapError(f"local task folder {path} not found; set NORMSWAP_EVALS_DIR to a folder of task YAMLs")
     return path
 
 
@@ -51,7 +51,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
 
 
 def local_tasks(folder: Path | None = None) -> dict[str, Path]:
-    """Task name -> YAML file for every task YAML directly inside ``folder`` (default ``evals/``)."""
+    """Task name -> YAML file for every task YAML directly inside ``folder`` (default ``normswap/evals/``)."""
     folder = folder or evals_dir()
     tasks: dict[str, Path] = {}
     for path in sorted(folder.glob("*.yaml")):

@@ -118,12 +118,21 @@ def evaluate_media(
         if kind == "audio":
             agreement = task.agreement(results[0], results[1], tolerances)
         else:
-            agreement = task.agreement(raw[0], raw[1], data.kind, tolerances)
+            agreement = task.agreement(raw[0], raw[1], data.task, tolerances)
     report = build_report(
         results, settings, comparison=comparison, reference=reference, reference_source=reference_source,
         text={"name": data.describe()},
-        extra={"modality": kind, "agreement": agreement or None, "samples": task.samples(data, results)},
+        extra={"modality": kind, "agreement": agreement or None, "unscored": _unscored(results),
+               "samples": task.samples(data, results) if kind == "audio" else task.samples(data, results, raw)},
     )
     if comparison is not None and not all(row["ok"] for row in agreement):
         report["verdict"] = "fail"
     return report
+
+
+def _unscored(results: list[ModelEval]) -> str | None:
+    """Why no model has a score to compare (a vision backbone without a head), or None."""
+    if any(result.metrics or result.per_doc for result in results):
+        return None
+    return next((details["note"] for result in results for details in result.details.values()
+                 if isinstance(details, dict) and details.get("note")), "no model has a score")

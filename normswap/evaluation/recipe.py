@@ -61,7 +61,7 @@ TOLERANCE_KEYS = {"ppl_rtol": float, "acc_atol": float, "doc_ll_atol": float}
 # Recipe keys that switch a permission on, and the command-line flag that alone may grant it: a
 # recipe is a file people download and share, so it may narrow a permission, never widen it.
 PERMISSION_KEYS = {("convert", "trust_remote_code"): "--trust-remote-code"}
-RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
+RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"  # package data, in a wheel too
 # a recipe's name becomes a folder name under runs/: never a path
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
@@ -128,7 +128,7 @@ def _section(data: dict[str, Any], name: str, keys: dict[str, type], origin: str
 
 
 def find_recipe(spec: str | Path) -> Path:
-    """A recipe file: the path as given, else ``recipes/<spec>.yaml`` of the source tree."""
+    """A recipe file: the path as given, else the bundled ``normswap/recipes/<spec>.yaml``."""
     path = Path(spec).expanduser()
     if path.is_file():
         return path
@@ -287,7 +287,7 @@ def run_recipe(recipe: Recipe, out: Path, *, settings, tolerances, overwrite: bo
     if needs and not hub_reachable():
         raise NormswapError(
             f"recipe {recipe.name} needs the Hugging Face hub ({'; '.join(needs)}), which is unreachable; "
-            "run it online, or try the offline recipe recipes/austen-gpt2.yaml"
+            "run it online, or try the offline recipe austen-gpt2"
         )
     out = output.absolute(out)
     from normswap.checkpoint.source import source_inputs

@@ -17,7 +17,7 @@ from normswap.evaluation.cli import add_eval_options, finish, settings_from_args
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("recipe", help="recipe YAML file, or a name from recipes/ (e.g. austen-gpt2)")
+    parser.add_argument("recipe", help="recipe YAML file, or the name of a bundled one (e.g. austen-gpt2)")
     add_report_options(parser, out_help="the run's folder (default: runs/<recipe name>): absent or empty, "
                                          "or with --overwrite one that normswap wrote")
     add_progress_option(parser)

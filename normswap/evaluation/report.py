@@ -96,21 +96,29 @@ def _comparison_lines(report: dict[str, Any], comparison: dict[str, Any]) -> lis
     """The side-by-side metrics, the per-document figures and any direct output agreement."""
     verdict = "PASS" if comparison["passed"] else "FAIL"
     lines = [f"## Comparison: {verdict}", ""]
-    lines += _table(
-        ["task/metric", "original", "converted", "Δ", "rel Δ", "tolerance", "ok"],
-        [[r["key"], r["original"], r["converted"], r["delta"], r["rel_delta"], r["limit"], _ok(r["ok"])]
-         for r in comparison["metrics"]],
-    )
-    unit = {"audio": "per utterance", "images": "per image, every class or text"}.get(
-        report.get("modality"), "strided: per window")
-    lines += ["", f"Per-document loglikelihood (nats; {unit}):", ""]
-    lines += _table(
-        ["task", "documents", "max abs Δ loglik", "worst doc", "tolerance", "ok"],
-        [[d["task"], d["n_docs"], d["max_abs_delta_ll"], d["worst_doc"], d["limit"], _ok(d["ok"])]
-         for d in comparison["documents"]],
-    )
+    if report.get("unscored"):
+        lines += [f"Nothing to score: {report['unscored']}. The two models' outputs are compared directly "
+                  "instead: the pooled output and every token's hidden state, over all images and per image.", ""]
+    if comparison["metrics"]:
+        lines += _table(
+            ["task/metric", "original", "converted", "Δ", "rel Δ", "tolerance", "ok"],
+            [[r["key"], r["original"], r["converted"], r["delta"], r["rel_delta"], r["limit"], _ok(r["ok"])]
+             for r in comparison["metrics"]],
+        )
+        lines.append("")
+    if comparison["documents"]:
+        unit = {"audio": "per utterance", "images": "per image, every class or text"}.get(
+            report.get("modality"), "strided: per window")
+        lines += [f"Per-document loglikelihood (nats; {unit}):", ""]
+        lines += _table(
+            ["task", "documents", "max abs Δ loglik", "worst doc", "tolerance", "ok"],
+            [[d["task"], d["n_docs"], d["max_abs_delta_ll"], d["worst_doc"], d["limit"], _ok(d["ok"])]
+             for d in comparison["documents"]],
+        )
+        lines.append("")
     lines += [f"- problem: {problem}" for problem in comparison["problems"]]
-    lines.append("")
+    if comparison["problems"]:
+        lines.append("")
     if report.get("agreement"):
         lines += ["Outputs compared directly:", ""]
         lines += _table(["task/measure", "value", "limit", "ok"],
@@ -160,11 +168,15 @@ def to_markdown(report: dict[str, Any]) -> str:
     else:
         lines += ["## Scores", ""]
         keys = sorted({k for m in models.values() for k in m["metrics"]})
-        lines += _table(["task/metric", *models], [[k, *(m["metrics"].get(k) for m in models.values())] for k in keys])
+        if keys:
+            lines += _table(["task/metric", *models], [[k, *(m["metrics"].get(k) for m in models.values())] for k in keys])
+        else:
+            lines.append(f"Nothing to score: {report.get('unscored') or 'no metric was measured'}.")
         lines.append("")
     if report.get("samples"):
         header = list(report["samples"][0])
-        lines += ["## Samples", ""]
+        per_image = "pooled cosine" in header
+        lines += ["## Per image" if per_image else "## Samples", ""]
         lines += _table(header, [[row.get(h) for h in header] for row in report["samples"]])
         lines.append("")
     lines += _reference_lines(report.get("reference"), list(models))

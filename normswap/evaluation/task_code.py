@@ -5,7 +5,7 @@ hold one), builds a ``class:`` named by the YAML, and renders ``doc_to_*`` Jinja
 unsandboxed environment, where ``{{ cycler.__init__.__globals__.os.system(...) }}`` runs a
 command. A ``metric_list`` entry naming a metric outside lm-eval's registry, or marked
 ``hf_evaluate: true``, goes to ``evaluate.load``, which imports a local folder's script or
-fetches one from the Hub: such a metric is code too. Tasks bundled with normswap (``evals/`` beside the package) and lm-eval's own are
+fetches one from the Hub: such a metric is code too. Tasks bundled with normswap (``normswap/evals/`` beside the package) and lm-eval's own are
 trusted; a folder named by ``NORMSWAP_EVALS_DIR`` runs such code only with
 ``--trust-remote-code``, as a checkpoint's does. Without it, ``code_in`` names the first such
 construct and the task is refused; its templates are then rendered in Jinja's sandbox too

@@ -66,6 +66,11 @@ class ImageData:
     texts: list[str] = field(default_factory=list)  # CLIP only
     text_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
     note: str | None = None  # why accuracy is not measured
+    family: str = ""  # the checkpoint's model type, which names its measures (dinov2/…)
+
+    @property
+    def task(self) -> str:
+        return self.family or self.kind
 
     def describe(self) -> str:
         return self.images.describe()
@@ -87,7 +92,7 @@ def prepare(path: Path, spec: str, tokenizer, config: dict, limit: int | None = 
     model_type = original_model_type(config)
     if model_type != "clip":
         targets, note = class_indices(images, config.get("id2label") or {})
-        return ImageData(images, pixels, "vit", targets, note=note)
+        return ImageData(images, pixels, "vit", targets, note=note, family=model_type)
     if tokenizer is None:
         raise NormswapError(f"{path} has no tokenizer files; CLIP evaluation needs the checkpoint's tokenizer")
     labels = images.labels
@@ -158,8 +163,9 @@ def score(model, tokenizer, data: ImageData, result: ModelEval, batch_size: int)
             else:
                 pooled = getattr(out, "pooler_output", None)
                 keep("pooled", pooled if pooled is not None else out.last_hidden_state[:, 0])
+                keep("tokens", out.last_hidden_state)
     raw = {name: torch.cat(parts) for name, parts in outputs.items()}
-    task = data.kind
+    task = data.task
     if "logits" in raw:
         logprobs = torch.log_softmax(raw["logits"], dim=-1)
         result.per_doc[task] = {i: row.tolist() for i, row in enumerate(logprobs)}
@@ -169,8 +175,8 @@ def score(model, tokenizer, data: ImageData, result: ModelEval, batch_size: int)
             result.metrics[f"{task}/{metric}"] = float((predictions == torch.tensor(data.targets)).double().mean())
         result.details[task] = {"images": len(predictions), "predictions": _predicted_names(model, data, predictions)}
     else:
-        result.details[task] = {"images": len(raw["pooled"])}
-    if data.note:
+        result.details[task] = {"images": len(raw["pooled"]), "note": headless_note(data)}
+    if data.note and "logits" in raw:
         result.details[task]["note"] = data.note
     return raw
 
@@ -187,21 +193,27 @@ def _min_cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.nn.functional.cosine_similarity(a, b, dim=-1).min())
 
 
-def agreement(original: dict[str, torch.Tensor], converted: dict[str, torch.Tensor], kind: str,
+def headless_note(data: ImageData) -> str:
+    """What the report says of a model without a classifier."""
+    return f"{data.task} has no classification head, so there is no accuracy or per-class log-likelihood"
+
+
+def agreement(original: dict[str, torch.Tensor], converted: dict[str, torch.Tensor], task: str,
               tolerances) -> list[dict[str, Any]]:
-    """Rows comparing the two models' outputs directly."""
+    """Rows comparing the two models' outputs directly, each named ``task/measure``."""
     rows = []
 
     def row(key: str, value: float, limit: str, ok: bool) -> None:
-        rows.append({"key": f"{kind}/{key}", "value": value, "limit": limit, "ok": bool(ok)})
+        rows.append({"key": f"{task}/{key}", "value": value, "limit": limit, "ok": bool(ok)})
 
     top1 = 1 - tolerances.acc_atol
     cos_limit = 1 - tolerances.ppl_rtol
+    clip = "image_embeds" in original
     if "logits" in original:
         same = float((original["logits"].argmax(-1) == converted["logits"].argmax(-1)).double().mean())
-        row("similarity_agreement" if kind == "clip" else "top1_agreement", same, f"≥ {top1:g}", same >= top1)
+        row("similarity_agreement" if clip else "top1_agreement", same, f"≥ {top1:g}", same >= top1)
         gap = float((original["logits"] - converted["logits"]).abs().max())
-        name = "max_abs_delta_similarity_logit" if kind == "clip" else "max_abs_delta_logit"
+        name = "max_abs_delta_similarity_logit" if clip else "max_abs_delta_logit"
         row(name, gap, f"≤ {tolerances.doc_ll_atol:g}", gap <= tolerances.doc_ll_atol)
     for name in ("image_embeds", "text_embeds", "pooled"):
         if name in original:
@@ -211,16 +223,30 @@ def agreement(original: dict[str, torch.Tensor], converted: dict[str, torch.Tens
     if "pooled" in original:
         gap = float((original["pooled"] - converted["pooled"]).abs().max())
         row("max_abs_delta_pooled_output", gap, f"≤ {tolerances.doc_ll_atol:g}", gap <= tolerances.doc_ll_atol)
+    if "tokens" in original:
+        cosine = _min_cosine(original["tokens"], converted["tokens"])
+        row("min_cosine_token_hidden_state", cosine, f"≥ {cos_limit:g}", cosine >= cos_limit)
+        gap = float((original["tokens"] - converted["tokens"]).abs().max())
+        row("max_abs_delta_token_hidden_state", gap, f"≤ {tolerances.doc_ll_atol:g}", gap <= tolerances.doc_ll_atol)
     return rows
 
 
-def samples(data: ImageData, models: list[ModelEval], count: int = 3) -> list[dict[str, str]]:
-    """The first ``count`` images with their label and each model's prediction, for the report."""
+MAX_IMAGE_ROWS = 50  # per-image rows of a model without a classifier in report.md
+
+
+def samples(data: ImageData, models: list[ModelEval], raw: list[dict[str, torch.Tensor]] | None = None,
+            count: int = 3) -> list[dict[str, Any]]:
+    """Rows for the report: for a model with a head, the first ``count`` images with their label and
+    each model's prediction; for one without (two models compared), every image (at most
+    ``MAX_IMAGE_ROWS``) with the cosine and largest |Δ| of its pooled output and of its tokens'
+    hidden states."""
+    if raw is not None and len(raw) == 2 and "tokens" in raw[0]:
+        return _per_image(data, *raw)
     rows = []
     for image in data.images.images[:count]:
         row = {"image": image.name, "label": image.label or "–"}
         for model in models:
-            predictions = model.details.get(data.kind, {}).get("predictions")
+            predictions = model.details.get(data.task, {}).get("predictions")
             if predictions is not None:
                 row[model.label] = predictions[image.name]
         rows.append(row)
@@ -235,3 +261,21 @@ def geometry_batches(model, data: ImageData, batch_size: int):
             # The text tower runs once on the prompts; later batches go through the image tower only.
             batch.update(data.text_inputs)
         yield batch
+
+
+def _per_image(data: ImageData, original: dict[str, torch.Tensor], converted: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
+    cosine = torch.nn.functional.cosine_similarity
+    rows = []
+    for index, image in enumerate(data.images.images[:MAX_IMAGE_ROWS]):
+        a, b = original["tokens"][index], converted["tokens"][index]
+        row: dict[str, Any] = {"image": image.name}
+        if data.images.labels is not None:
+            row["label"] = image.label
+        row.update({
+            "pooled cosine": float(cosine(original["pooled"][index], converted["pooled"][index], dim=-1)),
+            "pooled max abs Δ": float((original["pooled"][index] - converted["pooled"][index]).abs().max()),
+            "min token cosine": float(cosine(a, b, dim=-1).min()),
+            "token max abs Δ": float((a - b).abs().max()),
+        })
+        rows.append(row)
+    return rows

@@ -2,7 +2,7 @@
 
 Q is ``hadamard`` (diag(±1)·H/√d, H from ``normswap.modeling.hadamard``), ``orthogonal`` (seeded Haar),
 or ``pca`` (the principal directions of the stream on calibration text, ``normswap.rotate.calibration``).
-Q is saved beside the weights (``normswap_rotation.safetensors``, through the ``safetensors``
+Q is saved beside the weights (``normswap_rotation.record``, through the ``safetensors``
 package: one small tensor) so that the checkpoint can be verified, its activations mapped back
 (x = x'·Qᵀ), or the rotation undone. How a rotated tensor is computed from Q is
 ``normswap.convert.fold.rotate_axis``.

@@ -36,8 +36,8 @@ def refusal(architecture: Architecture, config: dict) -> str | None:
                     "commute with a rotation, so those norms cannot be made rotation-invariant")
     for norm in architecture.norms:
         if norm.output_is_model_output:
-            return (f"the norm {norm.pattern.replace(chr(92), '')} outputs a model output ({name}'s last "
-                    "hidden state): its gains cannot be folded and the output would come out rotated")
+            return (f"its final norm's output is a model output ({norm.pattern.replace(chr(92), '')} gives {name}'s "
+                    "last hidden state): its gains cannot be folded and the output would come out rotated")
     if architecture.probe != "causal_lm":
         return f"rotation covers decoder-only language models; {name} is a {architecture.probe} model"
     return None
@@ -248,6 +248,13 @@ def commuting_refusal(architecture: Architecture, config: dict) -> str | None:
             if len(outside) == len(names):
                 return (f"a write into its stream at {outside[0]} is computed at run time or is a norm's output "
                         f"({kind}), not a tensor a rotation can be folded into")
+    for norm in architecture.norms:
+        # a model output no layer reads keeps its gain γ, and diag(γ) does not commute with Q; a
+        # template with choices may name modules the class lacks, so only a single name is judged here
+        outside = [name for name in _names_of(norm.pattern) if not in_fixed_stream(name, fixed)]
+        if norm.output_is_model_output and not norm.readers and outside == [norm.module]:
+            return (f"its final norm's output is a model output ({outside[0]} gives the last hidden state, and no "
+                    "layer reads it to take its gain), so the output would come out rotated")
     for bake in architecture.bake:
         if not in_fixed_stream(bake.norm, fixed):
             return (f"its stream starts as {bake.norm}'s output γ ⊙ LN(e) + β, and diag(γ) does not commute "

@@ -124,12 +124,12 @@ def sliced_config(slice_plan: SlicePlan, provenance: dict) -> dict:
     return config
 
 
-def model_card(provenance: dict) -> str:
+def model_card(provenance: dict, fields: dict[str, str]) -> str:
     block = provenance["slicing"]
     cost = block.get("perplexity", {})
     figures = (f" Perplexity on {cost['tokens']} held-out tokens: {cost['original']:.4g} (original) → "
                f"{cost['sliced']:.4g} (sliced)." if cost else "")
-    return card.model_card(provenance) + (
+    return card.model_card(provenance, fields) + (
         "\n## Slicing\n\n"
         f"The residual stream was cut from {block['original_hidden_size']} to {block['hidden_size']} dimensions "
         f"(fraction {block['fraction']}): at every norm input the least-variance principal directions of the "

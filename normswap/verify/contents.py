@@ -5,7 +5,8 @@ The proof and the probe see only the stored tensors and the keys that shape the 
 else a loader reads is checked here, each failure one line (``VerificationError``):
 
 * ``check_modeling_file``: ``modeling_normswap.py`` is byte for byte the file this normswap
-  writes, whatever config.json records (the file runs with ``trust_remote_code``).
+  writes, whatever config.json records (the file runs with ``trust_remote_code``); a config with
+  no ``auto_map`` (a stock-loadable output) loads no class of it, so it must be absent.
 * ``check_config``: config.json is the original's but for the keys ``convert.card.converted_config``
   rewrites (``architectures``, ``auto_map``, ``model_type``, the tie flag, ``dtype`` /
   ``torch_dtype``, the ``normswap`` block), and those hold what it writes.
@@ -13,8 +14,8 @@ else a loader reads is checked here, each failure one line (``VerificationError`
   set, read by ``use_safetensors=False`` or by a tool that globs weights, is never proven).
 * ``check_side_files``: the tokenizer, processor and generation files are the original's, as
   ``convert.write.copy_side_files`` copies them (a JSON file's ``auto_map`` dropped).
-* ``check_other_files``: nothing else is there (code, folders, notes), but hidden entries such
-  as a hub repository's ``.gitattributes``.
+* ``check_other_files``: nothing else is there (code, folders, notes), but the stored rotation of
+  a rotated checkpoint and hidden entries such as a hub repository's ``.gitattributes``.
 * ``stored_dtype``: the least precise stored floating dtype, which sets the tolerance; the
   recorded ``options.dtype`` must name it.
 """
@@ -46,10 +47,16 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", "
                    ".onnx", ".npz", ".npy", ".pkl", ".pickle", ".keras", ".tflite", ".pb", ".index.json")
 
 
-def check_modeling_file(path: Path) -> None:
+def check_modeling_file(path: Path, config: dict) -> None:
     """Fail verification unless ``modeling_normswap.py`` is byte for byte the file this normswap
-    writes (``modeling.modeling_sha256``), whatever config.json records."""
+    writes (``modeling.modeling_sha256``), whatever config.json records; a config without
+    ``auto_map`` (a stock-loadable output) names no class of the file, so it must not be there."""
     file = path / MODELING_FILE
+    if not config.get("auto_map"):
+        if os.path.lexists(file):
+            raise VerificationError(f"{path} holds {MODELING_FILE}, but its config.json has no auto_map, so nothing "
+                                    "loads it; a stock checkpoint holds no modeling code, so remove it")
+        return
     if inside_file(path, MODELING_FILE) is None:
         raise VerificationError(f"{path} has no {MODELING_FILE}; it is not a complete normswap checkpoint")
     actual, expected = hashlib.sha256(file.read_bytes()).hexdigest(), modeling_sha256()
@@ -121,12 +128,12 @@ def _config_failure(where: Path, key: object, source: dict, converted: dict) -> 
                             "normswap changes only the keys it rewrites")
 
 
-def check_weight_files(path: Path, extra: tuple[str, ...] = ()) -> None:
+def check_weight_files(path: Path) -> None:
     """Refuse any weight file in ``path`` (``WEIGHT_SUFFIXES``, at any depth) but the shards the
-    checkpoint's reader takes, their index and ``extra`` (the stored rotation), and, where the
-    folder has normswap's marker, any of those it does not list: one line naming the file."""
+    checkpoint's reader takes and their index, and, where the folder has normswap's marker, any
+    of those it does not list: one line naming the file."""
     with CheckpointReader(path) as reader:
-        allowed = {*reader.shards, *extra}
+        allowed = set(reader.shards)
     if (path / SAFETENSORS_INDEX).is_file():
         allowed.add(SAFETENSORS_INDEX)
     listed = _marker_paths(path)
@@ -153,7 +160,7 @@ def _marker_paths(path: Path) -> set[str] | None:
 WRITTEN_FILES = ("config.json", MODELING_FILE, "README.md")
 
 
-def check_other_files(path: Path) -> None:
+def check_other_files(path: Path, records: tuple[str, ...] = ()) -> None:
     """Refuse any entry of ``path`` that normswap does not write: ``WRITTEN_FILES``, each a
     regular file inside the folder, the side files (``check_side_files`` holds them to the
     original's) and weight files (``check_weight_files`` judges those), and no folder. Hidden
@@ -164,7 +171,7 @@ def check_other_files(path: Path) -> None:
     for name, is_folder in names:
         if name.startswith(".") or name.lower().endswith(WEIGHT_SUFFIXES):
             continue
-        if name in WRITTEN_FILES and not is_folder:
+        if name in (*WRITTEN_FILES, *records) and not is_folder:
             inside_file(path, name)
             continue
         if name in SIDE_FILES and not is_folder:
@@ -262,15 +269,15 @@ def _dtype_label(label: object) -> str | None:
 def check_contents(reference_dir: Path, converted_dir: Path, reference_config: dict, converted_config: dict,
                    provenance: Provenance) -> None:
     """Every check of this module for a conversion (or rotation) of the checkpoint at
-    ``reference_dir``: the modeling file, the weight files, config.json, the side files."""
+    ``reference_dir``: the weight files, the side files, config.json, the modeling file."""
     from normswap.rotate.matrices import ROTATION_FILE, rotation_block
     from normswap.rotate.plan import family_of
 
-    check_modeling_file(converted_dir)
     if provenance.rotation is not None:
         rotation_block(converted_dir, converted_config)
-    check_weight_files(converted_dir, (ROTATION_FILE,) if provenance.rotation is not None else ())
+    check_weight_files(converted_dir)
     check_side_files(reference_dir, converted_dir)
     architecture, source, _ = family_of(reference_dir, reference_config)
     check_config(source, converted_config, architecture, provenance, converted_dir)
-    check_other_files(converted_dir)
+    check_modeling_file(converted_dir, converted_config)  # after config.json's auto_map is proven
+    check_other_files(converted_dir, (ROTATION_FILE,) if provenance.rotation is not None else ())

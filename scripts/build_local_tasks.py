@@ -1,6 +1,6 @@
-"""Build the offline lm-eval tasks in evals/data/ from public-domain text.
+"""Build the offline lm-eval tasks in normswap/evals/data/ from public-domain text.
 
-    python evals/build_local_tasks.py [--source normswap/data/text/persuasion-excerpt.txt]
+    python scripts/build_local_tasks.py [--source normswap/data/text/persuasion-excerpt.txt]
 
 Writes three JSONL files (deterministic for a given source and seed). The text keeps its hard
 line wraps: the example model learnt them, and unwrapped lines make it predict newlines.
@@ -19,7 +19,7 @@ The shipped files were built from the whole of Jane Austen's *Persuasion* (1818,
 the novel held out from the bundled example model's training (the package bundles a 60 kB excerpt
 of it), with the full text of the novel as the source (a UTF-8 plain text, e.g. Project Gutenberg ebook 105):
 
-    python evals/build_local_tasks.py --source PATH/TO/persuasion.txt
+    python scripts/build_local_tasks.py --source PATH/TO/persuasion.txt
 
 Without ``--source`` the bundled excerpt is used, which gives smaller tasks.
 """
@@ -157,7 +157,7 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--source", type=Path, default=DEFAULT_SOURCE, help="UTF-8 text to build from")
-    parser.add_argument("--out", type=Path, default=HERE / "data")
+    parser.add_argument("--out", type=Path, default=HERE.parent / "normswap" / "evals" / "data")
     args = parser.parse_args()
     text = args.source.read_text(encoding="utf-8")
     paras = paragraphs(text)
