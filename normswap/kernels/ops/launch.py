@@ -225,10 +225,16 @@ class _Plan:
     native: bool = False  # NATIVE_MAX_ROWS: the torch composite computes this call
     launcher: object = None  # the compiled kernel's launcher (CUDA), once known
     direct: object = None  # that launcher when it is a direct_launcher
+    fixups: bool = False  # an argument needs a copy or a contiguous weight first (``_fwd_args``)
+    head: tuple = ()  # the scalar arguments before eps: m, n, the row layouts
 
-    @property
-    def fixups(self) -> bool:
-        return self.copy_x or self.copy_r or not (self.contiguous_w and self.contiguous_b)
+    def __post_init__(self) -> None:
+        self.fixups = self.copy_x or self.copy_r or not (self.contiguous_w and self.contiguous_b)
+        self.head = (self.m, self.n, *self.x_layout, *self.r_layout)
+
+    def tail(self, eps: float) -> tuple:
+        """The kernel's arguments after the tensors: ``head``, eps, the constexprs."""
+        return (*self.head, eps, *self.consts)
 
 
 _PLANS: dict[tuple, _Plan] = {}
@@ -361,8 +367,22 @@ def _fwd_args(plan: _Plan, x, weight, bias, residual, y, s, rstd, eps: float = 0
         weight = weight.contiguous() if weight is not None else None
         bias = bias.contiguous() if bias is not None else None
     return (x, x if residual is None else residual, y if weight is None else weight, y if bias is None else bias,
-            y, y if s is None else s, y if rstd is None else rstd,
-            plan.m, plan.n, *plan.x_layout, *plan.r_layout, eps, *plan.consts)  # fmt: skip
+            y, y if s is None else s, y if rstd is None else rstd, *plan.head, eps, *plan.consts)  # fmt: skip
+
+
+def run_eager(plan: _Plan, x, weight, bias, residual, tail: tuple):
+    """One eager launch of ``plan``: y, or (y, s) with a residual. ``tail`` is ``plan.tail(eps)``,
+    which a caller with a fixed eps computes once."""
+    y = torch.empty_like(x) if plan.like_x else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    s = None if residual is None else torch.empty_like(y)
+    if plan.m:
+        if plan.fixups:
+            args = _fwd_args(plan, x, weight, bias, residual, y, s, None, tail[len(plan.head)])
+        else:
+            args = (x, x if residual is None else residual, y if weight is None else weight,
+                    y if bias is None else bias, y, y if s is None else s, y, *tail)  # fmt: skip
+        _launch(plan, args)
+    return y if s is None else (y, s)
 
 
 def _tunable(x: torch.Tensor, m: int, n: int) -> bool:
@@ -394,17 +414,18 @@ def forward_eager(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``rms_norm``'s eager path without autograd: y, or (y, s) with a residual of x's shape and
     dtype. The host work of a repeated call is one dict look-up, its allocations and the launch."""
-    key = _plan_key(x, weight, bias, residual, False)
-    plan = _PLANS.get(key) or _plan(x, weight, bias, residual, False, key)
+    plan = eager_plan(x, weight, bias, residual)
     if plan.native:
         from .fallback import forward_torch  # noqa: PLC0415
 
         return forward_torch(x, weight, bias, residual, eps)
-    y = torch.empty_like(x) if plan.like_x else torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    s = None if residual is None else torch.empty_like(y)
-    if plan.m:
-        _launch(plan, _fwd_args(plan, x, weight, bias, residual, y, s, None, eps))
-    return y if s is None else (y, s)
+    return run_eager(plan, x, weight, bias, residual, plan.tail(eps))
+
+
+def eager_plan(x, weight, bias, residual) -> _Plan:
+    """The cached launch plan of an eager call (made and cached on the first call of its key)."""
+    key = _plan_key(x, weight, bias, residual, False)
+    return _PLANS.get(key) or _plan(x, weight, bias, residual, False, key)
 
 
 def forward(
@@ -422,10 +443,18 @@ def forward(
     return y, s, rstd
 
 
+# Bumped by ``clear_cache``: the eager plans cached per norm module (``rms_norm.module_rms_norm``)
+# carry it in their keys, so clearing the launch plans invalidates them too.
+generation = 0
+
+
 def clear_cache() -> None:
-    """Forget cached launch plans and tuned warps (after changing the module's constants)."""
+    """Forget cached launch plans, tuned warps and the plans cached per norm module (after
+    changing the module's constants)."""
+    global generation
     _PLANS.clear()
     _TUNED.clear()
+    generation += 1
 
 
 @contextlib.contextmanager

@@ -26,6 +26,7 @@ import importlib.util
 import math
 import os
 import warnings
+from dataclasses import dataclass
 
 import torch
 
@@ -229,16 +230,96 @@ def _check_arguments(x, weight, bias, eps, residual) -> None:
         raise ValueError(f"rms_norm: eps must be a finite number >= 0, not {eps}")
 
 
+# norm.__dict__[_EAGER_PLANS] = {call key: _ModulePlan}: one norm module's eager plans, at most
+# MAX_MODULE_PLANS of them (prefill with ever-new lengths adds one per shape; decode reuses one)
+_EAGER_PLANS = "_normswap_eager_plans"
+MAX_MODULE_PLANS = 64
+
+
+@dataclass
+class _ModulePlan:
+    """How a norm module computes one kind of eager call: ``launch_plan`` (None: the torch
+    fallback) and, computed once, the kernel's arguments after the tensors with the module's eps."""
+
+    launch_plan: launch._Plan | None
+    eps: float
+    native: bool = False
+    tail: tuple = ()
+
+    def __post_init__(self) -> None:
+        if self.launch_plan is not None:
+            self.native = self.launch_plan.native
+            self.tail = self.launch_plan.tail(self.eps)
+
+    def run(self, x, weight, bias, residual):
+        if self.launch_plan is None or self.native:
+            return forward_torch(x, weight, bias, residual, self.eps)
+        return launch.run_eager(self.launch_plan, x, weight, bias, residual, self.tail)
+
+
 def module_rms_norm(
     norm: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``rms_norm`` with a norm module's own weight, bias and eps: the checks of the door that a
-    module's call needs (its weight and bias are its tensors, its residual the block's), in a
-    fraction of their time; anything they do not pass goes through the door and its message."""
-    weight, bias, eps = norm.weight, norm.bias, norm.eps
+    """``rms_norm`` with a norm module's own weight, bias and eps.
+
+    An eager inference call looks its plan up on the module by the call's key (shapes, strides,
+    dtypes, device, x's and the residual's pointer alignment, the weight's and bias's pointers,
+    dtypes and shapes, eps, ``launch.generation``): a repeated call runs the plan and nothing
+    else. The first call of a key runs the door's checks (``_module_arguments_ok``); anything
+    they do not pass goes through ``rms_norm`` and its message, and is not cached. Calls under
+    autograd or while compiling take the checked path each time.
+    """
+    params = norm._parameters
+    weight = params["weight"] if "weight" in params else getattr(norm, "weight", None)
+    bias = params["bias"] if "bias" in params else getattr(norm, "bias", None)
+    eps = norm.eps
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and _grad_wanted(x, weight, bias, residual)):
+        return _module_checked(x, weight, bias, eps, residual)
+    try:
+        key = (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15,
+               None if residual is None else (residual.shape, residual.stride(), residual.dtype,
+                                              residual.data_ptr() & 15),
+               None if weight is None else (weight.data_ptr(), weight.dtype, weight.shape),
+               None if bias is None else (bias.data_ptr(), bias.dtype, bias.shape),
+               eps, launch.generation)  # fmt: skip
+        plan = norm.__dict__[_EAGER_PLANS][key]
+    except (AttributeError, TypeError):  # not tensors, or an unhashable eps: the door says which
+        return rms_norm(x, weight, bias, eps, residual=residual)
+    except KeyError:
+        return _first_call(norm, key, x, weight, bias, eps, residual)
+    return plan.run(x, weight, bias, residual)
+
+
+def _grad_wanted(x, weight, bias, residual) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in (x, weight, bias, residual))
+
+
+def _module_arguments_ok(x, weight, bias, eps, residual) -> bool:
+    """The door's checks as a module's call needs them (its weight and bias are its tensors, its
+    residual the block's), in a fraction of their time."""
     if isinstance(x, torch.Tensor) and x.dim() and (residual is None or isinstance(residual, torch.Tensor)):
         last = x.shape[-1:]
-        if ((weight is None or weight.shape == last) and (bias is None or bias.shape == last)
-                and type(eps) is float and 0 <= eps < math.inf):
-            return rms_norm_checked(x, weight, bias, eps, residual)
+        return ((weight is None or (isinstance(weight, torch.Tensor) and weight.shape == last))
+                and (bias is None or (isinstance(bias, torch.Tensor) and bias.shape == last))
+                and type(eps) is float and 0 <= eps < math.inf)  # fmt: skip
+    return False
+
+
+def _module_checked(x, weight, bias, eps, residual):
+    if _module_arguments_ok(x, weight, bias, eps, residual):
+        return rms_norm_checked(x, weight, bias, eps, residual)
     return rms_norm(x, weight, bias, eps, residual=residual)
+
+
+def _first_call(norm, key, x, weight, bias, eps, residual):
+    """The first eager call of ``key`` on ``norm``: the checks, then a plan cached on the module."""
+    if not _module_arguments_ok(x, weight, bias, eps, residual):
+        return rms_norm(x, weight, bias, eps, residual=residual)
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        return rms_norm_checked(x, weight, bias, eps, residual)  # broadcasting: not planned
+    plan = _ModulePlan(launch.eager_plan(x, weight, bias, residual) if use_kernels(x) else None, eps)
+    plans = norm.__dict__.setdefault(_EAGER_PLANS, {})
+    if len(plans) >= MAX_MODULE_PLANS:
+        del plans[next(iter(plans))]  # the oldest
+    plans[key] = plan
+    return plan.run(x, weight, bias, residual)
