@@ -278,7 +278,7 @@ def test_repeated_calls_reuse_one_launch_plan():
             assert torch.equal(got, want)
     assert len(launch._PLANS) == plans
     if DEVICE == "cuda":  # the compiled kernel's launcher is cached and used
-        assert launch.FAST_LAUNCH
+        assert launch.CONFIG.fast_launch
         assert all(plan.launcher is not None for plan in launch._PLANS.values())
 
 

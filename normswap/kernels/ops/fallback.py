@@ -119,6 +119,17 @@ def forward_torch(
     return add_rms_norm_torch(x, residual, weight, bias, eps)
 
 
+def forward_native(
+    x: torch.Tensor, weight: torch.Tensor | None, residual: torch.Tensor | None, eps: float
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``F.rms_norm`` on x's dtype, after ``torch.add`` with a residual: one or two native ops, the
+    eager calls ``launch.eager_native`` picks (bias-free, weight of x's dtype). Statistics in
+    float32 and one rounding of y, as the kernels round; not bitwise the fallback's."""
+    s = x if residual is None else x + residual
+    y = F.rms_norm(s, (s.shape[-1],), weight, eps)
+    return y if residual is None else (y, s)
+
+
 def rms_norm_backward_torch(
     dy: torch.Tensor, xs: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor | None, ds: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -10,7 +10,8 @@ registered autograd formula; ``eps`` is a runtime float, so new eps values do no
 Eager inference calls skip the custom-op dispatch (``launch.forward_eager``). Inside
 ``torch.compile`` the op is, by ``set_compile_path``, either the fallback's torch ops (the
 default: Inductor fuses them with the residual add and the casts around them) or the custom op
-(normswap's kernel, opaque to Inductor); both trace with ``fullgraph=True``.
+(normswap's kernel, opaque to Inductor); both trace with ``fullgraph=True``. Eager calls take
+the native ops where ``launch.DispatchConfig.native`` says (``crossover``).
 
 Rounding points (identical to ``normswap.modeling.remote.RMSNorm`` preceded by an unfused add)::
 
@@ -33,6 +34,7 @@ import torch
 from . import launch
 from .fallback import (
     add_rms_norm_torch,
+    forward_native,
     forward_torch,
     needs_graph,
     rms_norm_backward_torch,
@@ -150,19 +152,16 @@ rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
 # --------------------------------------------------------------------------- public function
 
 
-# How ``rms_norm`` appears in a graph torch.compile traces on the kernel path: "decompose", the
-# torch ops of the fallback, which Inductor fuses with their neighbours (the residual add, the
-# casts) into its own kernels; or "kernel", the opaque custom op running normswap's kernel.
-COMPILE_PATHS = ("decompose", "kernel")
-compile_path = "decompose"
+COMPILE_PATHS = launch.COMPILE_PATHS
 
 
 def set_compile_path(path: str) -> None:
-    """Choose how compiled graphs compute the norm (``COMPILE_PATHS``); recompile afterwards."""
-    global compile_path
+    """Choose how compiled graphs compute the norm (``COMPILE_PATHS``: "decompose", the torch ops
+    Inductor fuses with their neighbours, or "kernel", normswap's kernel as an opaque custom op);
+    recompile afterwards. The ``compile_path`` of ``launch.DispatchConfig``."""
     if path not in COMPILE_PATHS:
         raise ValueError(f"compile path must be one of {COMPILE_PATHS}, not {path!r}")
-    compile_path = path
+    launch.configure(compile_path=path)
 
 
 def rms_norm(
@@ -197,7 +196,7 @@ def rms_norm_checked(
         return rms_norm_checked(s, weight, bias, eps), s
     if use_kernels(x):
         if torch.compiler.is_compiling():
-            if compile_path == "kernel":
+            if launch.CONFIG.compile_path == "kernel":
                 y, s, _ = torch.ops.normswap.rms_norm_fwd(x, weight, bias, residual, float(eps))
                 return (y, s) if residual is not None else y
         elif needs_graph(x, weight, bias, residual):
@@ -252,8 +251,10 @@ class _ModulePlan:
             self.tail = self.launch_plan.tail(self.eps)
 
     def run(self, x, weight, bias, residual):
-        if self.launch_plan is None or self.native:
+        if self.launch_plan is None:
             return forward_torch(x, weight, bias, residual, self.eps)
+        if self.native and launch.native_now(self.launch_plan):
+            return forward_native(x, weight, residual, self.eps)
         return launch.run_eager(self.launch_plan, x, weight, bias, residual, self.tail)
 
 
