@@ -362,3 +362,31 @@ def test_module_plans_are_bounded_and_rechecked(monkeypatch):
         norm.weight = torch.nn.Parameter(torch.ones(5))  # a new weight: a new key, checked again
         with pytest.raises(ValueError, match="weight must have shape"):
             rms_norm_mod.module_rms_norm(norm, make((1, 16), torch.float32)[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("residual", [False, True])
+def test_rows_backward_blocks_of_rows_against_float64(monkeypatch, dtype, residual):
+    """The row-per-program backward: 37 rows, 2 a step, 6 a program over 7 programs (the last
+    with one row), so dw and db partials come from ragged steps and a ragged last program."""
+    monkeypatch.setattr(launch, "BWD_MULTI_ROW_TILE", 64)
+    monkeypatch.setattr(launch, "multiprocessors", lambda device: 1)
+    assert launch.bwd_block_m(24) == 2 and launch.bwd_rows_per_program(37, 24, torch.device(DEVICE)) == 6
+    tensors = make((37, 24), dtype, residual=residual)
+    got = _grads(*tensors, lambda x, w, b, r: rms_norm(x, w, b, 1e-5, residual=r))
+    want = _grads(*(t.double() if t is not None else None for t in tensors), _float64_fn)
+    tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 3e-2}
+    for g, ref in zip(got, want, strict=True):
+        assert g.dtype == dtype
+        torch.testing.assert_close(g.double(), ref, **tol)
+
+
+def test_native_backward_when_dispatched():
+    """native="always": the backward runs the native formula on the saved rstd (on CUDA the
+    kernel F.rms_norm's autograd runs), gradients as the float64 reference's."""
+    tensors = make((5, 48), torch.float32, residual=True)
+    with launch.dispatch(native="always"):
+        got = _grads(*tensors, lambda x, w, b, r: rms_norm(x, w, b, 1e-5, residual=r))
+    want = _grads(*(t.double() for t in tensors), _float64_fn)
+    for g, ref in zip(got, want, strict=True):
+        torch.testing.assert_close(g.double(), ref, rtol=1e-4, atol=1e-4)

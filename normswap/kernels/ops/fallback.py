@@ -151,6 +151,23 @@ def rms_norm_backward_torch(
     return dx.to(xs.dtype), dw, db
 
 
+def rms_norm_backward_native(
+    dy: torch.Tensor, xs: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor | None, ds: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``rms_norm_backward_torch``'s results through the backward kernel autograd runs for
+    ``F.rms_norm`` (``aten._fused_rms_norm_backward``: CUDA, weight of xs's dtype), from the saved
+    float32 rstd; elsewhere that function itself. dw, db float32 (db: one sum over rows)."""
+    fused = getattr(torch.ops.aten, "_fused_rms_norm_backward", None)
+    if fused is None or not xs.is_cuda or (weight is not None and weight.dtype != xs.dtype):
+        return rms_norm_backward_torch(dy, xs, rstd, weight, ds)
+    n = xs.shape[-1]
+    dx, dw = fused(dy.contiguous(), xs.contiguous(), [n], rstd.unsqueeze(-1), weight, [True, weight is not None])
+    if ds is not None:
+        dx = dx + ds
+    db = dy.reshape(-1, n).sum(0, dtype=torch.float32)
+    return dx, (dw.float() if dw is not None else db.new_zeros(n)), db
+
+
 def rms_norm_rstd_torch(x: torch.Tensor, eps: float) -> torch.Tensor:
     """rsqrt(mean(float32(x)**2) + eps) per row, float32, shape x.shape[:-1]."""
     return torch.rsqrt(x.to(torch.promote_types(x.dtype, torch.float32)).square().mean(-1).add(eps))

@@ -358,6 +358,19 @@ def eager_native(m: int, n: int, x: torch.Tensor, weight, bias, fused: bool) -> 
     return x.is_cuda and native_forward_faster(m, n, x.dtype, fused)
 
 
+def backward_native(x: torch.Tensor, weight) -> bool:
+    """Whether the backward of a kernel-path forward on ``x`` takes the native backward
+    (``DispatchConfig.native``; the "table" rule reads ``crossover.BACKWARD``, CUDA only)."""
+    policy = CONFIG.native
+    if policy == "never" or (weight is not None and weight.dtype != x.dtype):
+        return False
+    if policy == "always":
+        return True
+    from .crossover import native_backward_faster  # noqa: PLC0415
+
+    return x.is_cuda and native_backward_faster(x.shape[-1], x.dtype)
+
+
 def native_now(plan: _Plan) -> bool:
     """Whether this call of ``plan`` takes the native ops: as planned, except while a CUDA graph is
     captured (replayed, the kernel's one launch costs less than the native ops')."""
@@ -547,6 +560,14 @@ def bwd_programs(tiles: int, n: int, device: torch.device) -> int:
     return min(tiles, multiprocessors(device) * per_sm)
 
 
+def bwd_rows_per_program(m: int, n: int, device: torch.device) -> int:
+    """Consecutive rows each backward program takes (a multiple of ``bwd_block_m``): the rows
+    spread over ``bwd_programs`` programs, each then writing one row of dw partials."""
+    block_m = bwd_block_m(n)
+    programs = bwd_programs(_cdiv(m, block_m), n, device)
+    return _cdiv(_cdiv(m, programs), block_m) * block_m
+
+
 # short rows are packed to backward tiles of this many elements, so each step of a program's
 # loop has several rows' loads in flight (one 768-element row is 1.5 KB)
 BWD_MULTI_ROW_TILE = 4096
@@ -579,33 +600,37 @@ def backward(
     dy, rstd = dy.contiguous(), rstd.contiguous()
     ds = ds.contiguous() if ds is not None else None
     k = kernels()
+    w_arg = weight.contiguous() if weight is not None else dy
+    ds_arg = ds if ds is not None else dy
     loop = n > max_fused_n(xs.element_size(), backward=True)
-    block_n = LOOP_BLOCK_N if loop else _next_pow2(n)
-    block_m = 1 if loop else bwd_block_m(n)
-    programs = bwd_programs(_cdiv(m, block_m), n, dev) if not loop else min(m, 2 * multiprocessors(dev))
-    dw_part = db_part = None
     if not loop:
+        block_n, block_m = _next_pow2(n), bwd_block_m(n)
+        rows_per_program = bwd_rows_per_program(m, n, dev)
+        programs = _cdiv(m, rows_per_program)
         dw_part = torch.empty((programs, n), dtype=torch.float32, device=dev)
         db_part = torch.empty((programs, n), dtype=torch.float32, device=dev) if has_bias else dw_part
-    k.rms_norm_bwd_kernel[(programs,)](
-        dy, xs, weight.contiguous() if weight is not None else dy, rstd, ds if ds is not None else dy, dx,
-        dw_part if dw_part is not None else dx, db_part if db_part is not None else dx,
-        m, n, *x_layout,
-        BLOCK_M=block_m, BLOCK_N=block_n, LOOP=loop, HAS_W=weight is not None, HAS_B=has_bias,
-        HAS_DS=ds is not None, NUM_STAGES=NUM_STAGES, num_warps=_bwd_warps(block_m * block_n, xs.element_size()),
-    )  # fmt: skip
-    if loop:
-        block_c = min(DW_BLOCK_C, _next_pow2(n))
-        columns = _cdiv(n, block_c)
-        splits = max(1, min(_cdiv(m, DW_BLOCK_R), _cdiv(2 * multiprocessors(dev), columns)))
-        rows_per_split = _cdiv(_cdiv(m, splits), DW_BLOCK_R) * DW_BLOCK_R
-        splits = _cdiv(m, rows_per_split)
-        dw_part = torch.empty((splits, n), dtype=torch.float32, device=dev)
-        db_part = torch.empty((splits, n), dtype=torch.float32, device=dev) if has_bias else dw_part
-        k.rms_norm_bwd_dw_kernel[(columns, splits)](
-            dy, xs, rstd, dw_part, db_part, m, n, *x_layout, rows_per_split,
-            BLOCK_R=DW_BLOCK_R, BLOCK_C=block_c, HAS_B=has_bias, NUM_STAGES=NUM_STAGES, num_warps=DW_WARPS,
+        k.rms_norm_bwd_rows_kernel[(programs,)](
+            dy, xs, w_arg, rstd, ds_arg, dx, dw_part, db_part, m, n, *x_layout, rows_per_program,
+            BLOCK_M=block_m, BLOCK_N=block_n, HAS_W=weight is not None, HAS_B=has_bias, HAS_DS=ds is not None,
+            NUM_STAGES=NUM_STAGES, num_warps=_bwd_warps(block_m * block_n, xs.element_size()),
         )  # fmt: skip
+        return dx, dw_part.sum(0), db_part.sum(0) if has_bias else dw_part.new_empty(0)
+    k.rms_norm_bwd_kernel[(min(m, 2 * multiprocessors(dev)),)](
+        dy, xs, w_arg, rstd, ds_arg, dx, m, n, *x_layout,
+        BLOCK_N=LOOP_BLOCK_N, HAS_W=weight is not None, HAS_DS=ds is not None, NUM_STAGES=NUM_STAGES,
+        num_warps=_bwd_warps(LOOP_BLOCK_N, xs.element_size()),
+    )  # fmt: skip
+    block_c = min(DW_BLOCK_C, _next_pow2(n))
+    columns = _cdiv(n, block_c)
+    splits = max(1, min(_cdiv(m, DW_BLOCK_R), _cdiv(2 * multiprocessors(dev), columns)))
+    rows_per_split = _cdiv(_cdiv(m, splits), DW_BLOCK_R) * DW_BLOCK_R
+    splits = _cdiv(m, rows_per_split)
+    dw_part = torch.empty((splits, n), dtype=torch.float32, device=dev)
+    db_part = torch.empty((splits, n), dtype=torch.float32, device=dev) if has_bias else dw_part
+    k.rms_norm_bwd_dw_kernel[(columns, splits)](
+        dy, xs, rstd, dw_part, db_part, m, n, *x_layout, rows_per_split,
+        BLOCK_R=DW_BLOCK_R, BLOCK_C=block_c, HAS_B=has_bias, NUM_STAGES=NUM_STAGES, num_warps=DW_WARPS,
+    )  # fmt: skip
     return dx, dw_part.sum(0), db_part.sum(0) if has_bias else dw_part.new_empty(0)
 
 
@@ -690,12 +715,21 @@ def aot_variants() -> Iterator[Variant]:
 
 
 def _bwd_variant(dtype, n, block_n, block_m, loop, has_w, has_ds) -> Variant:
+    """The rows kernel (``loop`` False) or the long-row dx kernel, as ``backward`` launches them."""
     ptr = "*" + dtype
-    sig = {"DY": ptr, "X": ptr, "W": ptr, "RSTD": "*fp32", "DS": ptr, "DX": ptr, "DW_PART": "*fp32",
-           "DB_PART": "*fp32", "M": "i32", "N": "i32", "x_inner": "i32", "sx_outer": "i32", "sx_inner": "i32"}  # fmt: skip
-    consts = {"BLOCK_M": block_m, "BLOCK_N": block_n, "LOOP": loop, "HAS_W": has_w, "HAS_B": has_w,
-              "HAS_DS": has_ds, "NUM_STAGES": NUM_STAGES}  # fmt: skip
+    sig = {"DY": ptr, "X": ptr, "W": ptr, "RSTD": "*fp32", "DS": ptr, "DX": ptr}
+    if not loop:
+        sig.update(DW_PART="*fp32", DB_PART="*fp32")
+    sig.update(M="i32", N="i32", x_inner="i32", sx_outer="i32", sx_inner="i32")
+    if loop:
+        consts = {"BLOCK_N": block_n, "HAS_W": has_w, "HAS_DS": has_ds, "NUM_STAGES": NUM_STAGES}
+    else:
+        sig["rows_per_program"] = "i32"
+        consts = {"BLOCK_M": block_m, "BLOCK_N": block_n, "HAS_W": has_w, "HAS_B": has_w, "HAS_DS": has_ds,
+                  "NUM_STAGES": NUM_STAGES}  # fmt: skip
     sig.update({c: "constexpr" for c in consts})
     warps = _bwd_warps(block_m * block_n, 4 if dtype == "fp32" else 2)
     label = f"bwd {dtype} N={n} rows={block_m} loop={loop} affine={has_w} ds={has_ds} warps={warps}"
-    return Variant(label, kernels().rms_norm_bwd_kernel, sig, consts, warps, _BWD_ALIGNED)
+    kernel = kernels().rms_norm_bwd_kernel if loop else kernels().rms_norm_bwd_rows_kernel
+    aligned = tuple(a for a in _BWD_ALIGNED if a in sig)
+    return Variant(label, kernel, sig, consts, warps, aligned)

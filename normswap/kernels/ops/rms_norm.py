@@ -37,6 +37,7 @@ from .fallback import (
     forward_native,
     forward_torch,
     needs_graph,
+    rms_norm_backward_native,
     rms_norm_backward_torch,
     rms_norm_rstd_torch,
     rms_norm_torch,
@@ -133,6 +134,8 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(s if residual is not None else x, weight, rstd)
     ctx.has_residual = residual is not None
     ctx.bias_dtype = bias.dtype if bias is not None else None
+    # decided with the forward, under the dispatch configuration the forward ran with
+    ctx.native_backward = use_kernels(x) and launch.backward_native(x, weight)
 
 
 def _backward(ctx, dy, ds, _drstd):
@@ -140,7 +143,10 @@ def _backward(ctx, dy, ds, _drstd):
     if dy is None:
         dy = torch.zeros_like(xs)
     ds = ds if ctx.has_residual and ds is not None and ds.numel() else None
-    dx, dw, db = torch.ops.normswap.rms_norm_bwd(dy, xs, rstd, weight, ds, ctx.bias_dtype is not None)
+    if ctx.native_backward:  # the backward autograd runs through F.rms_norm, on the saved rstd
+        dx, dw, db = rms_norm_backward_native(dy, xs, rstd, weight, ds)
+    else:
+        dx, dw, db = torch.ops.normswap.rms_norm_bwd(dy, xs, rstd, weight, ds, ctx.bias_dtype is not None)
     dweight = dw.to(weight.dtype) if weight is not None else None
     dbias = db.to(ctx.bias_dtype) if ctx.bias_dtype is not None else None
     return dx, dweight, dbias, (dx if ctx.has_residual else None), None
