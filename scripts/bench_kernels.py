@@ -24,8 +24,11 @@ Sections (CUDA), each implementation's output checked against float64 before it 
   graph is kept); the same peers.
 * ``decode``: M = 1-32. ``wall_us`` is the host wall time per call in a loop of calls (what a
   decode step pays when it is launch-bound); ``graph_us`` is the device time per call replayed
-  from a CUDA graph. ``torch_composite`` is the exact torch path that ``launch.NATIVE_MAX_ROWS``
-  would send small calls to.
+  from a CUDA graph. ``normswap`` runs with ``native="never"`` here, so its row is the Triton
+  launch's and ``F.rms_norm`` the native ops' that ``launch.DispatchConfig(native="table")``
+  picks between (``normswap.kernels.ops.crossover`` derives its table from these rows);
+  ``normswap_dispatched`` is the call as dispatched by the table in force; ``torch_composite``
+  the exact torch fallback.
 * ``host_overhead`` (``--host``, CPU): host time per eager call with the launch stubbed, against
   ``F.layer_norm`` and ``F.rms_norm``.
 * ``large``: a bf16 input of more than 2**31 elements, its last rows checked (32-bit offsets).
@@ -138,18 +141,25 @@ def _liger() -> Callable | None:
     return run
 
 
+def _normswap_dispatched(x, w, r):
+    """normswap as dispatched by the crossover table (the native ops where they were measured
+    faster); the other ``normswap`` rows run with ``native="never"``, the Triton path alone."""
+    with launch.dispatch(native="table"):
+        return rms_norm(x, w, None, EPS, residual=r)
+
+
 def _normswap_design(design: str) -> Callable:
     """normswap with every forward forced to ``design`` (the dispatch table's alternatives)."""
 
     def run(x, w, r):
-        with launch.forced_design(design):
+        with launch.dispatch(design=design):
             return rms_norm(x, w, None, EPS, residual=r)
 
     return run
 
 
 def _torch_composite(x, w, r):
-    """The exact torch composite that ``launch.NATIVE_MAX_ROWS`` sends small calls to."""
+    """The exact torch composite (several native ops; the CPU fallback)."""
     if r is None:
         return fallback.rms_norm_torch(x, w, None, EPS)
     return fallback.add_rms_norm_torch(x, r, w, None, EPS)
@@ -638,19 +648,23 @@ def sections(args) -> list[tuple[str, Callable[[Run], None]]]:
     """(name, function of the run) in the order they run: bf16 first, other dtypes last."""
     if args.dry_run:  # every CUDA section, on shapes the interpreter runs in seconds
         impls = cuda_impls("cpu")
+        dispatched = {**impls, "normswap_dispatched": _normswap_dispatched}
         return [
             ("forward", lambda run: bench_forward(run, impls, ["fp32"], [2], [96, 16384 + 5])),
-            ("backward", lambda run: bench_backward(run, impls, [96, 8192 + 5], 2, torch.float32)),
-            ("decode", lambda run: bench_decode(run, impls, [1], [96], calls=3, dtype=torch.float32)),
+            ("backward", lambda run: bench_backward(run, dispatched, [96, 8192 + 5], 2, torch.float32)),
+            ("decode", lambda run: bench_decode(run, dispatched, [1], [96], calls=3, dtype=torch.float32)),
             ("large", lambda run: bench_large(run, (8, 64), torch.float32)),
         ]
     impls = cuda_impls("cuda")
+    dispatched = {**impls, "normswap_dispatched": _normswap_dispatched}
     wanted, quick = args.sections.split(","), args.quick
     chosen = [
         ("forward", lambda run: bench_forward(run, impls, ["bf16"], [4096] if quick else [FWD_M[0]],
                                               [768, 65536 + 3] if quick else FWD_N)),
-        ("backward", lambda run: bench_backward(run, impls, [768, 16384] if quick else BWD_N, 4096 if quick else BWD_M)),
-        ("decode", lambda run: bench_decode(run, impls, [1, 32] if quick else DECODE_M, [768] if quick else DECODE_N)),
+        ("backward", lambda run: bench_backward(run, dispatched, [768, 16384] if quick else BWD_N,
+                                                4096 if quick else BWD_M)),
+        ("decode", lambda run: bench_decode(run, dispatched, [1, 32] if quick else DECODE_M,
+                                            [768] if quick else DECODE_N)),
         ("forward4096", lambda run: None if quick else bench_forward(run, impls, ["bf16"], FWD_M[1:], FWD_N)),
         ("large", lambda run: None if quick else bench_large(run)),
         ("fp16", lambda run: None if quick else bench_forward(run, impls, ["fp16"], FWD_M, FWD_N)),
@@ -682,6 +696,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cpu:
         torch.set_num_threads(args.threads)
     run = Run(args, args.out)
+    launch.configure(native="never")  # "normswap" rows time the kernels; normswap_dispatched the table's choice
 
     def on_alarm(*_):
         raise BudgetExceeded

@@ -278,7 +278,7 @@ def test_repeated_calls_reuse_one_launch_plan():
             assert torch.equal(got, want)
     assert len(launch._PLANS) == plans
     if DEVICE == "cuda":  # the compiled kernel's launcher is cached and used
-        assert launch.FAST_LAUNCH
+        assert launch.CONFIG.fast_launch
         assert all(plan.launcher is not None for plan in launch._PLANS.values())
 
 
@@ -295,3 +295,98 @@ def test_plan_cache_is_bounded(monkeypatch):
     for rows in (1, 2, 3):
         check(*make((rows, 32), torch.float32))
         assert len(launch._PLANS) <= 2
+
+
+def _norm_module(n: int, dtype: torch.dtype, eps: float = 1e-5) -> torch.nn.Module:
+    from normswap.modeling.remote import RMSNorm
+
+    norm = RMSNorm(n, eps=eps).to(DEVICE)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.3, generator=torch.Generator().manual_seed(2))
+        norm.bias.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(3))
+    return norm.to(dtype)
+
+
+def _module_plans(norm) -> dict:
+    from normswap.kernels.ops import rms_norm as rms_norm_mod
+
+    return norm.__dict__.get(rms_norm_mod._EAGER_PLANS, {})
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_module_plan_hit_equals_miss_and_is_invalidated(residual):
+    """A norm module's cached eager plan computes what its first call computed; clear_cache, a
+    new dtype, shape or eps each make a new plan, with results of the new arguments."""
+    from normswap.kernels.ops.rms_norm import module_rms_norm
+
+    norm = _norm_module(40, torch.float32)
+    x, _, _, r = make((3, 40), torch.float32, residual=residual)
+
+    def call(norm, x, r):
+        out = module_rms_norm(norm, x, r)
+        y_ref, s_ref = reference(x, norm.weight, norm.bias, norm.eps, r)
+        y = out[0] if r is not None else out
+        torch.testing.assert_close(y, y_ref, **TOL[x.dtype])
+        return out
+
+    with torch.no_grad():
+        first = call(norm, x, r)
+        (plan,) = _module_plans(norm).values()
+        for _ in range(2):
+            again = call(norm, x, r)
+            for got, want in zip(again if r is not None else [again], first if r is not None else [first], strict=True):
+                assert torch.equal(got, want)
+        assert list(_module_plans(norm).values()) == [plan]
+        launch.clear_cache()
+        call(norm, x, r)
+        assert len(_module_plans(norm)) == 2
+        call(norm, x[:2].contiguous(), None if r is None else r[:2].contiguous())  # a shape
+        assert len(_module_plans(norm)) == 3
+        norm.eps = 1e-1  # an eps: the plan's arguments carry it
+        call(norm, x, r)
+        assert len(_module_plans(norm)) == 4
+        half = norm.to(torch.float16)  # a dtype (the same module, parameters converted in place)
+        call(half, x.half(), None if r is None else r.half())
+        assert len(_module_plans(norm)) == 5
+
+
+def test_module_plans_are_bounded_and_rechecked(monkeypatch):
+    from normswap.kernels.ops import rms_norm as rms_norm_mod
+
+    monkeypatch.setattr(rms_norm_mod, "MAX_MODULE_PLANS", 2)
+    norm = _norm_module(16, torch.float32)
+    with torch.no_grad():
+        for rows in (1, 2, 3):
+            rms_norm_mod.module_rms_norm(norm, make((rows, 16), torch.float32)[0])
+            assert len(_module_plans(norm)) <= 2
+        norm.weight = torch.nn.Parameter(torch.ones(5))  # a new weight: a new key, checked again
+        with pytest.raises(ValueError, match="weight must have shape"):
+            rms_norm_mod.module_rms_norm(norm, make((1, 16), torch.float32)[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("residual", [False, True])
+def test_rows_backward_blocks_of_rows_against_float64(monkeypatch, dtype, residual):
+    """The row-per-program backward: 37 rows, 2 a step, 6 a program over 7 programs (the last
+    with one row), so dw and db partials come from ragged steps and a ragged last program."""
+    monkeypatch.setattr(launch, "BWD_MULTI_ROW_TILE", 64)
+    monkeypatch.setattr(launch, "multiprocessors", lambda device: 1)
+    assert launch.bwd_block_m(24) == 2 and launch.bwd_rows_per_program(37, 24, torch.device(DEVICE)) == 6
+    tensors = make((37, 24), dtype, residual=residual)
+    got = _grads(*tensors, lambda x, w, b, r: rms_norm(x, w, b, 1e-5, residual=r))
+    want = _grads(*(t.double() if t is not None else None for t in tensors), _float64_fn)
+    tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 3e-2}
+    for g, ref in zip(got, want, strict=True):
+        assert g.dtype == dtype
+        torch.testing.assert_close(g.double(), ref, **tol)
+
+
+def test_native_backward_when_dispatched():
+    """native="always": the backward runs the native formula on the saved rstd (on CUDA the
+    kernel F.rms_norm's autograd runs), gradients as the float64 reference's."""
+    tensors = make((5, 48), torch.float32, residual=True)
+    with launch.dispatch(native="always"):
+        got = _grads(*tensors, lambda x, w, b, r: rms_norm(x, w, b, 1e-5, residual=r))
+    want = _grads(*(t.double() for t in tensors), _float64_fn)
+    for g, ref in zip(got, want, strict=True):
+        torch.testing.assert_close(g.double(), ref, rtol=1e-4, atol=1e-4)

@@ -28,9 +28,13 @@ from collections.abc import Iterator
 
 @contextlib.contextmanager
 def interpreter_env() -> Iterator[None]:
-    """Set ``TRITON_INTERPRET=1`` for the duration of the block, restoring it afterwards."""
+    """Set ``TRITON_INTERPRET=1`` for the duration of the block, restoring it afterwards; the
+    eager plans cached per norm module are dropped on the way in and out (a CPU call's plan
+    records whether it runs the kernels)."""
+    launch = importlib.import_module("normswap.kernels.ops.launch")
     old = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
+    launch.generation += 1
     try:
         yield
     finally:
@@ -38,6 +42,7 @@ def interpreter_env() -> Iterator[None]:
             os.environ.pop("TRITON_INTERPRET", None)
         else:
             os.environ["TRITON_INTERPRET"] = old
+        launch.generation += 1
 
 
 def interpreter_unavailable() -> str | None:

@@ -28,9 +28,10 @@ the row while it is still in L2 (one program per row, so a row is re-read soon a
 first read). Contiguous rows with 16-byte aligned pointers and N a multiple of 8 compile to
 128-bit loads and stores (``aot_check`` reports the widths).
 
-Backward: dx per row tile (several short rows a tile), pipelined; dw and db as per-program
-partial sums (skipping db without a bias), or for long rows from a separate column-parallel
-kernel.
+Backward: for rows that fit in registers, one block of consecutive rows a program, dw and db
+accumulated elementwise in registers and written as per-program partial sums, summed by the host
+(skipping db without a bias); for long rows dx in two passes per row and dw, db from a separate
+column-parallel kernel.
 """
 
 from __future__ import annotations
@@ -184,82 +185,94 @@ def rms_norm_fwd_kernel(
 
 
 @triton.jit
-def rms_norm_bwd_kernel(
+def rms_norm_bwd_rows_kernel(
     DY, X, W, RSTD, DS, DX, DW_PART, DB_PART,
-    M, N, x_inner, sx_outer, sx_inner,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOOP: tl.constexpr,
+    M, N, x_inner, sx_outer, sx_inner, rows_per_program,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_DS: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):  # fmt: skip
-    """Backward of y = x * rstd * w + b for row tiles ``pid, pid + programs, ...``, pipelined.
+    """Backward of y = x * rstd * w + b for rows that fit in registers, one block of rows a program.
 
     With x̂ = x * rstd and g = dy * w:  dx = rstd * (g - x̂ * sum(g * x̂) / N) + ds.
 
-    Without LOOP a tile is BLOCK_M whole rows (several for short rows, so each step has enough
-    bytes in flight), and each program also writes its partial sums of dy * x̂ (and of dy when
-    HAS_B) to its row of DW_PART / DB_PART, summed by the host. With LOOP (BLOCK_M == 1), dw and
-    db are left to ``rms_norm_bwd_dw_kernel``, and each row takes two passes over BLOCK_N chunks.
+    Program p takes rows [p * rows_per_program, (p + 1) * rows_per_program), BLOCK_M at a time
+    (several short rows a step, so each step has enough bytes in flight), pipelined. dy * x̂ (and
+    dy when HAS_B) accumulate elementwise in a [BLOCK_M, BLOCK_N] register tile, reduced over its
+    rows once at the end into row p of DW_PART / DB_PART; the host sums those rows (the second
+    stage of the dw reduction, as Liger's and quack's backwards do).
     """
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    if HAS_W:
+        w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+    acc_w = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
+    if HAS_B:
+        acc_b = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
+    first = tl.cast(pid, tl.int64) * rows_per_program
+    last = tl.minimum(first + rows_per_program, M)
+    for start in tl.range(first, last, BLOCK_M, num_stages=NUM_STAGES):
+        rows = start + tl.arange(0, BLOCK_M)
+        row_ok = rows < last
+        mask = row_ok[:, None] & col_ok[None, :]
+        out = (rows * N)[:, None] + cols[None, :]
+        x = tl.load(X + _row_offsets(rows, x_inner, sx_outer, sx_inner)[:, None] + cols[None, :], mask=mask,
+                    other=0.0)  # fmt: skip
+        dy = tl.load(DY + out, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+        xhat = x.to(tl.float32) * rstd[:, None]
+        g = dy
+        if HAS_W:
+            g = dy * w[None, :]
+        dx = (g - xhat * (_sum(g * xhat, axis=1) / N)[:, None]) * rstd[:, None]
+        if HAS_DS:
+            dx += tl.load(DS + out, mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX + out, dx.to(DX.dtype.element_ty), mask=mask)
+        acc_w += dy * xhat
+        if HAS_B:
+            acc_b += dy
+    part_row = tl.cast(pid, tl.int64) * N
+    tl.store(DW_PART + part_row + cols, _sum(acc_w, axis=0), mask=col_ok)
+    if HAS_B:
+        tl.store(DB_PART + part_row + cols, _sum(acc_b, axis=0), mask=col_ok)
+
+
+@triton.jit
+def rms_norm_bwd_kernel(
+    DY, X, W, RSTD, DS, DX,
+    M, N, x_inner, sx_outer, sx_inner,
+    BLOCK_N: tl.constexpr, HAS_W: tl.constexpr, HAS_DS: tl.constexpr, NUM_STAGES: tl.constexpr,
+):  # fmt: skip
+    """dx for long rows, rows ``pid, pid + programs, ...``: two passes over BLOCK_N chunks of a
+    row (sum(g * x), then dx), pipelined; dw and db come from ``rms_norm_bwd_dw_kernel``."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)
-
-    if not LOOP:
-        col_ok = cols < N
-        if HAS_W:
-            w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
-        dw = tl.full([BLOCK_N], 0.0, tl.float32)
-        if HAS_B:
-            db = tl.full([BLOCK_N], 0.0, tl.float32)
-        for tile in tl.range(pid, tl.cdiv(M, BLOCK_M), programs, num_stages=NUM_STAGES):
-            rows = tl.cast(tile, tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-            row_ok = rows < M
-            mask = row_ok[:, None] & col_ok[None, :]
-            out = (rows * N)[:, None] + cols[None, :]
-            x = tl.load(X + _row_offsets(rows, x_inner, sx_outer, sx_inner)[:, None] + cols[None, :], mask=mask,
-                        other=0.0)  # fmt: skip
-            dy = tl.load(DY + out, mask=mask, other=0.0).to(tl.float32)
-            rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
-            xhat = x.to(tl.float32) * rstd[:, None]
-            g = dy
+    for r in tl.range(pid, M, programs):
+        row = tl.cast(r, tl.int64)
+        x_row = _row_offsets(row, x_inner, sx_outer, sx_inner)
+        rstd = tl.load(RSTD + row)
+        acc = tl.full([BLOCK_N], 0.0, tl.float32)
+        for start in tl.range(0, N, BLOCK_N, num_stages=NUM_STAGES):
+            c = start + cols
+            mask = c < N
+            x = tl.load(X + x_row + c, mask=mask, other=0.0).to(tl.float32)
+            g = tl.load(DY + row * N + c, mask=mask, other=0.0).to(tl.float32)
             if HAS_W:
-                g = dy * w[None, :]
-            dx = (g - xhat * (_sum(g * xhat, axis=1) / N)[:, None]) * rstd[:, None]
+                g = g * tl.load(W + c, mask=mask, other=0.0).to(tl.float32)
+            acc += g * x
+        mean_gx = _sum(acc, axis=0) * rstd / N
+        for start in tl.range(0, N, BLOCK_N, num_stages=NUM_STAGES):
+            c = start + cols
+            mask = c < N
+            xhat = tl.load(X + x_row + c, mask=mask, other=0.0).to(tl.float32) * rstd
+            g = tl.load(DY + row * N + c, mask=mask, other=0.0).to(tl.float32)
+            if HAS_W:
+                g = g * tl.load(W + c, mask=mask, other=0.0).to(tl.float32)
+            dx = (g - xhat * mean_gx) * rstd
             if HAS_DS:
-                dx += tl.load(DS + out, mask=mask, other=0.0).to(tl.float32)
-            tl.store(DX + out, dx.to(DX.dtype.element_ty), mask=mask)
-            dw += _sum(dy * xhat, axis=0)
-            if HAS_B:
-                db += _sum(dy, axis=0)
-        part_row = tl.cast(pid, tl.int64) * N
-        tl.store(DW_PART + part_row + cols, dw, mask=col_ok)
-        if HAS_B:
-            tl.store(DB_PART + part_row + cols, db, mask=col_ok)
-    else:
-        for r in tl.range(pid, M, programs):
-            row = tl.cast(r, tl.int64)
-            x_row = _row_offsets(row, x_inner, sx_outer, sx_inner)
-            rstd = tl.load(RSTD + row)
-            acc = tl.full([BLOCK_N], 0.0, tl.float32)
-            for start in tl.range(0, N, BLOCK_N, num_stages=NUM_STAGES):
-                c = start + cols
-                mask = c < N
-                x = tl.load(X + x_row + c, mask=mask, other=0.0).to(tl.float32)
-                g = tl.load(DY + row * N + c, mask=mask, other=0.0).to(tl.float32)
-                if HAS_W:
-                    g = g * tl.load(W + c, mask=mask, other=0.0).to(tl.float32)
-                acc += g * x
-            mean_gx = _sum(acc, axis=0) * rstd / N
-            for start in tl.range(0, N, BLOCK_N, num_stages=NUM_STAGES):
-                c = start + cols
-                mask = c < N
-                xhat = tl.load(X + x_row + c, mask=mask, other=0.0).to(tl.float32) * rstd
-                g = tl.load(DY + row * N + c, mask=mask, other=0.0).to(tl.float32)
-                if HAS_W:
-                    g = g * tl.load(W + c, mask=mask, other=0.0).to(tl.float32)
-                dx = (g - xhat * mean_gx) * rstd
-                if HAS_DS:
-                    dx += tl.load(DS + row * N + c, mask=mask, other=0.0).to(tl.float32)
-                tl.store(DX + row * N + c, dx.to(DX.dtype.element_ty), mask=mask)
+                dx += tl.load(DS + row * N + c, mask=mask, other=0.0).to(tl.float32)
+            tl.store(DX + row * N + c, dx.to(DX.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -119,6 +119,17 @@ def forward_torch(
     return add_rms_norm_torch(x, residual, weight, bias, eps)
 
 
+def forward_native(
+    x: torch.Tensor, weight: torch.Tensor | None, residual: torch.Tensor | None, eps: float
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``F.rms_norm`` on x's dtype, after ``torch.add`` with a residual: one or two native ops, the
+    eager calls ``launch.eager_native`` picks (bias-free, weight of x's dtype). Statistics in
+    float32 and one rounding of y, as the kernels round; not bitwise the fallback's."""
+    s = x if residual is None else x + residual
+    y = F.rms_norm(s, (s.shape[-1],), weight, eps)
+    return y if residual is None else (y, s)
+
+
 def rms_norm_backward_torch(
     dy: torch.Tensor, xs: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor | None, ds: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -138,6 +149,23 @@ def rms_norm_backward_torch(
     dw = (dyf * xhat).reshape(-1, n).sum(0)
     db = dyf.reshape(-1, n).sum(0)
     return dx.to(xs.dtype), dw, db
+
+
+def rms_norm_backward_native(
+    dy: torch.Tensor, xs: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor | None, ds: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``rms_norm_backward_torch``'s results through the backward kernel autograd runs for
+    ``F.rms_norm`` (``aten._fused_rms_norm_backward``: CUDA, weight of xs's dtype), from the saved
+    float32 rstd; elsewhere that function itself. dw, db float32 (db: one sum over rows)."""
+    fused = getattr(torch.ops.aten, "_fused_rms_norm_backward", None)
+    if fused is None or not xs.is_cuda or (weight is not None and weight.dtype != xs.dtype):
+        return rms_norm_backward_torch(dy, xs, rstd, weight, ds)
+    n = xs.shape[-1]
+    dx, dw = fused(dy.contiguous(), xs.contiguous(), [n], rstd.unsqueeze(-1), weight, [True, weight is not None])
+    if ds is not None:
+        dx = dx + ds
+    db = dy.reshape(-1, n).sum(0, dtype=torch.float32)
+    return dx, (dw.float() if dw is not None else db.new_zeros(n)), db
 
 
 def rms_norm_rstd_torch(x: torch.Tensor, eps: float) -> torch.Tensor:

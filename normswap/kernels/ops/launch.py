@@ -17,6 +17,7 @@ being captured); smaller calls are launch-bound and use the heuristic.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 from collections.abc import Iterator
@@ -112,14 +113,83 @@ FWD_DESIGNS = {
     2: ((2048, "multirow"), (8192, "persistent"), (16384, "row"), (None, "reload")),
     4: ((1024, "multirow"), (4096, "persistent"), (8192, "row"), (None, "reload")),
 }
-# A design forced for every forward (the benchmark times each design side by side), or None.
-FORCE_DESIGN: str | None = None
+DESIGNS = ("multirow", "persistent", "row", "reload")
+NATIVE_POLICIES = ("table", "never", "always")
+# How a call torch.compile traces on the kernel path computes the norm: "decompose", the torch ops
+# of the fallback, which Inductor fuses with their neighbours (the residual add, the casts) into
+# its own kernels; or "kernel", the opaque custom op running normswap's kernel.
+COMPILE_PATHS = ("decompose", "kernel")
+
+
+@dataclass(frozen=True)
+class DispatchConfig:
+    """How calls reach the kernels: one object, replaced (never mutated) by ``configure`` and
+    ``dispatch``.
+
+    ``design``: a forward design forced where the row fits it (the benchmark times each side by
+    side), or None: ``FWD_DESIGNS``. ``native``: which eager calls take the native ops
+    (``F.rms_norm``, after ``torch.add`` when fused) instead of a Triton launch: "table", CUDA
+    calls where ``crossover`` measured them faster; "never"; "always", every call they can compute
+    (also on the CPU, for tests). Never while a CUDA graph is captured, and only bias-free calls
+    whose weight has x's dtype (a bias needs a rounding point ``F.rms_norm`` lacks). The same
+    policy picks the backward (``crossover.BACKWARD``). ``fast_launch``: cached launchers of
+    compiled kernels (False: triton's JIT launch each call). ``direct_launch``: the cached launcher
+    calls the compiled kernel's entry point directly (False: triton's ``compiled[grid]``); both
+    turn off by themselves when this triton refuses them. ``compile_path``: ``COMPILE_PATHS``.
+    """
+
+    design: str | None = None
+    native: str = "table"
+    fast_launch: bool = True
+    direct_launch: bool = True
+    compile_path: str = "decompose"
+
+    def __post_init__(self) -> None:
+        if self.design is not None and self.design not in DESIGNS:
+            raise ValueError(f"design must be None or one of {DESIGNS}, not {self.design!r}")
+        if self.native not in NATIVE_POLICIES:
+            raise ValueError(f"native must be one of {NATIVE_POLICIES}, not {self.native!r}")
+        if self.compile_path not in COMPILE_PATHS:
+            raise ValueError(f"compile path must be one of {COMPILE_PATHS}, not {self.compile_path!r}")
+
+
+CONFIG = DispatchConfig()
+
+
+def dispatch_config() -> DispatchConfig:
+    """The dispatch configuration in force."""
+    return CONFIG
+
+
+@functools.cache
+def _replaced(config: DispatchConfig, changes: tuple) -> DispatchConfig:
+    return dataclasses.replace(config, **dict(changes))
+
+
+def configure(**changes) -> DispatchConfig:
+    """Put ``DispatchConfig`` fields ``changes`` in force; returns the configuration before. The
+    eager plans cached per norm module are dropped (``generation``); launch plans are keyed by
+    the fields they depend on."""
+    global CONFIG, generation
+    old, CONFIG = CONFIG, _replaced(CONFIG, tuple(sorted(changes.items())))
+    generation += 1
+    return old
+
+
+@contextlib.contextmanager
+def dispatch(**changes) -> Iterator[DispatchConfig]:
+    """``configure(**changes)`` for the duration of the block."""
+    old = configure(**changes)
+    try:
+        yield CONFIG
+    finally:
+        configure(**old.__dict__)
 
 
 def fwd_design(n: int, element_size: int) -> str:
     """The forward design ``FWD_DESIGNS`` picks for rows of ``n`` elements."""
-    if FORCE_DESIGN is not None:
-        return "reload" if n > max_fused_n(element_size) else FORCE_DESIGN
+    if CONFIG.design is not None:
+        return "reload" if n > max_fused_n(element_size) else CONFIG.design
     for bound, design in FWD_DESIGNS[4 if element_size > 2 else 2]:
         if bound is None or n <= bound:
             return design
@@ -200,13 +270,6 @@ def warp_candidates(config: FwdConfig, element_size: int) -> list[int]:
 
 # --------------------------------------------------------------------------- forward
 
-# Eager kernel-path calls of at most this many rows run the exact torch composite (``fallback``,
-# several native launches) instead of one Triton launch: the rule for where a Triton launch's host
-# time would exceed the native ops'. 0: every call launches the kernel (``bench_kernels.py --host``
-# measures normswap's host time per call; on CUDA the decode section times both paths side by side).
-NATIVE_MAX_ROWS = 0
-
-
 @dataclass
 class _Plan:
     kernel: object
@@ -222,21 +285,26 @@ class _Plan:
     m: int = 0
     n: int = 0
     like_x: bool = False  # x is contiguous: outputs come from empty_like(x), the cheaper allocation
-    native: bool = False  # NATIVE_MAX_ROWS: the torch composite computes this call
+    native: bool = False  # the native ops compute this call eagerly (``eager_native``)
+    cuda: bool = False
     launcher: object = None  # the compiled kernel's launcher (CUDA), once known
     direct: object = None  # that launcher when it is a direct_launcher
+    fixups: bool = False  # an argument needs a copy or a contiguous weight first (``_fwd_args``)
+    head: tuple = ()  # the scalar arguments before eps: m, n, the row layouts
 
-    @property
-    def fixups(self) -> bool:
-        return self.copy_x or self.copy_r or not (self.contiguous_w and self.contiguous_b)
+    def __post_init__(self) -> None:
+        self.fixups = self.copy_x or self.copy_r or not (self.contiguous_w and self.contiguous_b)
+        self.head = (self.m, self.n, *self.x_layout, *self.r_layout)
+
+    def tail(self, eps: float) -> tuple:
+        """The kernel's arguments after the tensors: ``head``, eps, the constexprs."""
+        return (*self.head, eps, *self.consts)
 
 
 _PLANS: dict[tuple, _Plan] = {}
 # a bound on cached plans: prefill with ever-new sequence lengths adds one per shape
 MAX_PLANS = 4096
 _TUNED: dict[tuple, int] = {}
-# False once a cached launcher was refused (an unexpected triton version): JIT launches only
-FAST_LAUNCH = True
 
 
 def _aligned(t: torch.Tensor | None) -> bool:
@@ -249,7 +317,7 @@ def _plan_key(x, weight, bias, residual, store_rstd: bool) -> tuple:
         None if residual is None else (residual.stride(), _aligned(residual)),
         None if weight is None else (weight.dtype, weight.is_contiguous(), _aligned(weight)),
         None if bias is None else (bias.dtype, bias.is_contiguous(), _aligned(bias)),
-        store_rstd, FORCE_DESIGN,
+        store_rstd, CONFIG.design, CONFIG.native,
     )  # fmt: skip
 
 
@@ -273,9 +341,40 @@ def _make_plan(x, weight, bias, residual, store_rstd: bool, m: int, n: int, conf
     consts = _fwd_consts(config, weight is not None, bias is not None, residual is not None, store_rstd)
     contiguous_w = weight is None or weight.is_contiguous()
     contiguous_b = bias is None or bias.is_contiguous()
-    native = 0 < m <= NATIVE_MAX_ROWS
+    native = not store_rstd and eager_native(m, n, x, weight, bias, residual is not None)
     return _Plan(kernels().rms_norm_fwd_kernel, (config.programs,), consts, config.num_warps, copy_x, copy_r,
-                 contiguous_w, contiguous_b, x_layout, r_layout, m, n, x.is_contiguous(), native)  # fmt: skip
+                 contiguous_w, contiguous_b, x_layout, r_layout, m, n, x.is_contiguous(), native, x.is_cuda)  # fmt: skip
+
+
+def eager_native(m: int, n: int, x: torch.Tensor, weight, bias, fused: bool) -> bool:
+    """Whether an eager forward of (m, n) rows takes the native ops (``DispatchConfig.native``)."""
+    policy = CONFIG.native
+    if policy == "never" or m == 0 or bias is not None or (weight is not None and weight.dtype != x.dtype):
+        return False
+    if policy == "always":
+        return True
+    from .crossover import native_forward_faster  # noqa: PLC0415
+
+    return x.is_cuda and native_forward_faster(m, n, x.dtype, fused)
+
+
+def backward_native(x: torch.Tensor, weight) -> bool:
+    """Whether the backward of a kernel-path forward on ``x`` takes the native backward
+    (``DispatchConfig.native``; the "table" rule reads ``crossover.BACKWARD``, CUDA only)."""
+    policy = CONFIG.native
+    if policy == "never" or (weight is not None and weight.dtype != x.dtype):
+        return False
+    if policy == "always":
+        return True
+    from .crossover import native_backward_faster  # noqa: PLC0415
+
+    return x.is_cuda and native_backward_faster(x.shape[-1], x.dtype)
+
+
+def native_now(plan: _Plan) -> bool:
+    """Whether this call of ``plan`` takes the native ops: as planned, except while a CUDA graph is
+    captured (replayed, the kernel's one launch costs less than the native ops')."""
+    return plan.native and not (plan.cuda and torch.cuda.is_current_stream_capturing())
 
 
 def _hooked(hook) -> bool:
@@ -305,33 +404,28 @@ def direct_launcher(compiled, grid: tuple[int], device: torch.device):
     return launch
 
 
-# False once a direct launcher was refused: Triton's own launcher (``compiled[grid]``) from then on
-DIRECT_LAUNCH = True
-
-
 def _launch(plan: _Plan, args: tuple) -> None:
-    global FAST_LAUNCH, DIRECT_LAUNCH
-    if plan.launcher is not None and FAST_LAUNCH:
+    if plan.launcher is not None and CONFIG.fast_launch:
         try:
             plan.launcher(*args)
             return
         except Exception:  # the calling convention differs in this triton version: a slower launcher
             if plan.launcher is plan.direct:
-                DIRECT_LAUNCH = False
+                configure(direct_launch=False)
                 plan.launcher = plan.direct = None
             else:
-                FAST_LAUNCH = False
+                configure(fast_launch=False)
     compiled = plan.kernel[plan.grid](*args, num_warps=plan.num_warps)
-    if FAST_LAUNCH and compiled is not None and hasattr(type(compiled), "__getitem__"):
+    if CONFIG.fast_launch and compiled is not None and hasattr(type(compiled), "__getitem__"):
         # a CompiledKernel (CUDA; the interpreter returns None)
-        plan.direct = direct_launcher(compiled, plan.grid, args[0].device) if DIRECT_LAUNCH else None
+        plan.direct = direct_launcher(compiled, plan.grid, args[0].device) if CONFIG.direct_launch else None
         plan.launcher = plan.direct or compiled[(plan.grid[0], 1, 1)]
 
 
 def _tune(x, weight, bias, residual, store_rstd, m, n, outputs) -> int:
     """The fastest warps of the candidates for this call's (N, dtypes, flags), timed on it."""
     key = (x.device, x.dtype, n, None if weight is None else weight.dtype, None if bias is None else bias.dtype,
-           residual is not None, store_rstd, FORCE_DESIGN)  # fmt: skip
+           residual is not None, store_rstd, CONFIG.design)  # fmt: skip
     if key in _TUNED:
         return _TUNED[key]
     base = fwd_config(m, n, x.device, element_size=x.element_size())
@@ -361,8 +455,22 @@ def _fwd_args(plan: _Plan, x, weight, bias, residual, y, s, rstd, eps: float = 0
         weight = weight.contiguous() if weight is not None else None
         bias = bias.contiguous() if bias is not None else None
     return (x, x if residual is None else residual, y if weight is None else weight, y if bias is None else bias,
-            y, y if s is None else s, y if rstd is None else rstd,
-            plan.m, plan.n, *plan.x_layout, *plan.r_layout, eps, *plan.consts)  # fmt: skip
+            y, y if s is None else s, y if rstd is None else rstd, *plan.head, eps, *plan.consts)  # fmt: skip
+
+
+def run_eager(plan: _Plan, x, weight, bias, residual, tail: tuple):
+    """One eager launch of ``plan``: y, or (y, s) with a residual. ``tail`` is ``plan.tail(eps)``,
+    which a caller with a fixed eps computes once."""
+    y = torch.empty_like(x) if plan.like_x else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    s = None if residual is None else torch.empty_like(y)
+    if plan.m:
+        if plan.fixups:
+            args = _fwd_args(plan, x, weight, bias, residual, y, s, None, tail[len(plan.head)])
+        else:
+            args = (x, x if residual is None else residual, y if weight is None else weight,
+                    y if bias is None else bias, y, y if s is None else s, y, *tail)  # fmt: skip
+        _launch(plan, args)
+    return y if s is None else (y, s)
 
 
 def _tunable(x: torch.Tensor, m: int, n: int) -> bool:
@@ -394,17 +502,18 @@ def forward_eager(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``rms_norm``'s eager path without autograd: y, or (y, s) with a residual of x's shape and
     dtype. The host work of a repeated call is one dict look-up, its allocations and the launch."""
-    key = _plan_key(x, weight, bias, residual, False)
-    plan = _PLANS.get(key) or _plan(x, weight, bias, residual, False, key)
-    if plan.native:
-        from .fallback import forward_torch  # noqa: PLC0415
+    plan = eager_plan(x, weight, bias, residual)
+    if plan.native and native_now(plan):
+        from .fallback import forward_native  # noqa: PLC0415
 
-        return forward_torch(x, weight, bias, residual, eps)
-    y = torch.empty_like(x) if plan.like_x else torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    s = None if residual is None else torch.empty_like(y)
-    if plan.m:
-        _launch(plan, _fwd_args(plan, x, weight, bias, residual, y, s, None, eps))
-    return y if s is None else (y, s)
+        return forward_native(x, weight, residual, eps)
+    return run_eager(plan, x, weight, bias, residual, plan.tail(eps))
+
+
+def eager_plan(x, weight, bias, residual) -> _Plan:
+    """The cached launch plan of an eager call (made and cached on the first call of its key)."""
+    key = _plan_key(x, weight, bias, residual, False)
+    return _PLANS.get(key) or _plan(x, weight, bias, residual, False, key)
 
 
 def forward(
@@ -422,21 +531,20 @@ def forward(
     return y, s, rstd
 
 
+# Bumped by ``clear_cache``: the eager plans cached per norm module (``rms_norm.module_rms_norm``)
+# carry it in their keys, so clearing the launch plans invalidates them too.
+generation = 0
+
+
 def clear_cache() -> None:
-    """Forget cached launch plans and tuned warps (after changing the module's constants)."""
+    """Forget cached launch plans, tuned warps and the plans cached per norm module (after
+    changing the module's constants)."""
+    global generation
     _PLANS.clear()
     _TUNED.clear()
+    generation += 1
 
 
-@contextlib.contextmanager
-def forced_design(design: str | None) -> Iterator[None]:
-    """Run every forward with ``design`` (where the row fits it) for the duration of the block."""
-    global FORCE_DESIGN
-    old, FORCE_DESIGN = FORCE_DESIGN, design
-    try:
-        yield
-    finally:
-        FORCE_DESIGN = old
 
 
 # --------------------------------------------------------------------------- backward
@@ -450,6 +558,14 @@ def bwd_programs(tiles: int, n: int, device: torch.device) -> int:
     """Backward grid: many programs at small N (8 per SM), about 1 per SM at 16K."""
     per_sm = max(1, min(8, 16384 // _next_pow2(n)))
     return min(tiles, multiprocessors(device) * per_sm)
+
+
+def bwd_rows_per_program(m: int, n: int, device: torch.device) -> int:
+    """Consecutive rows each backward program takes (a multiple of ``bwd_block_m``): the rows
+    spread over ``bwd_programs`` programs, each then writing one row of dw partials."""
+    block_m = bwd_block_m(n)
+    programs = bwd_programs(_cdiv(m, block_m), n, device)
+    return _cdiv(_cdiv(m, programs), block_m) * block_m
 
 
 # short rows are packed to backward tiles of this many elements, so each step of a program's
@@ -484,33 +600,37 @@ def backward(
     dy, rstd = dy.contiguous(), rstd.contiguous()
     ds = ds.contiguous() if ds is not None else None
     k = kernels()
+    w_arg = weight.contiguous() if weight is not None else dy
+    ds_arg = ds if ds is not None else dy
     loop = n > max_fused_n(xs.element_size(), backward=True)
-    block_n = LOOP_BLOCK_N if loop else _next_pow2(n)
-    block_m = 1 if loop else bwd_block_m(n)
-    programs = bwd_programs(_cdiv(m, block_m), n, dev) if not loop else min(m, 2 * multiprocessors(dev))
-    dw_part = db_part = None
     if not loop:
+        block_n, block_m = _next_pow2(n), bwd_block_m(n)
+        rows_per_program = bwd_rows_per_program(m, n, dev)
+        programs = _cdiv(m, rows_per_program)
         dw_part = torch.empty((programs, n), dtype=torch.float32, device=dev)
         db_part = torch.empty((programs, n), dtype=torch.float32, device=dev) if has_bias else dw_part
-    k.rms_norm_bwd_kernel[(programs,)](
-        dy, xs, weight.contiguous() if weight is not None else dy, rstd, ds if ds is not None else dy, dx,
-        dw_part if dw_part is not None else dx, db_part if db_part is not None else dx,
-        m, n, *x_layout,
-        BLOCK_M=block_m, BLOCK_N=block_n, LOOP=loop, HAS_W=weight is not None, HAS_B=has_bias,
-        HAS_DS=ds is not None, NUM_STAGES=NUM_STAGES, num_warps=_bwd_warps(block_m * block_n, xs.element_size()),
-    )  # fmt: skip
-    if loop:
-        block_c = min(DW_BLOCK_C, _next_pow2(n))
-        columns = _cdiv(n, block_c)
-        splits = max(1, min(_cdiv(m, DW_BLOCK_R), _cdiv(2 * multiprocessors(dev), columns)))
-        rows_per_split = _cdiv(_cdiv(m, splits), DW_BLOCK_R) * DW_BLOCK_R
-        splits = _cdiv(m, rows_per_split)
-        dw_part = torch.empty((splits, n), dtype=torch.float32, device=dev)
-        db_part = torch.empty((splits, n), dtype=torch.float32, device=dev) if has_bias else dw_part
-        k.rms_norm_bwd_dw_kernel[(columns, splits)](
-            dy, xs, rstd, dw_part, db_part, m, n, *x_layout, rows_per_split,
-            BLOCK_R=DW_BLOCK_R, BLOCK_C=block_c, HAS_B=has_bias, NUM_STAGES=NUM_STAGES, num_warps=DW_WARPS,
+        k.rms_norm_bwd_rows_kernel[(programs,)](
+            dy, xs, w_arg, rstd, ds_arg, dx, dw_part, db_part, m, n, *x_layout, rows_per_program,
+            BLOCK_M=block_m, BLOCK_N=block_n, HAS_W=weight is not None, HAS_B=has_bias, HAS_DS=ds is not None,
+            NUM_STAGES=NUM_STAGES, num_warps=_bwd_warps(block_m * block_n, xs.element_size()),
         )  # fmt: skip
+        return dx, dw_part.sum(0), db_part.sum(0) if has_bias else dw_part.new_empty(0)
+    k.rms_norm_bwd_kernel[(min(m, 2 * multiprocessors(dev)),)](
+        dy, xs, w_arg, rstd, ds_arg, dx, m, n, *x_layout,
+        BLOCK_N=LOOP_BLOCK_N, HAS_W=weight is not None, HAS_DS=ds is not None, NUM_STAGES=NUM_STAGES,
+        num_warps=_bwd_warps(LOOP_BLOCK_N, xs.element_size()),
+    )  # fmt: skip
+    block_c = min(DW_BLOCK_C, _next_pow2(n))
+    columns = _cdiv(n, block_c)
+    splits = max(1, min(_cdiv(m, DW_BLOCK_R), _cdiv(2 * multiprocessors(dev), columns)))
+    rows_per_split = _cdiv(_cdiv(m, splits), DW_BLOCK_R) * DW_BLOCK_R
+    splits = _cdiv(m, rows_per_split)
+    dw_part = torch.empty((splits, n), dtype=torch.float32, device=dev)
+    db_part = torch.empty((splits, n), dtype=torch.float32, device=dev) if has_bias else dw_part
+    k.rms_norm_bwd_dw_kernel[(columns, splits)](
+        dy, xs, rstd, dw_part, db_part, m, n, *x_layout, rows_per_split,
+        BLOCK_R=DW_BLOCK_R, BLOCK_C=block_c, HAS_B=has_bias, NUM_STAGES=NUM_STAGES, num_warps=DW_WARPS,
+    )  # fmt: skip
     return dx, dw_part.sum(0), db_part.sum(0) if has_bias else dw_part.new_empty(0)
 
 
@@ -557,7 +677,7 @@ def _fwd_signature(dtype: str, consts: dict) -> dict[str, str]:
 
 def _fwd_variants(dtype: str, m: int, n: int, design: str | None) -> Iterator[Variant]:
     size = 4 if dtype == "fp32" else 2
-    with forced_design(design):
+    with dispatch(design=design):
         config = fwd_config(m, n, torch.device("cpu"), element_size=size)
     for warps, has_r in itertools.product(warp_candidates(config, size), (False, True)):
         config = FwdConfig(**{**config.__dict__, "num_warps": warps})
@@ -595,12 +715,21 @@ def aot_variants() -> Iterator[Variant]:
 
 
 def _bwd_variant(dtype, n, block_n, block_m, loop, has_w, has_ds) -> Variant:
+    """The rows kernel (``loop`` False) or the long-row dx kernel, as ``backward`` launches them."""
     ptr = "*" + dtype
-    sig = {"DY": ptr, "X": ptr, "W": ptr, "RSTD": "*fp32", "DS": ptr, "DX": ptr, "DW_PART": "*fp32",
-           "DB_PART": "*fp32", "M": "i32", "N": "i32", "x_inner": "i32", "sx_outer": "i32", "sx_inner": "i32"}  # fmt: skip
-    consts = {"BLOCK_M": block_m, "BLOCK_N": block_n, "LOOP": loop, "HAS_W": has_w, "HAS_B": has_w,
-              "HAS_DS": has_ds, "NUM_STAGES": NUM_STAGES}  # fmt: skip
+    sig = {"DY": ptr, "X": ptr, "W": ptr, "RSTD": "*fp32", "DS": ptr, "DX": ptr}
+    if not loop:
+        sig.update(DW_PART="*fp32", DB_PART="*fp32")
+    sig.update(M="i32", N="i32", x_inner="i32", sx_outer="i32", sx_inner="i32")
+    if loop:
+        consts = {"BLOCK_N": block_n, "HAS_W": has_w, "HAS_DS": has_ds, "NUM_STAGES": NUM_STAGES}
+    else:
+        sig["rows_per_program"] = "i32"
+        consts = {"BLOCK_M": block_m, "BLOCK_N": block_n, "HAS_W": has_w, "HAS_B": has_w, "HAS_DS": has_ds,
+                  "NUM_STAGES": NUM_STAGES}  # fmt: skip
     sig.update({c: "constexpr" for c in consts})
     warps = _bwd_warps(block_m * block_n, 4 if dtype == "fp32" else 2)
     label = f"bwd {dtype} N={n} rows={block_m} loop={loop} affine={has_w} ds={has_ds} warps={warps}"
-    return Variant(label, kernels().rms_norm_bwd_kernel, sig, consts, warps, _BWD_ALIGNED)
+    kernel = kernels().rms_norm_bwd_kernel if loop else kernels().rms_norm_bwd_rows_kernel
+    aligned = tuple(a for a in _BWD_ALIGNED if a in sig)
+    return Variant(label, kernel, sig, consts, warps, aligned)

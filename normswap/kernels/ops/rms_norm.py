@@ -10,7 +10,8 @@ registered autograd formula; ``eps`` is a runtime float, so new eps values do no
 Eager inference calls skip the custom-op dispatch (``launch.forward_eager``). Inside
 ``torch.compile`` the op is, by ``set_compile_path``, either the fallback's torch ops (the
 default: Inductor fuses them with the residual add and the casts around them) or the custom op
-(normswap's kernel, opaque to Inductor); both trace with ``fullgraph=True``.
+(normswap's kernel, opaque to Inductor); both trace with ``fullgraph=True``. Eager calls take
+the native ops where ``launch.DispatchConfig.native`` says (``crossover``).
 
 Rounding points (identical to ``normswap.modeling.remote.RMSNorm`` preceded by an unfused add)::
 
@@ -26,14 +27,17 @@ import importlib.util
 import math
 import os
 import warnings
+from dataclasses import dataclass
 
 import torch
 
 from . import launch
 from .fallback import (
     add_rms_norm_torch,
+    forward_native,
     forward_torch,
     needs_graph,
+    rms_norm_backward_native,
     rms_norm_backward_torch,
     rms_norm_rstd_torch,
     rms_norm_torch,
@@ -130,6 +134,8 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(s if residual is not None else x, weight, rstd)
     ctx.has_residual = residual is not None
     ctx.bias_dtype = bias.dtype if bias is not None else None
+    # decided with the forward, under the dispatch configuration the forward ran with
+    ctx.native_backward = use_kernels(x) and launch.backward_native(x, weight)
 
 
 def _backward(ctx, dy, ds, _drstd):
@@ -137,7 +143,10 @@ def _backward(ctx, dy, ds, _drstd):
     if dy is None:
         dy = torch.zeros_like(xs)
     ds = ds if ctx.has_residual and ds is not None and ds.numel() else None
-    dx, dw, db = torch.ops.normswap.rms_norm_bwd(dy, xs, rstd, weight, ds, ctx.bias_dtype is not None)
+    if ctx.native_backward:  # the backward autograd runs through F.rms_norm, on the saved rstd
+        dx, dw, db = rms_norm_backward_native(dy, xs, rstd, weight, ds)
+    else:
+        dx, dw, db = torch.ops.normswap.rms_norm_bwd(dy, xs, rstd, weight, ds, ctx.bias_dtype is not None)
     dweight = dw.to(weight.dtype) if weight is not None else None
     dbias = db.to(ctx.bias_dtype) if ctx.bias_dtype is not None else None
     return dx, dweight, dbias, (dx if ctx.has_residual else None), None
@@ -149,19 +158,16 @@ rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
 # --------------------------------------------------------------------------- public function
 
 
-# How ``rms_norm`` appears in a graph torch.compile traces on the kernel path: "decompose", the
-# torch ops of the fallback, which Inductor fuses with their neighbours (the residual add, the
-# casts) into its own kernels; or "kernel", the opaque custom op running normswap's kernel.
-COMPILE_PATHS = ("decompose", "kernel")
-compile_path = "decompose"
+COMPILE_PATHS = launch.COMPILE_PATHS
 
 
 def set_compile_path(path: str) -> None:
-    """Choose how compiled graphs compute the norm (``COMPILE_PATHS``); recompile afterwards."""
-    global compile_path
+    """Choose how compiled graphs compute the norm (``COMPILE_PATHS``: "decompose", the torch ops
+    Inductor fuses with their neighbours, or "kernel", normswap's kernel as an opaque custom op);
+    recompile afterwards. The ``compile_path`` of ``launch.DispatchConfig``."""
     if path not in COMPILE_PATHS:
         raise ValueError(f"compile path must be one of {COMPILE_PATHS}, not {path!r}")
-    compile_path = path
+    launch.configure(compile_path=path)
 
 
 def rms_norm(
@@ -196,7 +202,7 @@ def rms_norm_checked(
         return rms_norm_checked(s, weight, bias, eps), s
     if use_kernels(x):
         if torch.compiler.is_compiling():
-            if compile_path == "kernel":
+            if launch.CONFIG.compile_path == "kernel":
                 y, s, _ = torch.ops.normswap.rms_norm_fwd(x, weight, bias, residual, float(eps))
                 return (y, s) if residual is not None else y
         elif needs_graph(x, weight, bias, residual):
@@ -229,16 +235,98 @@ def _check_arguments(x, weight, bias, eps, residual) -> None:
         raise ValueError(f"rms_norm: eps must be a finite number >= 0, not {eps}")
 
 
+# norm.__dict__[_EAGER_PLANS] = {call key: _ModulePlan}: one norm module's eager plans, at most
+# MAX_MODULE_PLANS of them (prefill with ever-new lengths adds one per shape; decode reuses one)
+_EAGER_PLANS = "_normswap_eager_plans"
+MAX_MODULE_PLANS = 64
+
+
+@dataclass
+class _ModulePlan:
+    """How a norm module computes one kind of eager call: ``launch_plan`` (None: the torch
+    fallback) and, computed once, the kernel's arguments after the tensors with the module's eps."""
+
+    launch_plan: launch._Plan | None
+    eps: float
+    native: bool = False
+    tail: tuple = ()
+
+    def __post_init__(self) -> None:
+        if self.launch_plan is not None:
+            self.native = self.launch_plan.native
+            self.tail = self.launch_plan.tail(self.eps)
+
+    def run(self, x, weight, bias, residual):
+        if self.launch_plan is None:
+            return forward_torch(x, weight, bias, residual, self.eps)
+        if self.native and launch.native_now(self.launch_plan):
+            return forward_native(x, weight, residual, self.eps)
+        return launch.run_eager(self.launch_plan, x, weight, bias, residual, self.tail)
+
+
 def module_rms_norm(
     norm: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``rms_norm`` with a norm module's own weight, bias and eps: the checks of the door that a
-    module's call needs (its weight and bias are its tensors, its residual the block's), in a
-    fraction of their time; anything they do not pass goes through the door and its message."""
-    weight, bias, eps = norm.weight, norm.bias, norm.eps
+    """``rms_norm`` with a norm module's own weight, bias and eps.
+
+    An eager inference call looks its plan up on the module by the call's key (shapes, strides,
+    dtypes, device, x's and the residual's pointer alignment, the weight's and bias's pointers,
+    dtypes and shapes, eps, ``launch.generation``): a repeated call runs the plan and nothing
+    else. The first call of a key runs the door's checks (``_module_arguments_ok``); anything
+    they do not pass goes through ``rms_norm`` and its message, and is not cached. Calls under
+    autograd or while compiling take the checked path each time.
+    """
+    params = norm._parameters
+    weight = params["weight"] if "weight" in params else getattr(norm, "weight", None)
+    bias = params["bias"] if "bias" in params else getattr(norm, "bias", None)
+    eps = norm.eps
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and _grad_wanted(x, weight, bias, residual)):
+        return _module_checked(x, weight, bias, eps, residual)
+    try:
+        key = (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15,
+               None if residual is None else (residual.shape, residual.stride(), residual.dtype,
+                                              residual.data_ptr() & 15),
+               None if weight is None else (weight.data_ptr(), weight.dtype, weight.shape),
+               None if bias is None else (bias.data_ptr(), bias.dtype, bias.shape),
+               eps, launch.generation)  # fmt: skip
+        plan = norm.__dict__[_EAGER_PLANS][key]
+    except (AttributeError, TypeError):  # not tensors, or an unhashable eps: the door says which
+        return rms_norm(x, weight, bias, eps, residual=residual)
+    except KeyError:
+        return _first_call(norm, key, x, weight, bias, eps, residual)
+    return plan.run(x, weight, bias, residual)
+
+
+def _grad_wanted(x, weight, bias, residual) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in (x, weight, bias, residual))
+
+
+def _module_arguments_ok(x, weight, bias, eps, residual) -> bool:
+    """The door's checks as a module's call needs them (its weight and bias are its tensors, its
+    residual the block's), in a fraction of their time."""
     if isinstance(x, torch.Tensor) and x.dim() and (residual is None or isinstance(residual, torch.Tensor)):
         last = x.shape[-1:]
-        if ((weight is None or weight.shape == last) and (bias is None or bias.shape == last)
-                and type(eps) is float and 0 <= eps < math.inf):
-            return rms_norm_checked(x, weight, bias, eps, residual)
+        return ((weight is None or (isinstance(weight, torch.Tensor) and weight.shape == last))
+                and (bias is None or (isinstance(bias, torch.Tensor) and bias.shape == last))
+                and type(eps) is float and 0 <= eps < math.inf)  # fmt: skip
+    return False
+
+
+def _module_checked(x, weight, bias, eps, residual):
+    if _module_arguments_ok(x, weight, bias, eps, residual):
+        return rms_norm_checked(x, weight, bias, eps, residual)
     return rms_norm(x, weight, bias, eps, residual=residual)
+
+
+def _first_call(norm, key, x, weight, bias, eps, residual):
+    """The first eager call of ``key`` on ``norm``: the checks, then a plan cached on the module."""
+    if not _module_arguments_ok(x, weight, bias, eps, residual):
+        return rms_norm(x, weight, bias, eps, residual=residual)
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        return rms_norm_checked(x, weight, bias, eps, residual)  # broadcasting: not planned
+    plan = _ModulePlan(launch.eager_plan(x, weight, bias, residual) if use_kernels(x) else None, eps)
+    plans = norm.__dict__.setdefault(_EAGER_PLANS, {})
+    if len(plans) >= MAX_MODULE_PLANS:
+        del plans[next(iter(plans))]  # the oldest
+    plans[key] = plan
+    return plan.run(x, weight, bias, residual)
