@@ -15,12 +15,12 @@ from normswap.architectures import ARCHITECTURES, architecture_for
 from normswap.arguments import check_device_map, checked
 from normswap.checkpoint import validation
 from normswap.checkpoint.provenance import Provenance, family_config
+from normswap.checkpoint.rotations import DEFAULT_CALIBRATION_TOKENS, DEFAULT_FORM, DEFAULT_METHOD
 from normswap.checkpoint.source import StateDictReader, read_config, resolve_source
 from normswap.convert import card
 from normswap.dtypes import dtype_name
 from normswap.errors import NormswapError, options_named
 from normswap.modeling import build, online
-from normswap.rotate.options import DEFAULT_CALIBRATION_TOKENS, DEFAULT_FORM
 
 # how messages name the output arguments of convert_checkpoint and rotate_checkpoint
 _OUT_ARGUMENTS = {"--out": "out", "--overwrite": "overwrite=True"}
@@ -242,7 +242,7 @@ def convert_checkpoint(
 
 @checked
 def rotate_checkpoint(
-    src: str | Path, out: str | Path, *, method: str = "hadamard", seed: int = 0, form: str = DEFAULT_FORM,
+    src: str | Path, out: str | Path, *, method: str = DEFAULT_METHOD, seed: int = 0, form: str = DEFAULT_FORM,
     calibration: str | Path | None = None, calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS,
     dtype: str | torch.dtype | None = None, overwrite: bool = False, trust_remote_code: bool = False,
     atol: float | None = None, rtol: float | None = None, verification: str = "auto", quiet: bool = True,

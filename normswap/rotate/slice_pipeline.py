@@ -18,13 +18,13 @@ import torch
 
 from normswap.architectures import Architecture
 from normswap.checkpoint import output
+from normswap.checkpoint.rotations import DEFAULT_CALIBRATION_TOKENS
 from normswap.checkpoint.source import CheckpointReader, read_config, resolve_source, source_inputs
 from normswap.convert import card, install
 from normswap.convert.plan import ConversionPlan
 from normswap.errors import NormswapError
 from normswap.rotate import slicing
 from normswap.rotate.calibration import CALIBRATION_WINDOW, read_calibration
-from normswap.rotate.options import DEFAULT_CALIBRATION_TOKENS
 from normswap.rotate.plan import RotationPlan, hidden_size, plan_rotation
 
 

@@ -466,13 +466,15 @@ def rebuilt_rotation_plan(reference_dir: Path, reference_config: dict, rotation:
     method and seed make; a ``pca`` Q is measured on calibration text and is taken as stored
     (the file's hash and orthogonality are checked when it is loaded). An online Hadamard
     (``rotate.online``) adds its step to every MLP down projection, once its record is checked."""
+    from normswap.checkpoint.rotations import rotation_method
     from normswap.rotate.matrices import Rotation
     from normswap.rotate.online import add_online_hadamard, check_spec
     from normswap.rotate.pipeline import planned_rotation, seeded_rotation
     from normswap.rotate.plan import add_rotation
 
     method, seed, form = rotation.get("method"), rotation.get("seed"), rotation.get("form", "free")
-    if method in ("hadamard", "orthogonal"):
+    record = rotation_method(method)
+    if record is not None and record.seeded:
         made = seeded_rotation(method, form, matrix.shape[0], seed).matrix
         error = float((made - matrix).abs().max())
         if not error <= 1e-12:
