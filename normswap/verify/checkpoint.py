@@ -26,6 +26,7 @@ from normswap.convert.plan import ConversionPlan
 from normswap.dtypes import default_tolerance
 from normswap.errors import NormswapError
 from normswap.modeling import build
+from normswap.runtime import background
 from normswap.runtime.loaders import refusals
 from normswap.runtime.offload import Unsupported, wants_layerwise
 from normswap.runtime.reference import reference_model
@@ -119,11 +120,11 @@ def proven_and_compared(reference_dir: Path, converted_dir: Path, plan: Conversi
     runs, and so does a block-by-block one of every block (not ``beside``: its forward passes
     take every core). A block-by-block one of the first blocks (``mode``, ``beside``) runs beside
     the proof. For a big checkpoint on Linux the proof runs in a process of its own
-    (``proof.ProofInProcess``), started before ``prepare()`` and before transformers is imported:
+    (``runtime.background.InProcess``), started before ``prepare()`` and before transformers is imported:
     seconds of Python that hold the interpreter lock, on one core, while the proof works on the
     other. A failure of ``prepare()`` ends the proof and is raised. The comparison then takes
     every core if the proof is done, else leaves it one. Elsewhere the proof's thread
-    (``proof.ProofInThread``) starts after ``prepare()``, which would keep the lock from it, and
+    (``runtime.background.InThread``) starts after ``prepare()``, which would keep the lock from it, and
     this thread joins its work once the comparison is done. The forward passes share reads with
     the proof only through the disk cache, and each tensor the plan keeps byte for byte
     (``identical``, proven so by the proof) is read once for both checkpoints. ``check`` stops
@@ -138,7 +139,7 @@ def proven_and_compared(reference_dir: Path, converted_dir: Path, plan: Conversi
     identical = weights.planned_identical(plan, reference_dir)
     proof = weights.WeightsProof(reference_dir, converted_dir, plan)
     cores = default_threads() or torch.get_num_threads()  # the user's thread count, when set
-    proving: weights.ProofInThread | weights.ProofInProcess | None = weights.proof_in_process(proof, cores)
+    proving: background.InThread | background.InProcess | None = background.in_process(proof, cores)
     try:
         if prepare is not None:
             prepare()
@@ -148,7 +149,7 @@ def proven_and_compared(reference_dir: Path, converted_dir: Path, plan: Conversi
         raise
     try:
         if proving is None:  # a thread starts after the import, which would keep the lock from it
-            proving = weights.ProofInThread(proof)
+            proving = background.InThread(proof)
         with pinned_threads(cores if proving.done() else max(1, cores - 1)):  # a core left to the proof
             compared = compare(identical, proving.check)
     except Exception as error:
