@@ -605,3 +605,22 @@ def test_a_proven_checkpoint_runs_sampled_blocks_beside_the_proof(tmp_path, monk
     save_file(state, out / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(VerificationError, match=r"weights proof: transformer\.h\.0\.attn\.c_proj\.weight"):
         normswap.verify_checkpoint(src, out)
+
+
+def test_each_command_parses_each_config_json_once(tmp_path, monkeypatch):
+    # transformers' own loader opens config.json for the classes it builds; normswap's steps
+    # (side-file checks, planning, provenance, verification, the card) share one parse
+    from normswap.checkpoint import bounded
+
+    src, out, rotated = tiny_gpt2(tmp_path / "src", n_layer=2), tmp_path / "rms", tmp_path / "rot"
+    parses: list[Path] = []
+    read_bytes = bounded._read_bytes
+    monkeypatch.setattr(bounded, "_read_bytes", lambda path, what: (parses.append(Path(path)), read_bytes(path, what))[1])
+    for command in (["convert", str(src), "--out", str(out), "--quiet"], ["verify", str(src), str(out)],
+                    ["inspect", str(src)], ["rotate", str(src), "--out", str(rotated), "--quiet"]):
+        bounded._READ_ONCE.clear()
+        parses.clear()
+        assert main(command) == 0
+        configs = [path for path in parses if path.name == "config.json"]
+        folders = {path.parent for path in configs}
+        assert sorted(map(str, configs)) == sorted(map(str, {folder / "config.json" for folder in folders})), command
