@@ -1,4 +1,13 @@
-"""Adapters: one declarative ``Architecture`` per supported family, looked up by model type."""
+"""Adapters: one declarative ``Architecture`` per supported family, looked up by model type.
+
+Every module here but the shared ones below is one family's adapter, found by
+``discovered_architectures``: adding a family is adding its module.
+
+- ``spec``: the ``Architecture`` record and the pieces adapters are written in.
+- ``layouts``: the layouts several families share (Llama, GPT-2, Megatron-LM, BART, ViT names).
+- ``facts``: what planning needs to know about a family's model class, as data.
+- ``seq2seq``: the BART-lineage text encoder-decoders, built alike.
+"""
 
 from __future__ import annotations
 
