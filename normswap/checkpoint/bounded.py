@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -67,7 +68,6 @@ def read_json_once(path: Path, *, what: str | None = None) -> Any:
 def parse_json(raw: bytes | str, what: str, *, mapping: bool = True, walk: bool = True,
                unique_keys: bool = False) -> Any:
     """``raw`` parsed as JSON with the bounds of ``read_json``; ``what`` names it in messages."""
-    import json
 
     text = _decoded(raw, what)
     try:

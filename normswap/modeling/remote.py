@@ -30,6 +30,8 @@ computing something else).
 
 from __future__ import annotations
 
+import re
+
 import torch
 import transformers
 from torch import nn
@@ -267,7 +269,6 @@ def apply_slicing(model: nn.Module, slicing: dict | None) -> None:
     width (attention and MLP inner sizes derive from it) and the norms' eps is already the one for
     k dimensions.
     """
-    import re
 
     if not slicing:
         return

@@ -42,6 +42,7 @@ from normswap.convert.plan import ConversionPlan, TensorPlan
 from normswap.dtypes import dtype_name
 from normswap.errors import NormswapError
 from normswap.rotate import matrices
+from normswap.rotate.plan import check_rotatable
 
 # Held out from the calibration text when no --held-out text is given: this share of its tokens,
 # and at most this many (the perplexity cost is measured on them).
@@ -93,7 +94,6 @@ def check_slice_inputs(fraction: float, d: int, k: int, calibration_tokens: int,
 
 def check_sliceable(source_dir: Path, config: dict) -> tuple[Architecture, SliceLayout]:
     """The adapter and layout of a source that can be sliced; one-line refusals otherwise."""
-    from normswap.rotate.plan import check_rotatable
 
     provenance = Provenance.of(config, source_dir)
     if provenance is not None and provenance.slicing is not None:

@@ -26,6 +26,8 @@ from normswap.convert.plan import ConversionPlan
 from normswap.dtypes import default_tolerance
 from normswap.errors import NormswapError
 from normswap.modeling import build
+from normswap.rotate.matrices import load_rotation
+from normswap.rotate.plan import family_of
 from normswap.runtime import background
 from normswap.runtime.loaders import refusals
 from normswap.runtime.offload import Unsupported, wants_layerwise
@@ -215,7 +217,6 @@ def prove_rotated(reference: str | Path, rotated: str | Path, *, plan: Conversio
 
 def rotation_matrix(rotated_dir: Path, rotated_config: dict) -> torch.Tensor:
     """Q stored beside a rotated checkpoint, checked against its recorded hash and for orthogonality."""
-    from normswap.rotate.matrices import load_rotation
 
     width = next((rotated_config[key] for key in ("n_embd", "hidden_size", "d_model") if key in rotated_config), None)
     return load_rotation(rotated_dir, width if isinstance(width, int) else None, rotated_config).clone()
@@ -411,7 +412,6 @@ def _compare_rotated(reference_dir: Path, rotated_dir: Path, provenance: Provena
                      atol: float | None, rtol: float | None, layerwise: bool | None, quiet: bool,
                      trust_remote_code: bool, proof: bool, plan: ConversionPlan | None) -> dict:
     """``verify_rotated`` once the pair's contents are checked: the proof, then the comparison."""
-    from normswap.rotate.plan import family_of
 
     reference_config, rotated_config = configs
     rotation = rotation_matrix(rotated_dir, rotated_config)

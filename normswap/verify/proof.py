@@ -32,12 +32,16 @@ from pathlib import Path
 
 import torch
 
+from normswap.checkpoint.rotations import rotation_method
 from normswap.checkpoint.source import CheckpointReader, TensorInfo
 from normswap.convert.plan import ConversionPlan, TensorPlan
+from normswap.convert.planning import plan_conversion
 from normswap.convert.write import ShardSource, expected_blocks, tensors_by_shard
 from normswap.dtypes import parse_dtype
 from normswap.errors import VerificationError
 from normswap.memory import map_large_allocations
+from normswap.rotate.matrices import Rotation
+from normswap.rotate.plan import add_rotation
 from normswap.threads import WorkQueue, tensor_workers
 
 # a stored value may differ from the correctly rounded plan value by at most this many ulps
@@ -166,7 +170,6 @@ def rebuilt_conversion_plan(original_dir: Path, original_config: dict, options: 
     records (``method``, ``fold_gains``, ``dtype``), planned from the adapter's declarations.
     The output dtype is the source's unless the stored tensors show a cast to the recorded dtype
     (``--dtype``), which then applies to every floating tensor."""
-    from normswap.convert.planning import plan_conversion
 
     def plan(dtype: torch.dtype | None) -> ConversionPlan:
         with CheckpointReader(original_dir) as reader:
@@ -194,11 +197,8 @@ def rebuilt_rotation_plan(reference_dir: Path, reference_config: dict, rotation:
     method and seed make; a ``pca`` Q is measured on calibration text and is taken as stored
     (the file's hash and orthogonality are checked when it is loaded). An online Hadamard
     (``rotate.online``) adds its step to every MLP down projection, once its record is checked."""
-    from normswap.checkpoint.rotations import rotation_method
-    from normswap.rotate.matrices import Rotation
     from normswap.rotate.online import add_online_hadamard, check_spec
     from normswap.rotate.pipeline import planned_rotation, seeded_rotation
-    from normswap.rotate.plan import add_rotation
 
     method, seed, form = rotation.get("method"), rotation.get("seed"), rotation.get("form", "free")
     record = rotation_method(method)
