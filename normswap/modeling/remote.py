@@ -30,8 +30,6 @@ computing something else).
 
 from __future__ import annotations
 
-import re
-
 import torch
 import transformers
 from torch import nn
@@ -269,6 +267,7 @@ def apply_slicing(model: nn.Module, slicing: dict | None) -> None:
     width (attention and MLP inner sizes derive from it) and the norms' eps is already the one for
     k dimensions.
     """
+    import re
 
     if not slicing:
         return
