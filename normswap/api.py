@@ -18,7 +18,7 @@ from normswap.checkpoint.provenance import Provenance, family_config
 from normswap.checkpoint.rotations import DEFAULT_CALIBRATION_TOKENS, DEFAULT_FORM, DEFAULT_METHOD
 from normswap.checkpoint.source import StateDictReader, read_config, resolve_source
 from normswap.convert import card, fold
-from normswap.convert.install import install
+from normswap.convert.install import OutputFiles, install
 from normswap.convert.pipeline import convert_checkpoint as convert
 from normswap.convert.pipeline import main_dtype, plan_conversion
 from normswap.dtypes import dtype_name
@@ -181,10 +181,10 @@ def save(model: nn.Module, folder: str | Path, *, overwrite: bool = False) -> No
     source = Path(name).expanduser()
     inputs = [source.resolve()] if name and source.is_dir() else []
     with options_named({"--out": "folder", "--overwrite": "overwrite=True"}):
-        install(out, inputs, stored, reader, None, copy.deepcopy(config_json["normswap"]),
-                config_json=lambda block: {**config_json, "normswap": block}, verifier=None, must_pass=False,
-                overwrite=overwrite, quiet=True, verify_options={},
-                extra_files=lambda tmp: _save_generation(model, tmp))
+        files = OutputFiles(out, inputs, stored, copy.deepcopy(config_json["normswap"]),
+                            config_json=lambda block: {**config_json, "normswap": block}, overwrite=overwrite,
+                            quiet=True, extra_files=lambda tmp: _save_generation(model, tmp))
+        install(files, reader, None)
 
 
 def _save_generation(model: nn.Module, folder: Path) -> None:

@@ -108,15 +108,16 @@ def rotate_checkpoint(
         plan, architecture = rotation_plan.plan, rotation_plan.architecture
         provenance = card.rotation_provenance(str(src), plan, architecture.auto_class, pipeline.main_dtype(plan), block,
                                               rotation_plan.source_block)
-        install.install(
-            out, inputs, plan, reader, source_dir, provenance,
+        files = install.OutputFiles(
+            out, inputs, plan, provenance, overwrite=overwrite, quiet=quiet,
             config_json=lambda block: card.converted_config(rotation_plan.config, plan, rotation_plan.built,
                                                             architecture, block),
-            verifier=install.chosen_verifier(verification, verifier), must_pass=True,
-            overwrite=overwrite, quiet=quiet, extra_files=lambda folder: save_rotation(folder / ROTATION_FILE, rotation),
-            verify_options={"atol": atol, "rtol": rtol, "layerwise": install.LAYERWISE[verification], "quiet": quiet,
-                            "reference_config": config, "plan": plan},
-        )
+            extra_files=lambda folder: save_rotation(folder / ROTATION_FILE, rotation))
+        check = install.OutputCheck(
+            install.chosen_verifier(verification, verifier), must_pass=True,
+            options={"atol": atol, "rtol": rtol, "layerwise": install.LAYERWISE[verification], "quiet": quiet,
+                     "reference_config": config, "plan": plan})
+        install.install(files, reader, source_dir, check)
     return provenance
 
 

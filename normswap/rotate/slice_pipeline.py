@@ -192,12 +192,9 @@ def slice_checkpoint(
         cost = _perplexity_measure(architecture, texts.held_out, slice_plan.block["calibration"]["window"], config,
                                    None if prove is None else lambda source, folder: slice_plan.block.update(
                                        proof=prove(source, folder, sliced)))
-        install.install(
-            out, inputs, sliced,
-            reader, source_dir, provenance, config_json=lambda block: sliced_config(slice_plan, block),
-            verifier=cost, must_pass=False, overwrite=overwrite, quiet=quiet, verify_options={},
-            records_as=("slicing", "perplexity"), model_card=model_card,
-        )
+        files = install.OutputFiles(out, inputs, sliced, provenance, overwrite=overwrite, quiet=quiet,
+                                    config_json=lambda block: sliced_config(slice_plan, block), model_card=model_card)
+        install.install(files, reader, source_dir, install.OutputCheck(cost, records_as=("slicing", "perplexity")))
     return provenance
 
 
