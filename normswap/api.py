@@ -13,14 +13,20 @@ from torch import nn
 
 from normswap.architectures import ARCHITECTURES, architecture_for
 from normswap.arguments import check_device_map, checked
-from normswap.checkpoint import validation
+from normswap.checkpoint import output, validation
 from normswap.checkpoint.provenance import Provenance, family_config
+from normswap.checkpoint.rotations import DEFAULT_CALIBRATION_TOKENS, DEFAULT_FORM, DEFAULT_METHOD
 from normswap.checkpoint.source import StateDictReader, read_config, resolve_source
-from normswap.convert import card
+from normswap.convert import card, fold
+from normswap.convert.install import OutputFiles, install
+from normswap.convert.pipeline import convert_checkpoint as convert
+from normswap.convert.pipeline import main_dtype, plan_conversion
 from normswap.dtypes import dtype_name
 from normswap.errors import NormswapError, options_named
+from normswap.evaluation.calibration import MediaInputs
 from normswap.modeling import build, online
-from normswap.rotate.options import DEFAULT_CALIBRATION_TOKENS, DEFAULT_FORM
+from normswap.runtime.reference import load_tokenizer
+from normswap.verify.checkpoint import verify_checkpoint, verify_rotated
 
 # how messages name the output arguments of convert_checkpoint and rotate_checkpoint
 _OUT_ARGUMENTS = {"--out": "out", "--overwrite": "overwrite=True"}
@@ -69,7 +75,6 @@ def load_model(src: str | Path, *, dtype: torch.dtype | str = torch.float32, tru
                **from_pretrained_kwargs) -> tuple[nn.Module, Any]:
     """Any checkpoint and its tokenizer (or None): converted ones in RMSNorm form via ``load``."""
     from normswap.modeling import registry
-    from normswap.runtime.reference import load_tokenizer
 
     _check_loading("normswap.load_model", {**from_pretrained_kwargs, "dtype": dtype})
     registry.register_auto_classes()
@@ -124,8 +129,6 @@ def convert_model(model: nn.Module, *, fold_gains: bool = False, method: str = "
     weights: the same tensors, config.json with ``auto_map`` and the provenance block,
     ``modeling_normswap.py`` and the model card.
     """
-    from normswap.convert import fold
-    from normswap.convert.pipeline import main_dtype, plan_conversion
 
     _check_model(model, method)
     # config.json as save_pretrained would write it, which is what convert reads
@@ -163,8 +166,6 @@ def save(model: nn.Module, folder: str | Path, *, overwrite: bool = False) -> No
     ``folder`` is claimed and installed like ``convert --out``: a non-empty folder is replaced only
     with ``overwrite`` and only when normswap wrote it.
     """
-    from normswap.checkpoint import output
-    from normswap.convert.install import install
 
     saved = getattr(model, "_normswap_output", None)
     if saved is None:
@@ -180,10 +181,10 @@ def save(model: nn.Module, folder: str | Path, *, overwrite: bool = False) -> No
     source = Path(name).expanduser()
     inputs = [source.resolve()] if name and source.is_dir() else []
     with options_named({"--out": "folder", "--overwrite": "overwrite=True"}):
-        install(out, inputs, stored, reader, None, copy.deepcopy(config_json["normswap"]),
-                config_json=lambda block: {**config_json, "normswap": block}, verifier=None, must_pass=False,
-                overwrite=overwrite, quiet=True, verify_options={},
-                extra_files=lambda tmp: _save_generation(model, tmp))
+        files = OutputFiles(out, inputs, stored, copy.deepcopy(config_json["normswap"]),
+                            config_json=lambda block: {**config_json, "normswap": block}, overwrite=overwrite,
+                            quiet=True, extra_files=lambda tmp: _save_generation(model, tmp))
+        install(files, reader, None)
 
 
 def _save_generation(model: nn.Module, folder: Path) -> None:
@@ -231,8 +232,6 @@ def convert_checkpoint(
     ``normswap.verify.checkpoint.verify_checkpoint`` unless ``verification="none"``; the options
     are ``normswap.convert.pipeline.convert_checkpoint``'s. The verifier is chosen here, in the
     public layer, because ``convert`` sits below ``verify`` and never imports it."""
-    from normswap.convert.pipeline import convert_checkpoint as convert
-    from normswap.verify.checkpoint import verify_checkpoint
 
     with options_named(_OUT_ARGUMENTS):
         return convert(src, out, fold_gains=fold_gains, method=method, dtype=dtype, overwrite=overwrite,
@@ -242,7 +241,7 @@ def convert_checkpoint(
 
 @checked
 def rotate_checkpoint(
-    src: str | Path, out: str | Path, *, method: str = "hadamard", seed: int = 0, form: str = DEFAULT_FORM,
+    src: str | Path, out: str | Path, *, method: str = DEFAULT_METHOD, seed: int = 0, form: str = DEFAULT_FORM,
     calibration: str | Path | None = None, calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS,
     dtype: str | torch.dtype | None = None, overwrite: bool = False, trust_remote_code: bool = False,
     atol: float | None = None, rtol: float | None = None, verification: str = "auto", quiet: bool = True,
@@ -255,9 +254,7 @@ def rotate_checkpoint(
     ``calibration`` (pca) is what the model reads: a text file, or for Whisper transcribed audio
     and for ViT images (``normswap.evaluation.calibration``); ``bundled`` names the shipped samples.
     ``online_hadamard`` (``form="free"``): H at every MLP down projection's input, at run time."""
-    from normswap.evaluation.calibration import MediaInputs
     from normswap.rotate.pipeline import rotate_checkpoint as rotate
-    from normswap.verify.checkpoint import verify_rotated
 
     with options_named(_OUT_ARGUMENTS):
         return rotate(src, out, method=method, seed=seed, form=form, calibration=calibration,

@@ -11,6 +11,7 @@ in the function's module; the ones checked are plain classes, ``X | None`` union
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import os
@@ -130,7 +131,6 @@ def checked(func: F) -> F:
 
 def check_fields(instance: Any) -> None:
     """A dataclass's fields against their hints (for ``__post_init__``)."""
-    import dataclasses
 
     hints = _hints(type(instance))
     for field in dataclasses.fields(instance):

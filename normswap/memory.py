@@ -8,6 +8,9 @@ unless large allocations get their own mappings and freed memory is handed back.
 from __future__ import annotations
 
 import gc
+import math
+import sys
+import threading
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -60,7 +63,6 @@ class BufferPool:
     """
 
     def __init__(self, min_bytes: int = 1 << 20) -> None:
-        import threading
 
         import torch
 
@@ -71,7 +73,6 @@ class BufferPool:
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised contiguous tensor of ``shape`` and ``dtype``."""
-        import math
 
         import torch
 
@@ -90,6 +91,5 @@ class BufferPool:
         """No tensor uses ``kept[index]`` (its use count is the pool's alone), and no one holds the
         storage object itself (``Tensor.untyped_storage()`` hands out this very object): its only
         references are the pool's list and ``getrefcount``'s argument."""
-        import sys
 
         return self._use_count(kept[index]._cdata) == 1 and sys.getrefcount(kept[index]) == 2

@@ -10,7 +10,9 @@ explicit setting), the pool is sized to the cores that are idle when the work st
 
 from __future__ import annotations
 
+import functools
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -85,7 +87,6 @@ def cpu_threads(count: int | None = None) -> Iterator[int]:
 
 def on_idle_cores(function: Callable[P, R]) -> Callable[P, R]:
     """Decorator: run ``function`` under ``cpu_threads()`` when torch computes on the CPU."""
-    import functools
 
     @functools.wraps(function)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
@@ -121,7 +122,6 @@ class WorkQueue:
     someone), whatever the split."""
 
     def __init__(self, count: int) -> None:
-        import threading
 
         self.count = count
         self.lock = threading.Lock()  # also guards what the workers record
@@ -156,7 +156,6 @@ class WorkQueue:
         ``take()`` gives None and reports each failure with ``fail``. An interrupt in this thread
         stops the others at their next item, and this thread waits for them before it raises:
         what they write with must not be closed under them."""
-        import threading
 
         finished = [threading.Event() for _ in range(workers - 1)]
 

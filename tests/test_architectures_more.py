@@ -24,6 +24,7 @@ LLAMA_LIKE = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, in
                   max_position_embeddings=32, **SMALL)
 
 CAUSAL = {
+    "ctrl": lambda: T.CTRLConfig(n_embd=32, n_layer=2, n_head=4, dff=64, n_positions=32, vocab_size=VOCAB),
     "xglm": lambda: T.XGLMConfig(d_model=32, num_layers=2, attention_heads=4, ffn_dim=64, max_position_embeddings=32,
                                  **SMALL),
     "biogpt": lambda: T.BioGptConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,8 +13,8 @@ pytest.importorskip("lm_eval")
 
 from lm_eval.models.huggingface import HFLM  # noqa: E402
 
+from normswap.architectures import ARCHITECTURES  # noqa: E402
 from normswap.checkpoint.source import example_model_path  # noqa: E402
-from normswap.evaluation import shared_context  # noqa: E402
 from normswap.evaluation.shared_context import SharedContextHFLM, group_requests  # noqa: E402
 
 VOCAB = 2048
@@ -83,7 +84,7 @@ def both_paths(model, tokenizer, requests, batch_size: int = 3):
         requests, disable_tqdm=True)
 
 
-@pytest.mark.parametrize("family", sorted(shared_context.CACHED_FAMILIES))
+@pytest.mark.parametrize("family", sorted(name for name, each in ARCHITECTURES.items() if each.shared_context))
 def test_every_listed_family_scores_as_hflm(family, tokenizer):
     model = tiny_causal(family)
     assert model.config.model_type == family
@@ -109,7 +110,7 @@ def test_plain_path_on_request_and_for_unlisted_families(tokenizer, monkeypatch)
     model = tiny_causal("gpt2")
     off = SharedContextHFLM(pretrained=model, tokenizer=tokenizer, batch_size=2, share_contexts=False)
     assert not off.shares_contexts()
-    monkeypatch.setattr(shared_context, "CACHED_FAMILIES", frozenset({"llama"}))
+    monkeypatch.setitem(ARCHITECTURES, "gpt2", replace(ARCHITECTURES["gpt2"], shared_context=False))
     unlisted = SharedContextHFLM(pretrained=model, tokenizer=tokenizer, batch_size=2)
     assert not unlisted.shares_contexts()
     calls = []

@@ -46,6 +46,8 @@ TEXT_FAMILIES = {
                                                                       n_positions=64, **SMALL)),
     "codegen": lambda: T.CodeGenForCausalLM(T.CodeGenConfig(n_layer=2, n_embd=32, n_head=4, rotary_dim=4,
                                                             n_positions=64, **SMALL)),
+    "ctrl": lambda: T.CTRLLMHeadModel(T.CTRLConfig(n_embd=32, n_layer=2, n_head=4, dff=64, n_positions=64,
+                                                   vocab_size=2048)),
     "xglm": lambda: T.XGLMForCausalLM(T.XGLMConfig(d_model=32, num_layers=2, attention_heads=4, ffn_dim=64,
                                                    max_position_embeddings=64, **SMALL)),
     "biogpt": lambda: T.BioGptForCausalLM(T.BioGptConfig(**LLAMA_LIKE)),

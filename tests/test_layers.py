@@ -137,3 +137,54 @@ def test_no_import_cycle():
 def test_at_most_twelve_top_level_modules():
     top = sorted(path.name for path in ROOT.glob("*.py"))
     assert len(top) <= 12, top
+
+
+def documented_modules() -> set[str]:
+    """The modules docs/layout.md's module map names, as paths under normswap/: a line that
+    starts with ``name/`` opens a package, nested by indentation; the ``.py`` names that start a
+    line belong to the package above them."""
+    text = (ROOT.parent / "docs" / "layout.md").read_text(encoding="utf-8")
+    block = text.split("## Modules", 1)[1].split("```")[1]
+    packages: list[tuple[int, str]] = []
+    named = set()
+    for line in block.splitlines():
+        words = line.split()
+        if not words:
+            continue
+        indent = len(line) - len(line.lstrip())
+        while packages and packages[-1][0] >= indent:
+            packages.pop()
+        if words[0].endswith("/"):
+            packages.append((indent, words[0]))
+            continue
+        prefix = "".join(package for _, package in packages[1:])  # below normswap/ itself
+        for word in words:
+            if not word.endswith(".py"):
+                break
+            named.add(prefix + word)
+    return named
+
+
+def test_the_layout_doc_names_every_module():
+    modules = {str(path.relative_to(ROOT)) for path in ROOT.rglob("*.py")
+               if path.name != "__init__.py" or path.parent == ROOT}
+    named = documented_modules()
+    assert sorted(modules - named) == [], "modules docs/layout.md does not name"
+    assert sorted(named - modules) == [], "docs/layout.md names modules that do not exist"
+
+
+def test_package_docstrings_list_their_own_modules():
+    from normswap.architectures import SHARED_MODULES
+
+    for init in ROOT.rglob("__init__.py"):
+        if init.parent == ROOT:
+            continue
+        own = {path.stem for path in init.parent.glob("*.py") if path.name != "__init__.py"}
+        own |= {path.name for path in init.parent.iterdir() if (path / "__init__.py").exists()}
+        if init.parent.name == "architectures":  # the adapters are found, not listed
+            own &= SHARED_MODULES
+        doc = ast.get_docstring(ast.parse(init.read_text(encoding="utf-8"))) or ""
+        bullets = [line[4:line.index("``", 4)] for line in doc.splitlines() if line.startswith("- ``")]
+        where = init.parent.relative_to(ROOT)
+        assert set(bullets) <= own, f"{where}'s docstring lists modules it does not hold"
+        assert sorted(name for name in own if f"``{name}``" not in doc) == [], f"{where}'s docstring misses modules"

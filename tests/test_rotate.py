@@ -468,7 +468,7 @@ def test_refuses_hidden_size_without_hadamard(tmp_path, capsys):
     ("args", "needles"),
     [
         (("--method", "pca"), ("needs --calibration",)),
-        (("--calibration", "x.txt"), ("only used by --method pca",)),
+        (("--calibration", "x.txt"), ("only used by a measured rotation (--method pca)",)),
         (("--method", "pca", "--calibration", "/nonexistent.txt"), ("calibration text not found",)),
         (("--seed", "-1"), ("--seed must be an integer from 0",)),
         (("--verify", "full", "--dtype", "float8"), ("unknown dtype",)),
@@ -550,3 +550,17 @@ def test_geometry_shows_rotation_spreading_outliers(tmp_path, capsys):
     assert max(after) < 0.5 * max(before)
     kurtosis_before, kurtosis_after = stream("original", "kurtosis"), stream("converted", "kurtosis")
     assert max(abs(k - 3) for k in kurtosis_after) < max(abs(k - 3) for k in kurtosis_before)
+
+
+def test_every_rotation_method_is_one_record_with_a_construction_in_every_form():
+    from normswap.checkpoint.rotations import ROTATION_FORMS, ROTATION_METHODS
+    from normswap.cli import build_parser
+    from normswap.rotate.pipeline import FORM_MODULES, construction
+
+    assert set(FORM_MODULES) == set(ROTATION_FORMS)
+    for name in ROTATION_METHODS:
+        for form in ROTATION_FORMS:
+            assert callable(construction(name, form))
+    parser, _ = build_parser("rotate")
+    method = next(action for action in parser.subcommand_parsers["rotate"]._actions if action.dest == "method")
+    assert list(method.choices) == list(ROTATION_METHODS)

@@ -24,6 +24,7 @@ from test_rotate import _files, _refused
 import normswap
 from normswap.api import rotate_checkpoint
 from normswap.architectures import ARCHITECTURES
+from normswap.architectures.spec import GPT2_SLICE_LAYOUT
 from normswap.checkpoint.source import resolve_source
 from normswap.errors import NormswapError
 from normswap.modeling.remote import RMSNorm
@@ -92,7 +93,7 @@ def test_stream_axes_generalise_the_block_index():
     roles = {"transformer.h.0.ln_1.weight": slicing.Role("norm_weight", 0, 0),
              "transformer.h.1.ln_1.weight": slicing.Role("norm_weight", 0, 2),
              "lm_head.weight": slicing.Role("reader", 1, 4)}
-    axes = slicing.stream_axes(roles, slicing.LAYOUTS["gpt2"])
+    axes = slicing.stream_axes(roles, GPT2_SLICE_LAYOUT)
     assert axes == [["lm_head\\.weight", 1], ["transformer\\.h\\.\\d+\\.ln_1\\.weight", 0]]
 
 
@@ -120,7 +121,7 @@ def test_sliced_write_holds_one_tensor_at_a_time(tmp_path, monkeypatch):
         return value
 
     monkeypatch.setattr(fold, "compute_tensor", counted)
-    layout = slicing.LAYOUTS["gpt2"]
+    layout = GPT2_SLICE_LAYOUT
     norms = slicing.signal_norms(layout, 8)
     bases = [torch.linalg.qr(torch.randn(32, 24, dtype=torch.float64))[0] for _ in norms]
     with CheckpointReader(src) as reader:
@@ -338,7 +339,7 @@ def test_blockwise_calibration_equals_whole_model(tmp_path, source):
         src = tmp_path / "folded"
         normswap.convert_checkpoint("normswap:austen-gpt2", src, fold_gains=True, verification="none")
     architecture = ARCHITECTURES["gpt2"]
-    norms = slicing.signal_norms(slicing.LAYOUTS["gpt2"], 4)
+    norms = slicing.signal_norms(GPT2_SLICE_LAYOUT, 4)
     ids = calibration.calibration_ids(src, CALIBRATION.read_text(), "emma")[:700]
     blockwise = calibration.blockwise_moments(src, architecture, norms, ids, 256, torch.device("cpu"))
     whole = calibration.whole_moments(src, architecture, norms, ids, 256)

@@ -28,6 +28,7 @@ from normswap.cli import main
 from normswap.convert import fold
 from normswap.convert.steps import Centre, FoldGain
 from normswap.errors import NormswapError, VerificationError
+from normswap.runtime import background
 from normswap.runtime import offload as verify_offload
 from normswap.verify import proof as weights_proof
 from normswap.verify.checkpoint import proven_and_compared
@@ -395,15 +396,15 @@ def test_layerwise_pinpoints_a_corrupted_block(tmp_path):
 def proof_process(monkeypatch):
     """Every proof beside a comparison runs in a forked process; yields the processes started."""
     started = []
-    original = weights_proof.proof_in_process
+    original = background.in_process
 
     def spy(proof, cores):
         proving = original(proof, 2)  # as on a machine with two idle cores
         started.append(proving)
         return proving
 
-    monkeypatch.setattr(weights_proof, "PARALLEL_BYTES", 0)
-    monkeypatch.setattr(weights_proof, "proof_in_process", spy)
+    monkeypatch.setattr(background, "PARALLEL_BYTES", 0)
+    monkeypatch.setattr(background, "in_process", spy)
     monkeypatch.setattr(verify_offload, "LAYERWISE_ABOVE_BYTES", 0)  # auto picks block by block
     return started
 
@@ -414,7 +415,7 @@ def test_a_proof_in_its_own_process_answers_as_the_thread_does(tmp_path, monkeyp
     out = tmp_path / "rms"
     normswap.convert_checkpoint(src, out, verification="none")
     result = normswap.verify_checkpoint(src, out)
-    assert [type(proving).__name__ for proving in proof_process] == ["ProofInProcess"]
+    assert [type(proving).__name__ for proving in proof_process] == ["InProcess"]
     assert result["passed"] and result["blocks"] == {"run": [0, 1], "of": 4}
     assert result["proof"] == normswap.prove_checkpoint(src, out)  # the figures of the proof in this process
 
@@ -440,9 +441,9 @@ def test_the_proof_process_dies_is_cancelled_or_fails_in_one_error(tmp_path, mon
         plan = weights_proof.rebuilt_conversion_plan(src, json.loads((src / "config.json").read_text()), {},
                                                      reader.tensors)
 
-    def started(work) -> weights_proof.ProofInProcess:
+    def started(work) -> background.InProcess:
         monkeypatch.setattr(weights_proof.WeightsProof, "work", work)  # the forked copy inherits it
-        return weights_proof.ProofInProcess(weights_proof.WeightsProof(src, out, plan))
+        return background.InProcess(weights_proof.WeightsProof(src, out, plan))
 
     killed = started(lambda self: os._exit(9))  # no answer: one line saying how the process ended
     with pytest.raises(NormswapError, match=r"weights proof's process exited with status 9 before it answered"):
@@ -483,8 +484,8 @@ def test_the_proof_process_dies_is_cancelled_or_fails_in_one_error(tmp_path, mon
     with pytest.raises(ChildProcessError):
         os.waitpid(waiting.pid, os.WNOHANG)
 
-    record = weights_proof._error_record(OSError("a short read"))  # no errno: still an OSError
-    assert type(weights_proof._rebuilt_error(record)) is OSError
+    record = background.error_record(OSError("a short read"))  # no errno: still an OSError
+    assert type(background.rebuilt_error(record)) is OSError
 
     def interrupted(identical, check):
         raise KeyboardInterrupt
@@ -518,7 +519,7 @@ def test_mapped_rows_are_the_rows_read(tmp_path):
                 mapped = reader.read_rows(name, start, count)
                 assert mapped.shape == tensor[start:start + count].shape and torch.equal(mapped,
                                                                                          tensor[start:start + count])
-    assert "a weight file shrank while it was read" in weights_proof._died(signal.SIGBUS)  # its wait status
+    assert "a weight file shrank while it was read" in background.died(signal.SIGBUS)  # its wait status
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the proof's own process is forked on Linux only")
@@ -530,12 +531,11 @@ def test_the_proof_process_starts_before_transformers_is_imported(tmp_path):
     normswap.convert_checkpoint(src, out, verification="none")
     script = textwrap.dedent(f"""
         import sys
-        from normswap.runtime import offload
-        from normswap.verify import proof
-        proof.PARALLEL_BYTES = offload.LAYERWISE_ABOVE_BYTES = 0
-        started = proof.proof_in_process
+        from normswap.runtime import background, offload
+        background.PARALLEL_BYTES = offload.LAYERWISE_ABOVE_BYTES = 0
+        started = background.in_process
         imported = []
-        proof.proof_in_process = lambda work, cores: (imported.append("transformers" in sys.modules),
+        background.in_process = lambda work, cores: (imported.append("transformers" in sys.modules),
                                                       started(work, 2))[1]
         from normswap.verify.checkpoint import verify_checkpoint
         passed = verify_checkpoint({str(src)!r}, {str(out)!r})["passed"]
@@ -552,9 +552,9 @@ def test_the_proof_process_ends_with_the_process_that_forked_it():
     script = textwrap.dedent("""
         import os, sys, time
         from types import SimpleNamespace
-        from normswap.verify.proof import ProofInProcess
-        proof = SimpleNamespace(queue=SimpleNamespace(run=lambda work, workers: time.sleep(60)))
-        print(ProofInProcess(proof).pid, flush=True)
+        from normswap.runtime.background import InProcess
+        proof = SimpleNamespace(work_alone=lambda: time.sleep(60))
+        print(InProcess(proof).pid, flush=True)
         os._exit(0)
     """)
     parent = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
@@ -605,3 +605,22 @@ def test_a_proven_checkpoint_runs_sampled_blocks_beside_the_proof(tmp_path, monk
     save_file(state, out / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(VerificationError, match=r"weights proof: transformer\.h\.0\.attn\.c_proj\.weight"):
         normswap.verify_checkpoint(src, out)
+
+
+def test_each_command_parses_each_config_json_once(tmp_path, monkeypatch):
+    # transformers' own loader opens config.json for the classes it builds; normswap's steps
+    # (side-file checks, planning, provenance, verification, the card) share one parse
+    from normswap.checkpoint import bounded
+
+    src, out, rotated = tiny_gpt2(tmp_path / "src", n_layer=2), tmp_path / "rms", tmp_path / "rot"
+    parses: list[Path] = []
+    read_bytes = bounded._read_bytes
+    monkeypatch.setattr(bounded, "_read_bytes", lambda path, what: (parses.append(Path(path)), read_bytes(path, what))[1])
+    for command in (["convert", str(src), "--out", str(out), "--quiet"], ["verify", str(src), str(out)],
+                    ["inspect", str(src)], ["rotate", str(src), "--out", str(rotated), "--quiet"]):
+        bounded._READ_ONCE.clear()
+        parses.clear()
+        assert main(command) == 0
+        configs = [path for path in parses if path.name == "config.json"]
+        folders = {path.parent for path in configs}
+        assert sorted(map(str, configs)) == sorted(map(str, {folder / "config.json" for folder in folders})), command

@@ -1,10 +1,11 @@
 """Geometry of the all-ones direction at every norm's input (``normswap geometry``).
 
-* ``stats``   pure float64 statistics (cos θ to 1, mean share, RMS/std, naive-swap error, mean dims);
-* ``collect`` forward pre-hooks that feed every norm's input to those statistics;
-* ``report``  position dependence, dominant dimensions, text tables;
-* ``plot``    the PNG; ``cli`` the command.
-
+- ``stats``: pure float64 statistics (cos θ to 1, mean share, RMS/std, naive-swap error, mean dims).
+- ``collect``: forward pre-hooks that feed every norm's input to those statistics, over real tokens.
+- ``outliers``: activation outliers at the inputs of linear layers, and what a rotation changes.
+- ``report``: position dependence, dominant dimensions, text tables.
+- ``plot``: the PNG.
+- ``cli``: the command.
 
 Names are imported lazily so that building the command line does not import torch.
 """

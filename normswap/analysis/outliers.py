@@ -16,14 +16,19 @@ apart from the rest, so that averaging over all layers does not hide what a rota
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 
 import torch
 from torch import nn
 
+from normswap.analysis.collect import _forward, windows
+from normswap.architectures import ARCHITECTURES
+from normswap.architectures.spec import pattern
 from normswap.modeling.online import is_down_projection
 from normswap.rotate.quantise import QUANTISERS, apply_quantiser, linear_layers
+from normswap.runtime.offload import find_blocks
 
 
 class _Moments:
@@ -58,7 +63,6 @@ class _Moments:
 @torch.no_grad()
 def linear_input_outliers(model: nn.Module, token_ids: torch.Tensor, *, seq_len: int, batch_size: int = 4) -> list[dict]:
     """Outlier statistics of every linear layer's input over ``token_ids`` (1-D), in module order."""
-    from normswap.analysis.collect import _forward, windows
 
     layers = linear_layers(model)
     moments = {name: _Moments() for name, _, _ in layers}
@@ -83,8 +87,6 @@ def linear_input_outliers(model: nn.Module, token_ids: torch.Tensor, *, seq_len:
 def stream_readers(model: nn.Module) -> list[re.Pattern] | None:
     """Patterns of the module names of the layers that read a norm's output (the residual
     stream), from the family's adapter; None for a family normswap has no adapter for."""
-    from normswap.architectures import ARCHITECTURES
-    from normswap.architectures.spec import pattern
     from normswap.modeling.remote import MODEL_TYPE_PREFIX
 
     config = model.config.to_dict()
@@ -207,10 +209,7 @@ def quantisation_errors(model: nn.Module, token_ids: torch.Tensor, seq_len: int,
     """Per quantiser (``normswap.rotate.quantise.QUANTISERS``), the mean KL(model ‖ quantised copy) of
     the next-token distributions over ``token_ids``, every linear layer of the residual blocks
     quantised (embeddings and head not); empty for a model without logits or blocks."""
-    import copy
 
-    from normswap.analysis.collect import windows
-    from normswap.runtime.offload import find_blocks
 
     found = find_blocks(model, None)
     batches = list(windows(token_ids.reshape(-1).long(), seq_len, batch_size))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from normswap.extras import require
+
 # Log axes cannot show an exact 0 (a perfectly centred input); draw it at this floor instead.
 _FLOOR = 1e-17
 
@@ -29,7 +31,6 @@ def plot_reports(reports: dict[str, dict], path: str | Path) -> Path:
     2. RMS(x)/std(x), mean with p5–p95 band;
     3. naive-swap output error ‖LN(x) − RMSNorm(x)‖/‖LN(x)‖, mean with p5–p95 band; log scale.
     """
-    from normswap.extras import require
 
     require("plot", "a geometry plot")
     import matplotlib

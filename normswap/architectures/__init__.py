@@ -1,31 +1,19 @@
-"""Adapters: one declarative ``Architecture`` per supported family, looked up by model type."""
+"""Adapters: one declarative ``Architecture`` per supported family, looked up by model type.
+
+Every module here but the shared ones below is one family's adapter, found by
+``discovered_architectures``: adding a family is adding its module.
+
+- ``spec``: the ``Architecture`` record and the pieces adapters are written in.
+- ``layouts``: the layouts several families share (Llama, GPT-2, Megatron-LM, BART, ViT names).
+- ``facts``: what planning needs to know about a family's model class, as data.
+- ``seq2seq``: the BART-lineage text encoder-decoders, built alike.
+"""
 
 from __future__ import annotations
 
-from normswap.architectures.beit import BEIT
-from normswap.architectures.biogpt import BIOGPT
-from normswap.architectures.blenderbot import BLENDERBOT
-from normswap.architectures.bloom import BLOOM
-from normswap.architectures.clip import CLIP
-from normswap.architectures.codegen import CODEGEN
-from normswap.architectures.cohere import COHERE
-from normswap.architectures.deit import DEIT
-from normswap.architectures.dinov2 import DINOV2
-from normswap.architectures.falcon import FALCON
-from normswap.architectures.gpt2 import GPT2
-from normswap.architectures.gpt_bigcode import GPT_BIGCODE
-from normswap.architectures.gpt_neo import GPT_NEO
-from normswap.architectures.gpt_neox import GPT_NEOX
-from normswap.architectures.gptj import GPTJ
-from normswap.architectures.m2m_100 import M2M_100
-from normswap.architectures.mbart import MBART
-from normswap.architectures.mpt import MPT
-from normswap.architectures.nemotron import NEMOTRON
-from normswap.architectures.olmo import OLMO
-from normswap.architectures.opt import OPT
-from normswap.architectures.pegasus import PEGASUS
-from normswap.architectures.persimmon import PERSIMMON
-from normswap.architectures.phi import PHI
+import importlib
+import pkgutil
+
 from normswap.architectures.spec import (
     CENTRE_INPUT,
     CENTRE_OUTPUT,
@@ -37,21 +25,29 @@ from normswap.architectures.spec import (
     Reader,
     Writer,
 )
-from normswap.architectures.stablelm import STABLELM
-from normswap.architectures.starcoder2 import STARCODER2
-from normswap.architectures.vit import VIT
-from normswap.architectures.whisper import WHISPER
-from normswap.architectures.xglm import XGLM
 from normswap.errors import NormswapError
 
-ARCHITECTURES: dict[str, Architecture] = {}
-for _architecture in (
-    GPT2, WHISPER, VIT, CLIP, GPT_NEO, GPTJ, GPT_NEOX, OPT, BLOOM, PHI, FALCON, GPT_BIGCODE, CODEGEN,
-    XGLM, BIOGPT, STARCODER2, STABLELM, PERSIMMON, MPT, OLMO, COHERE, NEMOTRON,
-    M2M_100, MBART, PEGASUS, BLENDERBOT, DEIT, DINOV2, BEIT,
-):
-    for _model_type in _architecture.model_types:
-        ARCHITECTURES[_model_type] = _architecture
+# the package's modules that describe no family: the vocabulary adapters are written in
+SHARED_MODULES = frozenset({"spec", "layouts", "facts", "seq2seq"})
+
+
+def discovered_architectures() -> dict[str, Architecture]:
+    """Model type -> adapter, from every public ``Architecture`` each adapter module of this
+    package defines: adding a family is adding its module. A model type claimed twice is a bug."""
+    found: dict[str, Architecture] = {}
+    for module_info in sorted(pkgutil.iter_modules(__path__), key=lambda info: info.name):
+        if module_info.name in SHARED_MODULES or module_info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"{__name__}.{module_info.name}")
+        for name, value in vars(module).items():
+            if isinstance(value, Architecture) and not name.startswith("_"):
+                for model_type in value.model_types:
+                    if found.setdefault(model_type, value) is not value:
+                        raise RuntimeError(f"model type {model_type} has two adapters ({module_info.name}.{name})")
+    return found
+
+
+ARCHITECTURES: dict[str, Architecture] = discovered_architectures()
 
 _POST_LN_REASON = (
     "it is a post-LN model: its LayerNorms sit after the residual additions, so the norm output "

@@ -34,4 +34,5 @@ BEIT = assemble(
     layer_scales=(LayerScale(H + ".lambda_1", H + ".attention.o_proj"), LayerScale(H + ".lambda_2", H + ".mlp.fc2")),
     refuse=_refuse,
     probe="vision",
+    modality="images",
 )

@@ -51,4 +51,5 @@ BLOOM = assemble(
     fixed_streams=lambda config: {"": "the stream starts as word_embeddings_layernorm's output γ ⊙ LN(e) + β, and "
                                       "diag(γ) does not commute with Q"},
     tie_default=True,
+    shared_context=True,
 )

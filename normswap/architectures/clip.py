@@ -183,4 +183,5 @@ CLIP = assemble(
              "CLIPTextModelWithProjection": _tower_facts("text", True),
              "CLIPVisionModel": _tower_facts("vision", False),
              "CLIPVisionModelWithProjection": _tower_facts("vision", True)},
+    modality={"clip": "images"},
 )

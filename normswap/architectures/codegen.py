@@ -25,4 +25,5 @@ CODEGEN = replace(
     ignore=(pattern(H + ".attn.{causal_mask|masked_bias}"),),
     **sole_class("CodeGenForCausalLM", parallel_block_facts(_attention)),
     tie_default=False,
+    shared_context=True,
 )

@@ -32,4 +32,5 @@ DEIT = assemble(
     refuse=only_classes("DeiTModel", "DeiTForImageClassification", TEACHER),
     variant=_variant,
     probe="vision",
+    modality="images",
 )

@@ -38,4 +38,5 @@ DINOV2 = assemble(
                   LayerScale(H + ".layer_scale2.lambda1", H + ".mlp.fc2")),
     refuse=_refuse,
     probe="vision",
+    modality="images",
 )

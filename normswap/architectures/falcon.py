@@ -86,4 +86,5 @@ FALCON = Architecture(
     blocks="transformer.h",
     **sole_class("FalconForCausalLM", _facts),
     tie_default=True,
+    shared_context=True,
 )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from normswap.architectures.facts import ModelFacts, StateDict, Unstated, sole_class, stated
 from normswap.architectures.layouts import gpt2_layout
-from normswap.architectures.spec import assemble, conv1d_reader, pattern
+from normswap.architectures.spec import GPT2_SLICE_LAYOUT, assemble, conv1d_reader, pattern
 
 
 def gpt2_sizes(config: dict) -> tuple[int, int, int, int, int, int]:
@@ -49,4 +49,6 @@ GPT2 = assemble(
     ignore=(pattern("transformer.h.{layer}.{attn|crossattention}.{bias|masked_bias}"),),
     **sole_class("GPT2LMHeadModel", _facts),
     tie_default=True,
+    slice_layout=GPT2_SLICE_LAYOUT,
+    shared_context=True,
 )

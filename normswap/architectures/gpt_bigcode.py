@@ -37,4 +37,5 @@ GPT_BIGCODE = assemble(
     ignore=(pattern("transformer.bias"), pattern("transformer.h.{layer}.attn.{bias|masked_bias}")),
     **sole_class("GPTBigCodeForCausalLM", _facts),
     tie_default=True,
+    shared_context=True,
 )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from normswap.architectures.facts import ModelFacts, StateDict, sole_class, stated
 from normswap.architectures.layouts import gpt2_layout
-from normswap.architectures.spec import assemble, linear_reader, pattern
+from normswap.architectures.spec import GPT2_SLICE_LAYOUT, assemble, linear_reader, pattern
 
 
 def _facts(config: dict) -> ModelFacts:
@@ -42,4 +42,6 @@ GPT_NEO = assemble(
     ignore=(pattern("transformer.h.{layer}.attn.attention.{bias|masked_bias}"),),
     **sole_class("GPTNeoForCausalLM", _facts),
     tie_default=True,
+    slice_layout=GPT2_SLICE_LAYOUT,
+    shared_context=True,
 )

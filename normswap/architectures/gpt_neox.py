@@ -41,4 +41,5 @@ GPT_NEOX = assemble(
     ignore=(pattern("gpt_neox.layers.{layer}.attention.{bias|masked_bias|rotary_emb.inv_freq}"),),
     **sole_class("GPTNeoXForCausalLM", _facts),
     tie_default=False,
+    shared_context=True,
 )

@@ -74,4 +74,5 @@ GPTJ = Architecture(
     ignore=(pattern(H + ".attn.{bias|masked_bias}"),),
     **sole_class("GPTJForCausalLM", parallel_block_facts(_attention)),
     tie_default=False,
+    shared_context=True,
 )

@@ -100,4 +100,5 @@ OPT = Architecture(
     blocks="model.decoder.layers",
     **sole_class("OPTForCausalLM", _facts),
     tie_default=True,
+    shared_context=True,
 )

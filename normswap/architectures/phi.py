@@ -50,4 +50,5 @@ PHI = assemble(
     blocks="model.layers",
     **sole_class("PhiForCausalLM", _facts),
     tie_default=False,
+    shared_context=True,
 )

@@ -273,8 +273,26 @@ class EmbeddingNormBake:
 
 
 @dataclass(frozen=True)
+class SliceLayout:
+    """Where a family's residual adds are, for slicing (``normswap.rotate.slicing``): the blocks,
+    each block's (norm, branch) pairs in order, the final norm, the tensors that write the first
+    signal (hidden axis 1) and the config key of the norms' epsilon."""
+
+    blocks: str
+    branches: tuple[tuple[str, str], ...]
+    final_norm: str
+    embeddings: tuple[str, ...]
+    eps_key: str
+
+
+GPT2_SLICE_LAYOUT = SliceLayout("transformer.h", (("ln_1", "attn"), ("ln_2", "mlp")), "transformer.ln_f",
+                                ("transformer.wte.weight", "transformer.wpe.weight"), "layer_norm_epsilon")
+MODALITIES = ("text", "audio", "images")
+
+
+@dataclass(frozen=True)
 class Architecture:
-    """Everything the surgery needs to know about one model family."""
+    """Everything normswap needs to know about one model family: the one record of it."""
 
     model_types: tuple[str, ...]
     auto_class: str
@@ -317,6 +335,21 @@ class Architecture:
     # the commuting rotation: the model outputs that come out rotated, as config -> {attribute path
     # of the output object (``text_model_output.pooler_output``): the norm whose output it is}
     rotated_outputs: Callable[[dict], dict[str, str]] = lambda config: {}
+    # what evaluation and calibration feed the model (one of MODALITIES), for every model type of
+    # the family or per model type (a type not named reads text)
+    modality: str | dict[str, str] = "text"
+    # the block layout slicing works from; None: the family is not sliced
+    slice_layout: SliceLayout | None = None
+    # lm-eval's requests may run with one cached forward per shared context
+    # (``normswap.evaluation.shared_context``): its left-padded, position-explicit cached forward is
+    # tested against HFLM's path for this family
+    shared_context: bool = False
+
+    def modality_of(self, model_type: str) -> str:
+        """What a checkpoint of ``model_type`` (one of this family's) reads."""
+        if isinstance(self.modality, dict):
+            return self.modality.get(model_type, "text")
+        return self.modality
 
     def facts(self, config: dict) -> ModelFacts | None:
         """The declared facts of the class ``config`` loads into; None when not declared."""

@@ -69,4 +69,5 @@ VIT = assemble(
     rotated_outputs=lambda config: {"last_hidden_state": "layernorm"},
     classes={"ViTModel": lambda config: _facts(config, classifier=False),
              "ViTForImageClassification": lambda config: _facts(config, classifier=True)},
+    modality="images",
 )

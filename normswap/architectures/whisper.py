@@ -101,4 +101,5 @@ WHISPER = assemble(
     probe="seq2seq_speech",
     classes={"WhisperForConditionalGeneration": _facts},
     fixed_streams=lambda config: {pattern(M + "encoder."): ENCODER_FIXED},
+    modality="audio",
 )

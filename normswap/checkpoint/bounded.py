@@ -13,7 +13,10 @@ handed to a library.
 
 from __future__ import annotations
 
+import copy
 import functools
+import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +43,31 @@ def read_json(path: Path, *, what: str | None = None, mapping: bool = True, walk
     return parse_json(_read_bytes(path, what), what or str(path), mapping=mapping, walk=walk, unique_keys=unique_keys)
 
 
+# (absolute path, device, inode, size, modification time) -> the parsed value of a file read once
+_READ_ONCE: dict[tuple, Any] = {}
+_READ_ONCE_FILES = 16
+
+
+def read_json_once(path: Path, *, what: str | None = None) -> Any:
+    """``read_json(path)`` (an object), read and parsed once per process while the file stays the
+    same file, unchanged (device, inode, size and modification time): a command that several
+    steps ask for one checkpoint's config.json reads it once. Each caller gets its own copy."""
+    try:
+        info = os.stat(path)
+        key = (os.path.abspath(path), info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+    except OSError:  # read_json names the problem
+        return read_json(path, what=what)
+    if key not in _READ_ONCE:
+        value = read_json(path, what=what)
+        if len(_READ_ONCE) >= _READ_ONCE_FILES:
+            _READ_ONCE.pop(next(iter(_READ_ONCE)))
+        _READ_ONCE[key] = value
+    return copy.deepcopy(_READ_ONCE[key])
+
+
 def parse_json(raw: bytes | str, what: str, *, mapping: bool = True, walk: bool = True,
                unique_keys: bool = False) -> Any:
     """``raw`` parsed as JSON with the bounds of ``read_json``; ``what`` names it in messages."""
-    import json
 
     text = _decoded(raw, what)
     try:

@@ -45,6 +45,7 @@ from urllib.parse import quote, urljoin, urlparse
 
 from normswap.checkpoint.bounded import MAX_BYTES, parse_json
 from normswap.checkpoint.names import ROTATION_FILE
+from normswap.checkpoint.space import _size
 from normswap.errors import NormswapError, quoted
 from normswap.errors import first_line as _first_line
 
@@ -262,7 +263,6 @@ class _Fetch:
         return wanted
 
     def _check_room(self, missing: dict[str, tuple[int, str, str]]) -> None:
-        from normswap.checkpoint.space import _size
 
         needed = sum(size for size, _, _ in missing.values())
         folder = next(p for p in (self.cache, *self.cache.parents) if p.exists())

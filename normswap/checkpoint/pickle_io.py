@@ -4,6 +4,7 @@ against the dtype policy (``normswap.dtypes.check_tensor_dtype``) as each shard 
 from __future__ import annotations
 
 import errno
+import pickle
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -17,7 +18,6 @@ if TYPE_CHECKING:
 
 def load_pickle_shard(file: Path) -> dict[str, torch.Tensor]:
     """A ``.bin`` state dict, memory-mapped, with no code run (``weights_only``)."""
-    import pickle
 
     import torch
 

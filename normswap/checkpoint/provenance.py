@@ -15,12 +15,9 @@ from pathlib import Path
 
 from normswap.checkpoint import validation
 from normswap.checkpoint.names import ROTATION_FILE
+from normswap.checkpoint.rotations import ROTATION_FORMS, ROTATION_METHODS, rotation_method
 from normswap.errors import NormswapError, quoted
 
-# how a rotation's Q is made (``rotate``'s --method) and its forms (--form); kept here, below every
-# command, so that the provenance check and the CLI's choices are one list
-ROTATION_METHODS = ("hadamard", "orthogonal", "pca")
-ROTATION_FORMS = ("commuting", "free")
 # the kinds of ``normswap.convert.steps.Structure`` (a test keeps the two in step)
 STRUCTURE_KINDS = ("identity", "centre_input", "centre_output", "gain_plus_one")
 WIDTH_KEYS = ("n_embd", "hidden_size", "d_model")
@@ -121,13 +118,13 @@ def check_rotation(rotation: object, config: dict, where: str) -> None:
     seed, dimension (the model's width), hash and file, the form and what it records."""
     if not isinstance(rotation, dict):
         raise NormswapError(f"{where} must be a mapping")
-    method = rotation.get("method")
-    if method not in ROTATION_METHODS:
-        _refuse(where, "method", f"one of {', '.join(ROTATION_METHODS)}", method)
+    method = rotation_method(rotation.get("method"))
+    if method is None:
+        _refuse(where, "method", f"one of {', '.join(ROTATION_METHODS)}", rotation.get("method"))
     seed = rotation.get("seed")
-    if method == "pca" and seed is not None:
-        _refuse(where, "seed", "null for a pca rotation (its Q is measured, not seeded)", seed)
-    if method != "pca" and not _count(seed, 0, _SEED_LIMIT):
+    if method.calibrated and seed is not None:
+        _refuse(where, "seed", f"null for a {method.name} rotation (its Q is measured, not seeded)", seed)
+    if method.seeded and not _count(seed, 0, _SEED_LIMIT):
         _refuse(where, "seed", "an integer from 0 to 2**63 - 1", seed)
     width = next((config[key] for key in WIDTH_KEYS if _count(config.get(key), 1)), None)
     dimension = rotation.get("dimension")

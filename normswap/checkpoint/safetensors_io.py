@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import json
 import math
+import mmap
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -202,7 +203,6 @@ class SafetensorsShard:
 
         A file that shrinks while its mapped pages are read raises SIGBUS, which ends the
         process: only a process that runs nothing else (the weights proof's own) reads this way."""
-        import mmap
 
         import torch
 

@@ -18,7 +18,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from normswap.checkpoint.bounded import read_json
+from normswap.checkpoint.bounded import read_json, read_json_once
 from normswap.errors import NormswapError
 
 # the JSON files of a checkpoint folder that normswap or the libraries it calls read
@@ -64,7 +64,8 @@ GENERATION_COUNTS = ("max_length", "max_new_tokens", "num_beams")
 def check_side_files(folder: Path) -> None:
     """Read every JSON side file of the checkpoint ``folder`` within bounds, and check its
     processor and generation configs against its config.json (one line for the first problem)."""
-    found = {name: read_json(folder / name, walk=name not in TOKENIZER_FILES)
+    found = {name: read_json_once(folder / name) if name == "config.json"
+             else read_json(folder / name, walk=name not in TOKENIZER_FILES)
              for name in JSON_FILES if (folder / name).is_file()}
     config = found.get("config.json")
     if config is None:

@@ -19,7 +19,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from normswap.checkpoint.bounded import read_json
+from normswap.checkpoint.bounded import read_json, read_json_once
 from normswap.checkpoint.files import check_files, check_utf8_path, inside_file
 from normswap.checkpoint.pickle_io import load_pickle_shard
 from normswap.checkpoint.reads import RecentReads as RecentReads  # re-exported for the writer
@@ -87,9 +87,10 @@ def resolve_source(src: str | Path, *, trust_remote_code: bool = False, revision
 
 
 def read_config(path: Path) -> dict:
-    """The checkpoint's config.json as a dict (read within ``bounded.read_json``'s bounds)."""
+    """The checkpoint's config.json as a dict (read within ``bounded.read_json``'s bounds, once per
+    command while the file is unchanged: ``bounded.read_json_once``)."""
     inside_file(path, "config.json")  # a link out of the checkpoint, or not a regular file: refused
-    return read_json(path / "config.json")
+    return read_json_once(path / "config.json")
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
+from normswap.checkpoint.bounded import read_json
 from normswap.errors import NormswapError, first_line, quoted, quoted_list
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -35,7 +36,6 @@ def is_rust_panic(error: BaseException) -> bool:
 def tokenizer_regexes(folder: Path) -> list[str]:
     """The regexes of ``folder/tokenizer.json``'s pre-tokenizer and normalizer (none when it has
     none or cannot be read)."""
-    from normswap.checkpoint.bounded import read_json
 
     try:
         data = read_json(folder / TOKENIZER_FILE, walk=False)

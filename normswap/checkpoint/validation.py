@@ -16,6 +16,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from normswap.checkpoint.side_files import check_steering_keys
+from normswap.checkpoint.source import CheckpointReader
+from normswap.dtypes import DTYPE_NAMES
 from normswap.errors import NormswapError
 
 # counts and sizes: a positive integer (or null where the family computes a default)
@@ -194,7 +196,6 @@ def check_structure(path: Path, config: dict) -> None:
     """The config's own checks and its layer count against the weight headers (no tensor is read)."""
     where = f"{path / 'config.json'}"
     check_config(config, where)
-    from normswap.checkpoint.source import CheckpointReader
 
     with CheckpointReader(path) as reader:
         check_layer_count(config, reader.tensors, where)
@@ -212,7 +213,6 @@ def check_provenance(block: object, path: Path) -> None:
     if options.get("method", "exact") not in ("exact", "naive"):
         raise NormswapError(f"{where}: options.method must be exact or naive (got {options.get('method')!r:.60})")
     dtype = options.get("dtype")
-    from normswap.dtypes import DTYPE_NAMES
 
     if dtype is not None and dtype not in DTYPE_NAMES:
         raise NormswapError(f"{where}: options.dtype {dtype!r:.60} is not a dtype normswap writes")

@@ -1,4 +1,10 @@
-"""The core subcommands (convert, rotate, inspect, verify) and the options every command shares.
+"""The core subcommands and the options every command shares.
+
+- ``convert``: ``normswap convert``.
+- ``inspect``: ``normswap inspect``, the conversion plan; writes nothing.
+- ``rotate``: ``normswap rotate``.
+- ``rotate_slice``: ``normswap rotate --slice``.
+- ``verify``: ``normswap verify``.
 
 Command modules import only the standard library at module level: the parser is built, and bad
 paths are refused, before torch and transformers are imported.

@@ -5,6 +5,12 @@ from __future__ import annotations
 
 import argparse
 
+from normswap.checkpoint.rotations import (
+    DEFAULT_CALIBRATION_TOKENS,
+    DEFAULT_METHOD,
+    ROTATION_FORMS,
+    ROTATION_METHODS,
+)
 from normswap.commands import (
     add_checkpoint_out,
     add_json_option,
@@ -13,18 +19,15 @@ from normswap.commands import (
     emit_json,
     progress_off,
 )
-from normswap.rotate.options import DEFAULT_CALIBRATION_TOKENS, FORMS, METHODS
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("src", help="an original LayerNorm checkpoint (hub id, directory, normswap:austen-gpt2) "
                                     "or a normswap checkpoint converted with --fold-gains")
     add_checkpoint_out(parser)
-    parser.add_argument("--method", choices=METHODS,
-                        help="hadamard: randomised Hadamard diag(±1)·H/√d (default); orthogonal: seeded random "
-                             "orthogonal; pca: principal directions of the stream on --calibration text "
-                             "(the default, and the only method, with --slice)")
-    parser.add_argument("--form", choices=FORMS,
+    parser.add_argument("--method", choices=list(ROTATION_METHODS),
+                        help="; ".join(f"{name}: {method.help}" for name, method in ROTATION_METHODS.items()))
+    parser.add_argument("--form", choices=ROTATION_FORMS,
                         help="commuting (default): Q·1 = 1, so LayerNorm(x·Q) = LayerNorm(x)·Q and the output keeps the "
                              "original model type, loadable by stock transformers; free: any orthogonal Q on the "
                              "centred RMSNorm conversion, written as a normswap_<type> checkpoint")
@@ -74,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     from normswap.text import count, format_table
 
     provenance = rotate_checkpoint(
-        args.src, args.out, method=args.method or "hadamard", seed=args.seed, form=args.form or "commuting",
+        args.src, args.out, method=args.method or DEFAULT_METHOD, seed=args.seed, form=args.form or "commuting",
         calibration=args.calibration,
         calibration_tokens=args.calibration_tokens, dtype=args.dtype, overwrite=args.overwrite,
         trust_remote_code=args.trust_remote_code, atol=args.atol, rtol=args.rtol,

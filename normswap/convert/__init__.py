@@ -1,11 +1,13 @@
 """Conversion, in the order it runs.
 
-- ``source``: find a checkpoint (directory, bundled example or hub id: ``hub``) and read its tensors.
-- ``safetensors_io``: the safetensors format: header parsing and checks, positioned reads, the
-  pieces of the streaming writer.
-- ``plan``: resolve an adapter against the checkpoint's names into per-tensor ``steps`` (data).
+- ``planning``: the adapter and plan for a checkpoint, checked against its model class.
+- ``names``: the adapter's structure patterns resolved to module paths.
+- ``plan``: the adapter resolved against the checkpoint's names into per-tensor ``steps`` (data).
+- ``steps``: the step kinds and the structure a conversion changes.
+- ``heads``: plan steps for LayerScale on a writer and per-head q/k norms.
 - ``fold``: the float64 tensor math, with its derivation, and the execution of the steps.
-- ``write``: stream the planned tensors into safetensors shards.
-- ``pipeline``: check → plan → write → verify → install, top to bottom (``write_checkpoint`` is
-  shared with ``normswap.rotate.pipeline``).
+- ``write``: stream the planned tensors into safetensors shards, and the side files.
+- ``card``: the converted config.json, provenance block and model card.
+- ``install``: the one lifecycle: write → verify (passed in) → install.
+- ``pipeline``: ``convert_checkpoint``: check → plan → install.
 """

@@ -9,9 +9,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from normswap import __version__
+from normswap.architectures import ARCHITECTURES
+from normswap.checkpoint.bounded import parse_yaml
+from normswap.checkpoint.files import inside_file
 from normswap.dtypes import dtype_name
 from normswap.errors import NormswapError
 from normswap.modeling import modeling_sha256
+from normswap.text import format_table
 
 if TYPE_CHECKING:
     import torch
@@ -212,7 +216,6 @@ def auto_map(model_type: str, model_name: str, config_name: str, auto_class: str
 def model_card(provenance: dict, fields: dict[str, str] | None = None) -> str:
     """README.md of a converted checkpoint: the hub's card ``fields`` (``hub_fields``) in its front
     matter, then what was done, how to load it, the measured figures."""
-    from normswap.text import format_table
 
     verification = provenance.get("verification")
     options = provenance["options"]
@@ -276,7 +279,6 @@ def front_matter(tags: tuple[str, ...], fields: dict[str, str]) -> str:
 
 def pipeline_tag(model_type: str, class_name: str) -> str:
     """The hub's ``pipeline_tag`` of a model of ``model_type`` loaded as ``class_name``."""
-    from normswap.architectures import ARCHITECTURES
 
     if model_type == "whisper":
         return "automatic-speech-recognition"
@@ -308,8 +310,6 @@ def source_license(folder: Path) -> str | None:
     """The ``license`` of the card (README.md) in ``folder``, from its YAML front matter; None when
     it has no card, no front matter, or none this reads (a card is prose for people: a front
     matter that does not parse gives no license rather than refusing the checkpoint)."""
-    from normswap.checkpoint.bounded import parse_yaml
-    from normswap.checkpoint.files import inside_file
 
     try:
         path = inside_file(folder, "README.md")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from normswap.checkpoint import output
@@ -53,49 +54,73 @@ def chosen_verifier(verification: str, verifier: Verifier | None) -> Verifier | 
     return verifier
 
 
-def install(
-    out: Path, inputs: list[Path], plan: ConversionPlan, reader: CheckpointReader, source_dir: Path | None,
-    provenance: dict, *, config_json: Callable[[dict], dict], verifier: Verifier | None, must_pass: bool,
-    overwrite: bool, quiet: bool, verify_options: dict, extra_files: Callable[[Path], None] | None = None,
-    records_as: tuple[str, ...] = ("verification",), model_card: Callable[[dict, dict], str] = card.model_card,
-) -> None:
-    """Write ``plan``'s checkpoint beside ``out``, verify it, and install it at ``out``.
+@dataclass
+class OutputFiles:
+    """What one install writes at ``out``: ``plan``'s weights, ``extra_files(folder)``'s files,
+    the config.json ``config_json(provenance)``, the source's side files and the model card
+    ``model_card(provenance, fields)`` (``fields``: the hub's card fields, ``card.hub_fields``).
+    ``inputs`` are the files the command read, which ``out`` may not hold."""
 
-    ``config_json(provenance)`` is the config.json to write. It is written before verification,
-    which loads the checkpoint from disk as a user would, and again with the figures
-    (``provenance["verification"]``) once they are known. ``verifier(source_dir, folder,
-    **verify_options)`` is ``verify_checkpoint`` or ``verify_rotated``; with ``must_pass`` a
-    failed verification raises ``VerificationError`` and nothing is installed. ``source_dir``
-    None (a model from memory) has no side files to copy and cannot be verified. The verifier's
-    figures are recorded in the provenance under the keys ``records_as``; the card is
-    ``model_card(provenance, fields)``, ``fields`` the hub's card fields (``card.hub_fields``).
+    out: Path
+    inputs: list[Path]
+    plan: ConversionPlan
+    provenance: dict
+    config_json: Callable[[dict], dict]
+    overwrite: bool = False
+    quiet: bool = False
+    extra_files: Callable[[Path], None] | None = None
+    model_card: Callable[[dict, dict], str] = card.model_card
+
+
+@dataclass
+class OutputCheck:
+    """How an output is checked before it is installed: ``verifier(source_dir, folder, **options)``
+    (``verify_checkpoint``, ``verify_rotated``, a sliced model's perplexity cost; None: no check),
+    whose figures are recorded in the provenance under the keys ``records_as``; with ``must_pass``
+    a failed check raises ``VerificationError`` and nothing is installed."""
+
+    verifier: Verifier | None = None
+    must_pass: bool = False
+    options: dict = field(default_factory=dict)
+    records_as: tuple[str, ...] = ("verification",)
+
+
+def install(files: OutputFiles, reader: CheckpointReader, source_dir: Path | None,
+            check: OutputCheck | None = None) -> None:
+    """Write ``files`` beside their ``out`` from ``reader``, check them, and install them at ``out``.
+
+    config.json is written before the check, which loads the checkpoint from disk as a user
+    would, and again with the figures once they are known. ``source_dir`` None (a model from
+    memory) has no side files to copy and cannot be verified.
     """
+    check = check or OutputCheck()
+    plan, provenance, config_json = files.plan, files.provenance, files.config_json
     total = sum(tensor.nbytes for tensor in plan.tensors.values())
-    output.check_free_space(out, total)
-    with output.claimed_output(out, inputs=inputs, overwrite=overwrite, kind="checkpoint") as claim:
+    output.check_free_space(files.out, total)
+    with output.claimed_output(files.out, inputs=files.inputs, overwrite=files.overwrite, kind="checkpoint") as claim:
         tmp = claim.tmp
-        with output.progress_bar(total, len(plan.tensors), quiet) as done:
+        with output.progress_bar(total, len(plan.tensors), files.quiet) as done:
             write_weights(tmp, plan, reader, done)
         reader.close()
-        if extra_files is not None:
-            extra_files(tmp)
+        if files.extra_files is not None:
+            files.extra_files(tmp)
         if config_json(provenance).get("auto_map"):  # only a config that names its classes loads the file
             (tmp / MODELING_FILE).write_bytes(modeling_source())
         if source_dir is not None:  # tokenizer, processor and generation files
             copy_side_files(source_dir, tmp)
         write_json(tmp / "config.json", config_json(provenance))
-        if verifier is not None:
-            result = verifier(source_dir, tmp, **verify_options)
-            *parents, key = records_as
+        if check.verifier is not None:
+            result = check.verifier(source_dir, tmp, **check.options)
+            *parents, key = check.records_as
             block = provenance
             for parent in parents:
                 block = block[parent]
             block[key] = result
             write_json(tmp / "config.json", config_json(provenance))
-            if must_pass and not result["passed"]:
+            if check.must_pass and not result["passed"]:
                 raise VerificationError(_failure_line(result))
         fields = card.hub_fields(provenance, config_json(provenance), source_dir)
-        (tmp / "README.md").write_text(model_card(provenance, fields))
+        (tmp / "README.md").write_text(files.model_card(provenance, fields))
         claim.install()
 
 

@@ -68,14 +68,14 @@ def convert_checkpoint(
         provenance = card.provenance_block(str(src), plan, options, architecture.auto_class)
         if revision is not None:
             provenance["revision"] = revision
-        install.install(
-            out, inputs, plan, reader, source_dir, provenance,
-            config_json=lambda block: card.converted_config(config, plan, meta, architecture, block),
-            verifier=install.chosen_verifier(verification, verifier),
-            must_pass=method == "exact", overwrite=overwrite, quiet=quiet,
-            verify_options={"atol": atol, "rtol": rtol, "layerwise": install.LAYERWISE[verification], "quiet": quiet,
-                            "plan": plan},
-        )
+        files = install.OutputFiles(
+            out, inputs, plan, provenance, overwrite=overwrite, quiet=quiet,
+            config_json=lambda block: card.converted_config(config, plan, meta, architecture, block))
+        check = install.OutputCheck(
+            install.chosen_verifier(verification, verifier), must_pass=method == "exact",
+            options={"atol": atol, "rtol": rtol, "layerwise": install.LAYERWISE[verification], "quiet": quiet,
+                     "plan": plan})
+        install.install(files, reader, source_dir, check)
     return provenance
 
 

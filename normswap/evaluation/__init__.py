@@ -1,10 +1,18 @@
 """Evaluation: strided perplexity, lm-eval tasks, side-by-side comparison, recipes.
 
-``normswap eval`` lives in ``cli.py``, ``normswap run`` in ``recipe_cli.py``; the Python entry point
-is ``normswap.evaluation.evaluate``. docs/evaluation.md has single-GPU, CPU, data-parallel and
-``device_map="auto"`` commands.
+- ``api``: one call for the whole evaluation (``normswap.evaluation.evaluate``).
+- ``cli``: ``normswap eval``; ``recipe_cli``: ``normswap run``; ``recipe``: the recipe files.
+- ``runner``: models evaluated under identical settings; ``perplexity``: the strided perplexity.
+- ``lmeval``: lm-eval tasks and runs; ``local_tasks``: the bundled tasks; ``shared_context``: the
+  shared-context ``HFLM``; ``task_code`` and ``task_schema``: a task folder checked before lm-eval reads it.
+- ``text``: text sources; ``hub``: whether the hub is reachable.
+- ``media``: image inputs and which model reads which; ``media_eval``: speech and vision evaluation;
+  ``audio``: transcribed audio; ``speech``: Whisper's scores; ``vision``: image models' scores;
+  ``calibration``: calibration inputs of the models that do not read text.
+- ``compare``: deltas and a verdict; ``report``: the report; ``plot``: its chart.
 
-Names are imported lazily so that building the command line does not import torch and lm-eval.
+docs/evaluation.md has single-GPU, CPU, data-parallel and ``device_map="auto"`` commands. Names
+are imported lazily so that building the command line does not import torch and lm-eval.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ from typing import Any
 
 from normswap.arguments import checked
 from normswap.evaluation.compare import Comparison, Tolerances, compare, default_tolerances
+from normswap.evaluation.media_eval import check_sources, evaluate_media, media_kind
 from normswap.evaluation.report import build_report
 from normswap.evaluation.runner import EvalSettings, Evaluator, ModelEval
 
@@ -28,7 +29,6 @@ def evaluate(
     ``verdict`` of ``"pass"`` or ``"fail"``; without one it lists the scores.
     """
     settings = settings or EvalSettings()
-    from normswap.evaluation.media_eval import check_sources, evaluate_media, media_kind
 
     if media_kind(settings) is not None:
         return evaluate_media(model, baseline=baseline, settings=settings, tolerances=tolerances,

@@ -17,8 +17,10 @@ from __future__ import annotations
 import os
 import stat
 import sys
+import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from math import gcd
 from pathlib import Path
 
 from normswap.checkpoint.bounded import parse_json, read_text_file
@@ -207,7 +209,6 @@ def _decode(file: Path, max_seconds: float):
 def _captured_stderr():
     """The process's stderr (file descriptor 2, where C libraries write) sent to a temporary file
     for the block; yields a function that returns the start of what was written there."""
-    import tempfile
 
     sys.stderr.flush()
     with tempfile.TemporaryFile() as sink:
@@ -232,7 +233,6 @@ def resample(audio, rate_in: int, rate_out: int):
     """``audio`` resampled from ``rate_in`` to ``rate_out`` Hz (polyphase filter, scipy)."""
     if rate_in == rate_out:
         return audio
-    from math import gcd
 
     signal = _needs("scipy.signal", "resampling audio", "scipy")
     common = gcd(int(rate_in), int(rate_out))

@@ -24,9 +24,12 @@ from pathlib import Path
 import torch
 
 from normswap.checkpoint.provenance import original_model_type
+from normswap.checkpoint.source import CheckpointReader
 from normswap.errors import NormswapError
 from normswap.evaluation import audio, media
+from normswap.evaluation.text import text_file
 from normswap.rotate.calibration import CalibrationInputs
+from normswap.runtime.reference import load_tokenizer
 
 KINDS = {"audio": "a folder of audio files with same-stem .txt transcripts, a JSONL manifest of "
                   '{"audio": FILE, "text": TRANSCRIPT} lines, or \'bundled\' (the bundled utterances)',
@@ -43,7 +46,6 @@ class MediaInputs:
     """The ``MediaCalibration`` of normswap's public API: text, audio or images by model kind."""
 
     def resolve(self, config: dict, spec: str) -> str:
-        from normswap.evaluation.text import text_file
 
         kind, model_type = _kind(config), original_model_type(config)
         if kind == "text":
@@ -72,7 +74,6 @@ def speech_inputs(source_dir: Path, config: dict, spec: str, max_tokens: int) ->
     """One batch per utterance: its log-mel features and its decoder prompt and transcript tokens
     (the labels without the final end of text, as teacher forcing feeds them)."""
     from normswap.evaluation import speech
-    from normswap.runtime.reference import load_tokenizer
 
     data = speech.prepare(source_dir, spec, load_tokenizer(source_dir, config), config, max_tokens)
     batches, tokens, used = [], 0, []
@@ -108,7 +109,6 @@ def positions_per_image(source_dir: Path, config: dict) -> int:
     """The positions a vision model's stream holds per image: (image_size / patch_size)² patches and
     the tokens before them, counted from the position table's length (ViT's class token, DeiT's class
     and distillation tokens); one class token where the model has no absolute position table."""
-    from normswap.checkpoint.source import CheckpointReader
 
     size, patch = config.get("image_size"), config.get("patch_size")
     if not isinstance(size, int) or not isinstance(patch, int) or patch <= 0 or size < patch:

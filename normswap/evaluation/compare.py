@@ -18,6 +18,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from normswap.dtypes import canonical_name
 from normswap.evaluation.runner import ModelEval
 
 # Metric names compared relatively (lower is better, scale-free).
@@ -48,7 +49,6 @@ DEFAULT_TOLERANCES: dict[str, Tolerances] = {
 
 def default_tolerances(dtype: str) -> Tolerances:
     """Default tolerances for evaluating both models in ``dtype``."""
-    from normswap.dtypes import canonical_name
 
     canonical = canonical_name(dtype)
     return Tolerances(**asdict(DEFAULT_TOLERANCES[canonical]))

@@ -13,9 +13,11 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,9 @@ from normswap.evaluation.local_tasks import (  # noqa: F401  (re-exported: the t
     local_tasks,
     materialise_tasks,
 )
+from normswap.evaluation.task_code import sandboxed_templates
+from normswap.evaluation.task_schema import check_generation_fits
+from normswap.extras import require
 
 # Standard lm-eval tasks the recipes use; anything else is looked up in lm-eval's full index.
 KNOWN_HUB_TASKS = {"wikitext", "lambada_openai", "lambada_standard", "hellaswag", "piqa", "arc_easy",
@@ -139,7 +144,6 @@ def make_lm(model, tokenizer, *, batch_size: int, max_length: int | None, share_
     ``encodings`` (tokenizer fingerprint -> memo of encoded strings), kept across the models of a
     comparison, lets a model whose tokenizer encodes exactly as an earlier one's reuse its encodings.
     """
-    from normswap.extras import require
 
     require("eval", "lm-eval tasks")
     from lm_eval.models.huggingface import HFLM
@@ -194,7 +198,6 @@ def load_tasks(task_manager, names: list[str], *, sandboxed: bool = False) -> li
     """lm-eval ``Task`` objects for ``names`` (data read, documents prepared), to pass to every run
     in place of the names; the names themselves when they include groups, which lm-eval
     aggregates only when it loads them itself. ``sandboxed`` as for ``run_tasks``."""
-    from normswap.evaluation.task_code import sandboxed_templates
 
     try:
         with sandboxed_templates(sandboxed), _template_errors():
@@ -252,7 +255,6 @@ def _versions_only_env_info() -> Iterator[None]:
         return
 
     def add_versions(storage: dict[str, Any]) -> None:
-        from importlib.metadata import version
 
         storage["pretty_env_info"] = "not collected (normswap records versions only)"
         for key, distribution in (("lm_eval_version", "lm_eval"), ("transformers_version", "transformers")):
@@ -293,8 +295,6 @@ def run_tasks(lm, task_manager, tasks: list, *, limit: int | float | None = None
     in Jinja's sandbox (``task_code``)."""
     import lm_eval
 
-    from normswap.evaluation.task_code import sandboxed_templates
-    from normswap.evaluation.task_schema import check_generation_fits
     from normswap.runtime.reference import transformers_errors_only
 
     for name in ("lm_eval", "lm_eval.api.task", "lm_eval.evaluator"):
@@ -341,7 +341,6 @@ def check_fraction(limit: int | float | None, tasks: list) -> None:
 def _continuation_too_long(error: AssertionError) -> bool:
     """Whether ``error`` is lm-eval's bare assert that a continuation fits the window (and not
     some other assertion, which stays a bug with its traceback)."""
-    import traceback
 
     frames = traceback.extract_tb(error.__traceback__)
     line = (frames[-1].line or "") if frames else ""

@@ -17,6 +17,7 @@ from importlib import resources
 from pathlib import Path
 from types import ModuleType
 
+from normswap.architectures import ARCHITECTURES
 from normswap.checkpoint.provenance import original_model_type
 from normswap.errors import NormswapError
 from normswap.text import count
@@ -26,15 +27,13 @@ BUNDLED = "bundled"
 MAX_IMAGE_PIXELS = 1 << 25
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 
-# model type -> the input it takes; everything else reads text.
-MODALITIES = {"whisper": "audio", "vit": "images", "clip": "images", "deit": "images", "dinov2": "images",
-              "beit": "images"}
 
 
 def modality(config: dict) -> str:
     """``audio``, ``images`` or ``text``: what a checkpoint (original or converted) reads."""
-    model_type = original_model_type(config)
-    return MODALITIES.get(str(model_type), "text")
+    model_type = str(original_model_type(config))
+    architecture = ARCHITECTURES.get(model_type)
+    return architecture.modality_of(model_type) if architecture is not None else "text"
 
 
 def require_modality(config: dict, source: str, given: str | None) -> None:
@@ -47,7 +46,7 @@ def require_modality(config: dict, source: str, given: str | None) -> None:
             f"(or --{wanted} bundled for the samples that ship with normswap)"
         )
     if given is not None and wanted != given:
-        readers = ", ".join(sorted(t for t, m in MODALITIES.items() if m == given))
+        readers = ", ".join(sorted(t for t, each in ARCHITECTURES.items() if each.modality_of(t) == given))
         raise NormswapError(f"--{given} needs a model that reads {given} ({readers}); {source} is a "
                             f"{model_type} model, which reads {wanted}")
 

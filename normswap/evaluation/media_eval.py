@@ -16,11 +16,13 @@ from typing import Any
 
 import torch
 
+from normswap.checkpoint.source import read_config, resolve_source
 from normswap.errors import NormswapError
 from normswap.evaluation import audio, media
 from normswap.evaluation.compare import Tolerances, compare, default_tolerances
 from normswap.evaluation.report import build_report
 from normswap.evaluation.runner import EvalSettings, ModelEval, parse_dtype, release_memory
+from normswap.runtime.reference import load_tokenizer
 
 
 def media_kind(settings: EvalSettings) -> str | None:
@@ -35,7 +37,6 @@ def check_sources(sources: list[str], kind: str | None, trust_remote_code: bool,
                   causal_text: bool = False) -> list[Path]:
     """Resolve every checkpoint and check that it reads ``kind`` (and, with ``causal_text``, that
     a text model is a causal LM, whose scores text evaluation takes); one line otherwise."""
-    from normswap.checkpoint.source import read_config, resolve_source
 
     paths = []
     for source in sources:
@@ -83,8 +84,6 @@ def evaluate_media(
     reference_source: str | None = None,
 ) -> dict[str, Any]:
     """Evaluate ``model`` (and ``baseline``) on ``settings.audio`` or ``settings.images``; the report."""
-    from normswap.checkpoint.source import read_config
-    from normswap.runtime.reference import load_tokenizer
 
     kind = media_kind(settings)
     assert kind is not None

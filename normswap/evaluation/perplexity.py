@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from normswap.errors import NormswapError
+from normswap.runtime.reference import config_context_length
 
 
 @dataclass
@@ -73,7 +74,6 @@ def plan_windows(n_tokens: int, max_length: int, stride: int) -> list[Window]:
 
 def model_max_length(model: torch.nn.Module) -> int | None:
     """The longest sequence the model's position scheme allows, read from its config."""
-    from normswap.runtime.reference import config_context_length
 
     to_dict = getattr(getattr(model, "config", None), "to_dict", None)
     return config_context_length(to_dict()) if callable(to_dict) else None

@@ -20,12 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from normswap.evaluation.compare import is_relative
+from normswap.extras import require
 
 PASS_COLOUR, FAIL_COLOUR, LINE_COLOUR = "#55a868", "#c44e52", "#333333"
 
 
 def _pyplot():
-    from normswap.extras import require
 
     require("plot", "report.png")
     import matplotlib

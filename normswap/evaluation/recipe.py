@@ -38,6 +38,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import re
@@ -49,7 +50,11 @@ from typing import Any
 from normswap.checkpoint import output
 from normswap.checkpoint.bounded import read_yaml
 from normswap.checkpoint.removal import remove_tree
+from normswap.checkpoint.source import EXAMPLE_MODEL, source_inputs
+from normswap.dtypes import canonical_name
 from normswap.errors import NormswapError, quoted
+from normswap.evaluation.hub import hub_reachable
+from normswap.evaluation.text import DATASETS
 
 SECTIONS = {"name", "description", "source", "convert", "verify", "eval", "tolerances", "reference"}
 CONVERT_KEYS = {"fold_gains": bool, "method": str, "dtype": str, "trust_remote_code": bool}
@@ -185,7 +190,6 @@ def load_recipe(spec: str | Path) -> Recipe:
 
 def _check_values(recipe: Recipe, origin: str) -> None:
     """Refuse, when the recipe is read, every value a later step of ``run`` would refuse."""
-    from normswap.dtypes import canonical_name
 
     limits = {**{f"tolerances.{k}": v for k, v in recipe.tolerances.items()},
               **{f"verify.{k}": recipe.verify.get(k) for k in ("atol", "rtol")}}
@@ -234,9 +238,7 @@ def permitted(recipe: Recipe, granted: dict[str, bool]) -> dict[str, bool]:
 
 def hub_needs(recipe: Recipe, settings) -> list[str]:
     """What in this recipe needs the Hugging Face hub (empty when it runs offline)."""
-    from normswap.checkpoint.source import EXAMPLE_MODEL
     from normswap.evaluation.lmeval import LOCAL_ALIAS, TEXT_TASK, local_tasks
-    from normswap.evaluation.text import DATASETS
 
     needs = []
     looks_local = recipe.source.startswith(("/", ".", "~")) or Path(recipe.source).expanduser().exists()
@@ -254,7 +256,6 @@ def hub_needs(recipe: Recipe, settings) -> list[str]:
 def convert_kwargs(recipe: Recipe, *, trust_remote_code: bool = False) -> dict[str, Any]:
     """Keyword arguments for ``normswap.convert_checkpoint``: the recipe's, with verification on,
     and ``trust_remote_code`` as the caller decided it (``permitted``), never as the recipe says."""
-    import inspect
 
     from normswap.convert.pipeline import convert_checkpoint
 
@@ -279,7 +280,6 @@ def run_recipe(recipe: Recipe, out: Path, *, settings, tolerances, overwrite: bo
     """
     import normswap
     from normswap.evaluation.api import evaluate
-    from normswap.evaluation.hub import hub_reachable
     from normswap.evaluation.report import write_report
 
     permitted(recipe, {"--trust-remote-code": settings.trust_remote_code})
@@ -290,7 +290,6 @@ def run_recipe(recipe: Recipe, out: Path, *, settings, tolerances, overwrite: bo
             "run it online, or try the offline recipe austen-gpt2"
         )
     out = output.absolute(out)
-    from normswap.checkpoint.source import source_inputs
 
     inputs = [recipe.path]
     for item in (recipe.source, settings.text, settings.audio, settings.images):

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from normswap.arguments import check_device_map, check_fields
+from normswap.checkpoint.source import resolve_source
 from normswap.dtypes import parse_dtype
 from normswap.errors import NormswapError
 from normswap.evaluation import lmeval
@@ -53,7 +55,6 @@ class EvalSettings:
 
     def __post_init__(self) -> None:
         """Every field checked when the settings are made, not deep inside a run."""
-        from normswap.arguments import check_device_map, check_fields
 
         if isinstance(self.tasks, str):
             raise TypeError(f"EvalSettings: tasks must be a list of task names, not the string {self.tasks!r:.40} "
@@ -243,7 +244,6 @@ class Evaluator:
         """
         from lm_eval.models.huggingface import HFLM
 
-        from normswap.checkpoint.source import resolve_source
 
         path = resolve_source(result.source, trust_remote_code=self.settings.trust_remote_code)
         lm = HFLM(

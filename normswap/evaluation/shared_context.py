@@ -16,7 +16,7 @@ at the same positions as in HFLM's forward pass; only float rounding differs.
 
 Anything not handled exactly like lm-eval goes to HFLM's own path, per request: contexts of one
 token (nothing to share: rolling windows), requests left-truncated to ``max_length``, encoder-
-decoder models, families not listed in ``CACHED_FAMILIES``, ``batch_size="auto"``, and runs with
+decoder models, families whose adapter does not declare ``shared_context``, ``batch_size="auto"``, and runs with
 ``share_contexts=False``.
 """
 
@@ -34,11 +34,7 @@ import torch.nn.functional as F
 from lm_eval.models.huggingface import HFLM
 from tqdm import tqdm
 
-# Decoder families whose cached forward with a left-padded mask and explicit positions is tested
-# against HFLM's path (tests/test_eval_shared_context.py).
-CACHED_FAMILIES = frozenset({
-    "gpt2", "gpt_neox", "opt", "bloom", "falcon", "gptj", "phi", "gpt_neo", "gpt_bigcode", "codegen",
-})
+from normswap.architectures import ARCHITECTURES
 
 Request = tuple[tuple[str, str] | None, list[int], list[int]]
 
@@ -147,7 +143,8 @@ class SharedContextHFLM(HFLM):
         """Whether this model's requests can take the shared-context path at all."""
         if not self.share_contexts or self.backend != "causal" or not isinstance(self.batch_size, int):
             return False
-        if getattr(self.model.config, "model_type", None) not in CACHED_FAMILIES:
+        architecture = ARCHITECTURES.get(getattr(self.model.config, "model_type", None))
+        if architecture is None or not architecture.shared_context:
             return False
         parameters = _forward_parameters(self.model)
         return "logits_to_keep" in parameters and bool({"cache", "past_key_values"} & parameters)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from normswap.errors import NormswapError, quoted
+from normswap.evaluation.hub import require_hub
 
 BUNDLED_TEXT = Path(__file__).resolve().parent.parent / "data" / "text" / "persuasion-excerpt.txt"
 BUNDLED_NAMES = ("bundled", "default", "persuasion-excerpt")
@@ -109,7 +110,6 @@ def _from_paths(name: str, files: list[Path], doc_chars: int) -> TextSource:
 
 
 def _from_dataset(name: str) -> TextSource:
-    from normswap.evaluation.hub import require_hub
 
     path, config, split, task = DATASETS[name]
     require_hub(f"dataset {name}")

@@ -1,8 +1,11 @@
 """Fused RMSNorm kernels (Triton on CUDA, an exact torch fallback elsewhere) and model patching.
 
-``rms_norm`` is the op; ``patch(model)`` substitutes it into every normswap RMSNorm of a model
-and fuses residual adds into the norms they feed; ``compile_for_generation(model)`` sets a model
-up to generate with a static cache under ``torch.compile``.
+- ``ops``: the RMSNorm op (``rms_norm``), its launcher, kernels and fallback.
+- ``patch``: ``patch(model)`` substitutes the op into every normswap RMSNorm of a model.
+- ``fusion``: residual adds fused into the norms they feed, per upstream block class.
+- ``compiled``: ``compile_for_generation(model)``, generation with a static cache under ``torch.compile``.
+- ``aot_check``: every kernel variant compiled for a GPU without one.
+- ``testing``: the kernels in Triton's CPU interpreter, for tests without CUDA.
 """
 
 from .compiled import compile_for_generation

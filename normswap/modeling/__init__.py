@@ -1,5 +1,11 @@
-"""Model classes: ``build`` (transformers classes for a config, on meta) and ``remote`` (the
-RMSNorm classes, shipped inside every checkpoint as ``modeling_normswap.py``)."""
+"""Model classes.
+
+- ``build``: the transformers class for a config, built on meta.
+- ``remote``: the RMSNorm classes, shipped inside outputs as ``modeling_normswap.py``.
+- ``registry``: the ``normswap_<type>`` model types registered with the Auto classes.
+- ``hadamard``: Hadamard matrices of every order normswap builds.
+- ``online``: the online Hadamard record, and its check on every load.
+"""
 
 from __future__ import annotations
 

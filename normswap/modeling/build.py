@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from normswap.checkpoint.bounded import read_json
 from normswap.errors import NormswapError
 
 if TYPE_CHECKING:
@@ -239,7 +240,6 @@ def load_pretrained(cls: type, path: Path | str, **kwargs) -> nn.Module:
 def _check_index_metadata(folder: Path) -> None:
     """transformers' loader reads an index's ``metadata`` as a mapping (normswap's own reader does not
     need it): refuse, before loading, an index that has none."""
-    from normswap.checkpoint.bounded import read_json
 
     for name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
         if (folder / name).is_file() and not isinstance(read_json(folder / name).get("metadata"), dict):

@@ -18,6 +18,7 @@ from torch import nn
 
 from normswap.errors import NormswapError
 from normswap.modeling import hadamard
+from normswap.modeling.build import meta_model
 
 # the largest non-Sylvester factor F spelt into config.json (m² signs: 64 KiB at 256)
 MAX_FACTOR = 256
@@ -84,7 +85,6 @@ def check_record(spec: object, model: nn.Module) -> None:
 def check_config(config: dict, auto_class: str, path: Path) -> None:
     """``check_record`` for the record in ``path``'s config.json, where it has one, against the
     model that config describes (built on meta, only then); the refusal names the file."""
-    from normswap.modeling.build import meta_model
 
     block = config.get("normswap")
     rotation = block.get("rotation") if isinstance(block, dict) else None

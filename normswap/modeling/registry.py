@@ -9,6 +9,7 @@ from __future__ import annotations
 import transformers
 
 from normswap.architectures import ARCHITECTURES
+from normswap.kernels.patch import patch
 from normswap.modeling import remote
 
 _registered = False
@@ -20,7 +21,6 @@ def kernel_class(base: type, own_type: bool) -> type:
 
     def __init__(self, config, *args, **kwargs):
         rms.__init__(self, config, *args, **kwargs)
-        from normswap.kernels.patch import patch
 
         patch(self)
 

@@ -31,7 +31,9 @@ from normswap.checkpoint.bounded import read_text_file
 from normswap.checkpoint.source import read_config
 from normswap.errors import NormswapError
 from normswap.rotate.matrices import Rotation, pca_rotation
+from normswap.rotate.plan import in_fixed_stream
 from normswap.runtime import offload as layerwise
+from normswap.runtime.reference import config_context_length, load_tokenizer, reference_model, tokenize_text
 from normswap.threads import cpu_threads
 
 if TYPE_CHECKING:
@@ -154,7 +156,6 @@ def empty_source_model(source_dir: Path, architecture: Architecture, config: dic
 
 def window_for(model: nn.Module, limit: int) -> int:
     """The calibration window: ``limit``, or the (text tower's) context length where shorter."""
-    from normswap.runtime.reference import config_context_length
 
     text = getattr(model.config, "text_config", None) or model.config
     return min(limit, config_context_length(text.to_dict()) or 1024)
@@ -196,7 +197,6 @@ def positions(inputs: torch.Tensor | CalibrationInputs) -> int:
 def whole_moments(source_dir: Path, architecture: Architecture, norm_names: list[str],
                   ids: torch.Tensor | CalibrationInputs, window_limit: int, config: dict | None = None) -> StreamMoments:
     """``stream_moments`` of the whole source model loaded at once (float32, CPU)."""
-    from normswap.runtime.reference import reference_model
 
     model = reference_model(source_dir, architecture, config=config)
     batches, window = model_batches(model, ids, window_limit)
@@ -220,7 +220,6 @@ def calibration_moments(source_dir: Path, architecture: Architecture, norm_names
 
 def calibration_ids(source_dir: Path, text: str, label: str, config: dict | None = None) -> torch.Tensor:
     """The calibration text as token ids, with the source's tokenizer."""
-    from normswap.runtime.reference import load_tokenizer, tokenize_text
 
     tokenizer = load_tokenizer(source_dir, config)
     if tokenizer is None:
@@ -233,7 +232,6 @@ def calibration_ids(source_dir: Path, text: str, label: str, config: dict | None
 
 def rotated_norms(rotation_plan: RotationPlan, fixed: dict[str, str] | None) -> list[str]:
     """The norms of the stream that rotates: not baked, not per-head, not in a fixed stream."""
-    from normswap.rotate.plan import in_fixed_stream
 
     return [norm.name for norm in rotation_plan.plan.norms
             if norm.baked_into is None and not norm.per_head and not in_fixed_stream(norm.name, fixed)]

@@ -33,7 +33,6 @@ import torch
 
 from normswap.rotate import matrices
 from normswap.rotate.matrices import Rotation
-from normswap.rotate.options import DEFAULT_FORM, FORMS  # noqa: F401  (re-exported: the forms and the default)
 
 
 def normalised_hadamard(matrix: torch.Tensor) -> torch.Tensor:

@@ -23,28 +23,29 @@ orthogonal Q on the centred, RMSNorm-exact conversion; the output has its own mo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from normswap.arguments import checked
 from normswap.checkpoint import output
+from normswap.checkpoint.rotations import (
+    DEFAULT_CALIBRATION_TOKENS,
+    DEFAULT_FORM,
+    DEFAULT_METHOD,
+    ROTATION_FORMS,
+    ROTATION_METHODS,
+    rotation_method,
+)
 from normswap.checkpoint.source import CheckpointReader, read_config, resolve_source, source_inputs
 from normswap.convert import card, install, pipeline
 from normswap.dtypes import parse_dtype
 from normswap.errors import NormswapError
-from normswap.rotate import commuting
+from normswap.rotate import commuting, matrices
 from normswap.rotate.calibration import TEXT_PROBES, MediaCalibration, calibrate, read_calibration
-from normswap.rotate.matrices import (
-    ROTATION_FILE,
-    Rotation,
-    hadamard_rotation,
-    orthogonal_rotation,
-    pca_rotation,
-    save_rotation,
-)
+from normswap.rotate.matrices import ROTATION_FILE, Rotation, save_rotation
 from normswap.rotate.online import add_online_hadamard
-from normswap.rotate.options import DEFAULT_CALIBRATION_TOKENS, DEFAULT_FORM, FORMS, METHODS
 from normswap.rotate.plan import (
     RotationPlan,
     add_rotation,
@@ -61,7 +62,7 @@ def rotate_checkpoint(
     src: str | Path,
     out: str | Path,
     *,
-    method: str = "hadamard",
+    method: str = DEFAULT_METHOD,
     seed: int = 0,
     form: str = DEFAULT_FORM,
     calibration: str | Path | None = None,
@@ -107,15 +108,16 @@ def rotate_checkpoint(
         plan, architecture = rotation_plan.plan, rotation_plan.architecture
         provenance = card.rotation_provenance(str(src), plan, architecture.auto_class, pipeline.main_dtype(plan), block,
                                               rotation_plan.source_block)
-        install.install(
-            out, inputs, plan, reader, source_dir, provenance,
+        files = install.OutputFiles(
+            out, inputs, plan, provenance, overwrite=overwrite, quiet=quiet,
             config_json=lambda block: card.converted_config(rotation_plan.config, plan, rotation_plan.built,
                                                             architecture, block),
-            verifier=install.chosen_verifier(verification, verifier), must_pass=True,
-            overwrite=overwrite, quiet=quiet, extra_files=lambda folder: save_rotation(folder / ROTATION_FILE, rotation),
-            verify_options={"atol": atol, "rtol": rtol, "layerwise": install.LAYERWISE[verification], "quiet": quiet,
-                            "reference_config": config, "plan": plan},
-        )
+            extra_files=lambda folder: save_rotation(folder / ROTATION_FILE, rotation))
+        check = install.OutputCheck(
+            install.chosen_verifier(verification, verifier), must_pass=True,
+            options={"atol": atol, "rtol": rtol, "layerwise": install.LAYERWISE[verification], "quiet": quiet,
+                     "reference_config": config, "plan": plan})
+        install.install(files, reader, source_dir, check)
     return provenance
 
 
@@ -151,18 +153,26 @@ def make_rotation(method: str, form: str, seed: int, source_dir: Path, config: d
                   media: MediaCalibration | None = None) -> Rotation:
     """Q of ``method`` in ``form``, of the stream's size d; pca measured on the calibration inputs
     (text, or what ``media`` reads for a model of audio or images) over the rotated stream."""
-    if method == "pca":
-        make = commuting.pca_rotation if form == "commuting" else pca_rotation
-        return calibrate(source_dir, rotation_plan, calibration, tokens, config, make=make, fixed=fixed, media=media)
+    if ROTATION_METHODS[method].calibrated:
+        return calibrate(source_dir, rotation_plan, calibration, tokens, config, make=construction(method, form),
+                         fixed=fixed, media=media)
     return seeded_rotation(method, form, d, seed)
 
 
+# the module holding each form's constructions, one per method under its ``builder`` name
+FORM_MODULES = {"commuting": commuting, "free": matrices}
+
+
+def construction(method: str, form: str) -> Callable[..., Rotation]:
+    """The function that makes ``method``'s Q in ``form``: of (order, seed) for a seeded method,
+    of (second moment, calibration record) for a calibrated one."""
+    return getattr(FORM_MODULES[form], ROTATION_METHODS[method].builder)
+
+
 def seeded_rotation(method: str, form: str, d: int, seed: int) -> Rotation:
-    """The ``hadamard`` or ``orthogonal`` Q of order d and ``seed`` in ``form`` (the weights proof
+    """The Q of a seeded ``method`` of order d and ``seed`` in ``form`` (the weights proof
     rebuilds a stored Q with it)."""
-    if form == "commuting":
-        return (commuting.hadamard_rotation if method == "hadamard" else commuting.orthogonal_rotation)(d, seed)
-    return (hadamard_rotation if method == "hadamard" else orthogonal_rotation)(d, seed)
+    return construction(method, form)(d, seed)
 
 
 def planned_rotation(source_dir: Path, config: dict, reader: CheckpointReader, form: str,
@@ -188,20 +198,22 @@ def form_provenance(form: str, rotation_plan: RotationPlan, fixed: dict[str, str
 def check_options(method: str, seed: int, calibration: str | Path | None, calibration_tokens: int,
                   verification: str, form: str = DEFAULT_FORM, online_hadamard: bool = False) -> None:
     """Refuse inconsistent options in one line, before anything is read."""
-    if form not in FORMS:
-        raise NormswapError(f"unknown rotation form '{form}'; use one of {', '.join(FORMS)}")
+    if form not in ROTATION_FORMS:
+        raise NormswapError(f"unknown rotation form '{form}'; use one of {', '.join(ROTATION_FORMS)}")
     if online_hadamard and form != "free":
         raise NormswapError("--online-hadamard needs --form free: H is applied at run time to the MLP down "
                             "projection's input, which follows the non-linearity, so no weight can hold it and the "
                             "stock class has no place for it")
-    if method not in METHODS:
-        raise NormswapError(f"unknown rotation method '{method}'; use one of {', '.join(METHODS)}")
+    record = rotation_method(method)
+    if record is None:
+        raise NormswapError(f"unknown rotation method '{method}'; use one of {', '.join(ROTATION_METHODS)}")
     if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
         raise NormswapError(f"--seed must be an integer from 0 to 2**63 - 1, not {seed!r:.30}")
-    if method == "pca" and calibration is None:
-        raise NormswapError("--method pca needs --calibration TEXT_FILE: the stream's principal directions are measured on it")
-    if method != "pca" and calibration is not None:
-        raise NormswapError(f"--calibration is only used by --method pca, not {method}")
+    if record.calibrated and calibration is None:
+        raise NormswapError(f"--method {method} needs --calibration TEXT_FILE: its Q is measured on it")
+    if record.seeded and calibration is not None:
+        calibrated = ", ".join(name for name, each in ROTATION_METHODS.items() if each.calibrated)
+        raise NormswapError(f"--calibration is only used by a measured rotation (--method {calibrated}), not {method}")
     if calibration_tokens < 2:
         raise NormswapError("--calibration-tokens must be at least 2")
     install.check_verification_mode(verification)

@@ -18,14 +18,24 @@ import torch
 
 from normswap.architectures import Architecture
 from normswap.checkpoint import output
+from normswap.checkpoint.rotations import DEFAULT_CALIBRATION_TOKENS
 from normswap.checkpoint.source import CheckpointReader, read_config, resolve_source, source_inputs
-from normswap.convert import card, install
+from normswap.convert import card, install, pipeline
 from normswap.convert.plan import ConversionPlan
+from normswap.dtypes import parse_dtype
 from normswap.errors import NormswapError
+from normswap.evaluation.perplexity import strided_perplexity
 from normswap.rotate import slicing
-from normswap.rotate.calibration import CALIBRATION_WINDOW, read_calibration
-from normswap.rotate.options import DEFAULT_CALIBRATION_TOKENS
+from normswap.rotate.calibration import (
+    CALIBRATION_WINDOW,
+    calibration_ids,
+    calibration_moments,
+    read_calibration,
+)
 from normswap.rotate.plan import RotationPlan, hidden_size, plan_rotation
+from normswap.runtime.loaders import load_converted
+from normswap.runtime.reference import reference_model
+from normswap.threads import cpu_threads
 
 
 @dataclass
@@ -52,7 +62,6 @@ class SliceTexts:
 
 
 def slice_texts(source_dir: Path, calibration: str | Path, held_out: str | Path | None, max_tokens: int) -> SliceTexts:
-    from normswap.rotate.calibration import calibration_ids
 
     text = read_calibration(calibration)
     ids = calibration_ids(source_dir, text, str(calibration))
@@ -73,7 +82,6 @@ def plan_slicing(source_dir: Path, rotation_plan: RotationPlan, architecture: Ar
                  layout: slicing.SliceLayout, fraction: float, texts: SliceTexts,
                  config: dict | None = None) -> SlicePlan:
     """Calibrate every signal block by block, keep k principal directions of each, assign roles."""
-    from normswap.rotate.calibration import calibration_moments
 
     d = hidden_size(rotation_plan.meta)
     k = slicing.kept_dimension(d, fraction)
@@ -96,10 +104,6 @@ def plan_slicing(source_dir: Path, rotation_plan: RotationPlan, architecture: Ar
 def perplexity_cost(source_dir: Path, sliced_dir: Path, architecture: Architecture, ids: torch.Tensor,
                     window: int, source_config: dict | None = None) -> dict:
     """Perplexity of the original and of the sliced model on ``ids`` (windows of ``window``, no overlap)."""
-    from normswap.evaluation.perplexity import strided_perplexity
-    from normswap.runtime.loaders import load_converted
-    from normswap.runtime.reference import reference_model
-    from normswap.threads import cpu_threads
 
     figures: dict = {}
     loaders = (("original", lambda: reference_model(source_dir, architecture, config=source_config)),
@@ -160,8 +164,6 @@ def slice_checkpoint(
     ``prove(source_dir, folder, plan)`` (``normswap.verify.proof.prove_weights``, passed in by the
     command) proves every written tensor against the sliced plan before the perplexity is
     measured; its figures are recorded as ``slicing.proof``."""
-    from normswap.convert import pipeline
-    from normswap.dtypes import parse_dtype
 
     fraction = slicing.check_fraction(fraction, allow_zero=allow_zero)
     if calibration is None:
@@ -190,12 +192,9 @@ def slice_checkpoint(
         cost = _perplexity_measure(architecture, texts.held_out, slice_plan.block["calibration"]["window"], config,
                                    None if prove is None else lambda source, folder: slice_plan.block.update(
                                        proof=prove(source, folder, sliced)))
-        install.install(
-            out, inputs, sliced,
-            reader, source_dir, provenance, config_json=lambda block: sliced_config(slice_plan, block),
-            verifier=cost, must_pass=False, overwrite=overwrite, quiet=quiet, verify_options={},
-            records_as=("slicing", "perplexity"), model_card=model_card,
-        )
+        files = install.OutputFiles(out, inputs, sliced, provenance, overwrite=overwrite, quiet=quiet,
+                                    config_json=lambda block: sliced_config(slice_plan, block), model_card=model_card)
+        install.install(files, reader, source_dir, install.OutputCheck(cost, records_as=("slicing", "perplexity")))
     return provenance
 
 

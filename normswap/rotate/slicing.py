@@ -20,7 +20,7 @@ the perplexity on held-out text, before and after, is measured and recorded.
 
 Bases come from the original model's stream (calibrated once, block by block; SliceGPT's
 sequential variant recalibrates on the partly sliced model instead). Families are supported
-where the block layout (which norm feeds which branch) is declared in ``LAYOUTS``.
+whose adapter declares the block layout (which norm feeds which branch), its ``slice_layout``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ from pathlib import Path
 
 import torch
 
-from normswap.architectures import Architecture
+from normswap.architectures import ARCHITECTURES, Architecture
+from normswap.architectures.spec import SliceLayout
 from normswap.checkpoint.names import shard_names
 from normswap.checkpoint.provenance import Provenance
 from normswap.convert import fold
@@ -41,28 +42,13 @@ from normswap.convert.plan import ConversionPlan, TensorPlan
 from normswap.dtypes import dtype_name
 from normswap.errors import NormswapError
 from normswap.rotate import matrices
+from normswap.rotate.plan import check_rotatable
 
 # Held out from the calibration text when no --held-out text is given: this share of its tokens,
 # and at most this many (the perplexity cost is measured on them).
 HELD_OUT_SHARE = 0.1
 HELD_OUT_TOKENS = 8192
 SHARD_BYTES = 2 << 30
-
-
-@dataclass(frozen=True)
-class SliceLayout:
-    """Where a family's residual adds are: each block's (norm, branch) pairs in order."""
-
-    blocks: str
-    branches: tuple[tuple[str, str], ...]
-    final_norm: str
-    embeddings: tuple[str, ...]  # tensors that write the first signal (hidden axis 1)
-    eps_key: str
-
-
-_GPT2_LIKE = SliceLayout("transformer.h", (("ln_1", "attn"), ("ln_2", "mlp")), "transformer.ln_f",
-                         ("transformer.wte.weight", "transformer.wpe.weight"), "layer_norm_epsilon")
-LAYOUTS = {"gpt2": _GPT2_LIKE, "gpt_neo": _GPT2_LIKE}
 
 
 @dataclass
@@ -108,7 +94,6 @@ def check_slice_inputs(fraction: float, d: int, k: int, calibration_tokens: int,
 
 def check_sliceable(source_dir: Path, config: dict) -> tuple[Architecture, SliceLayout]:
     """The adapter and layout of a source that can be sliced; one-line refusals otherwise."""
-    from normswap.rotate.plan import check_rotatable
 
     provenance = Provenance.of(config, source_dir)
     if provenance is not None and provenance.slicing is not None:
@@ -116,13 +101,14 @@ def check_sliceable(source_dir: Path, config: dict) -> tuple[Architecture, Slice
                             "slice the original instead")
     architecture, family_config, _ = check_rotatable(source_dir, config)
     model_type = family_config.get("model_type")
-    if model_type not in LAYOUTS:
+    if architecture.slice_layout is None:
+        declared = sorted(name for name, each in ARCHITECTURES.items() if each.slice_layout is not None)
         raise NormswapError(f"cannot slice a {model_type} checkpoint: slicing needs the family's block layout (which "
-                            f"norm feeds which branch), declared for {', '.join(sorted(LAYOUTS))}")
+                            f"norm feeds which branch), declared for {', '.join(declared)}")
     if family_config.get("add_cross_attention"):
         raise NormswapError(f"cannot slice this {model_type} checkpoint: its cross-attention adds a third residual "
                             "branch that the layout does not declare")
-    return architecture, LAYOUTS[model_type]
+    return architecture, architecture.slice_layout
 
 
 def signal_norms(layout: SliceLayout, n_blocks: int) -> list[str]:

@@ -2,6 +2,8 @@
 reference-model and tokenizer helpers that verification, calibration and evaluation share.
 
 - ``loaders``: the ways a converted checkpoint is loaded, and the loop over them.
+- ``lockstep``: several loads run block by block in turn, sharing each weight read.
 - ``offload``: models on meta whose weights are read from the checkpoint a unit at a time.
-- ``reference``: the checkpoint's tokenizer and text turned into token ids.
+- ``reference``: reference models, the checkpoint's tokenizer and text turned into token ids.
+- ``background``: work run beside the caller's, in a thread or a forked process.
 """

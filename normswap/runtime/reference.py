@@ -14,6 +14,7 @@ from torch import nn
 from normswap.architectures import Architecture
 from normswap.checkpoint.side_files import check_token_ids, vocab_size
 from normswap.checkpoint.source import read_config
+from normswap.checkpoint.tokenizer_panics import tokenized
 from normswap.modeling import build
 from normswap.runtime.loaders import load_converted
 
@@ -44,7 +45,6 @@ def tokenize_text(tokenizer, text: str) -> torch.Tensor:
     Special tokens are added exactly as the tokenizer does by default (the documentation's recipe):
     none for GPT-2, a leading BOS for OPT or Llama, which then gives the first word a context.
     """
-    from normswap.checkpoint.tokenizer_panics import tokenized
 
     folder = Path(getattr(tokenizer, "name_or_path", "") or ".")
     # the text is far longer than the model context on purpose; a panic of the tokenizer's regex is

@@ -26,6 +26,9 @@ from normswap.convert.plan import ConversionPlan
 from normswap.dtypes import default_tolerance
 from normswap.errors import NormswapError
 from normswap.modeling import build
+from normswap.rotate.matrices import load_rotation
+from normswap.rotate.plan import family_of
+from normswap.runtime import background
 from normswap.runtime.loaders import refusals
 from normswap.runtime.offload import Unsupported, wants_layerwise
 from normswap.runtime.reference import reference_model
@@ -119,11 +122,11 @@ def proven_and_compared(reference_dir: Path, converted_dir: Path, plan: Conversi
     runs, and so does a block-by-block one of every block (not ``beside``: its forward passes
     take every core). A block-by-block one of the first blocks (``mode``, ``beside``) runs beside
     the proof. For a big checkpoint on Linux the proof runs in a process of its own
-    (``proof.ProofInProcess``), started before ``prepare()`` and before transformers is imported:
+    (``runtime.background.InProcess``), started before ``prepare()`` and before transformers is imported:
     seconds of Python that hold the interpreter lock, on one core, while the proof works on the
     other. A failure of ``prepare()`` ends the proof and is raised. The comparison then takes
     every core if the proof is done, else leaves it one. Elsewhere the proof's thread
-    (``proof.ProofInThread``) starts after ``prepare()``, which would keep the lock from it, and
+    (``runtime.background.InThread``) starts after ``prepare()``, which would keep the lock from it, and
     this thread joins its work once the comparison is done. The forward passes share reads with
     the proof only through the disk cache, and each tensor the plan keeps byte for byte
     (``identical``, proven so by the proof) is read once for both checkpoints. ``check`` stops
@@ -138,7 +141,7 @@ def proven_and_compared(reference_dir: Path, converted_dir: Path, plan: Conversi
     identical = weights.planned_identical(plan, reference_dir)
     proof = weights.WeightsProof(reference_dir, converted_dir, plan)
     cores = default_threads() or torch.get_num_threads()  # the user's thread count, when set
-    proving: weights.ProofInThread | weights.ProofInProcess | None = weights.proof_in_process(proof, cores)
+    proving: background.InThread | background.InProcess | None = background.in_process(proof, cores)
     try:
         if prepare is not None:
             prepare()
@@ -148,7 +151,7 @@ def proven_and_compared(reference_dir: Path, converted_dir: Path, plan: Conversi
         raise
     try:
         if proving is None:  # a thread starts after the import, which would keep the lock from it
-            proving = weights.ProofInThread(proof)
+            proving = background.InThread(proof)
         with pinned_threads(cores if proving.done() else max(1, cores - 1)):  # a core left to the proof
             compared = compare(identical, proving.check)
     except Exception as error:
@@ -214,7 +217,6 @@ def prove_rotated(reference: str | Path, rotated: str | Path, *, plan: Conversio
 
 def rotation_matrix(rotated_dir: Path, rotated_config: dict) -> torch.Tensor:
     """Q stored beside a rotated checkpoint, checked against its recorded hash and for orthogonality."""
-    from normswap.rotate.matrices import load_rotation
 
     width = next((rotated_config[key] for key in ("n_embd", "hidden_size", "d_model") if key in rotated_config), None)
     return load_rotation(rotated_dir, width if isinstance(width, int) else None, rotated_config).clone()
@@ -410,7 +412,6 @@ def _compare_rotated(reference_dir: Path, rotated_dir: Path, provenance: Provena
                      atol: float | None, rtol: float | None, layerwise: bool | None, quiet: bool,
                      trust_remote_code: bool, proof: bool, plan: ConversionPlan | None) -> dict:
     """``verify_rotated`` once the pair's contents are checked: the proof, then the comparison."""
-    from normswap.rotate.plan import family_of
 
     reference_config, rotated_config = configs
     rotation = rotation_matrix(rotated_dir, rotated_config)

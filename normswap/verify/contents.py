@@ -39,6 +39,8 @@ from normswap.convert.plan import ConversionPlan
 from normswap.dtypes import canonical_name, dtype_name, is_floating, least_precise
 from normswap.errors import NormswapError, VerificationError, quoted
 from normswap.modeling import MODELING_FILE, build, modeling_sha256
+from normswap.rotate.matrices import ROTATION_FILE, rotation_block
+from normswap.rotate.plan import family_of
 
 # the keys of config.json that convert and rotate rewrite (the tie flag is the family's own)
 REWRITTEN_KEYS = ("architectures", "auto_map", "model_type", "dtype", "torch_dtype", "normswap")
@@ -270,8 +272,6 @@ def check_contents(reference_dir: Path, converted_dir: Path, reference_config: d
                    provenance: Provenance) -> None:
     """Every check of this module for a conversion (or rotation) of the checkpoint at
     ``reference_dir``: the weight files, the side files, config.json, the modeling file."""
-    from normswap.rotate.matrices import ROTATION_FILE, rotation_block
-    from normswap.rotate.plan import family_of
 
     if provenance.rotation is not None:
         rotation_block(converted_dir, converted_config)

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from normswap.architectures import Architecture
 from normswap.checkpoint.source import read_config
@@ -196,7 +197,6 @@ def worst_layer(layers: list[dict]) -> dict:
 
 
 def _progress(total: int, quiet: bool):
-    from tqdm import tqdm
 
     return tqdm(total=total, unit="block", desc="verifying layer by layer", delay=1.0, leave=False, disable=quiet)
 

@@ -25,7 +25,6 @@ distance, in ulps, from the correctly rounded value.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import threading
 from collections.abc import Iterator
@@ -33,13 +32,17 @@ from pathlib import Path
 
 import torch
 
+from normswap.checkpoint.rotations import rotation_method
 from normswap.checkpoint.source import CheckpointReader, TensorInfo
 from normswap.convert.plan import ConversionPlan, TensorPlan
+from normswap.convert.planning import plan_conversion
 from normswap.convert.write import ShardSource, expected_blocks, tensors_by_shard
 from normswap.dtypes import parse_dtype
-from normswap.errors import NormswapError, VerificationError
+from normswap.errors import VerificationError
 from normswap.memory import map_large_allocations
-from normswap.threads import PARALLEL_BYTES, WorkQueue, tensor_workers
+from normswap.rotate.matrices import Rotation
+from normswap.rotate.plan import add_rotation
+from normswap.threads import WorkQueue, tensor_workers
 
 # a stored value may differ from the correctly rounded plan value by at most this many ulps
 ULP_LIMIT = 1.0
@@ -77,7 +80,7 @@ class WeightsProof:
     ``figures()`` gives those of a single pass whatever the split: the first wrong tensor in the
     plan's order (a worker stops taking tensors past the first failure found, and every tensor
     before it is proven by someone), and the worst tensor by ulps, the first of equals. With
-    ``mapped`` (set in a process that runs nothing but the proof, ``ProofInProcess``) both
+    ``mapped`` (set in a process that runs nothing but the proof, ``work_alone``) both
     checkpoints are read over their files' mapped pages instead of copies of them
     (``CheckpointReader``'s ``mapped``)."""
 
@@ -127,6 +130,13 @@ class WeightsProof:
             # a failure closing the checkpoints, once every tensor was taken, comes after them all
             self.queue.fail(len(self.tensors) if index is None else index, error)
 
+    def work_alone(self) -> None:
+        """The whole proof on one core, in a process that runs nothing else: both checkpoints read
+        over their files' mapped pages (nothing else there for a SIGBUS, a file truncated
+        meanwhile, to end)."""
+        self.mapped = True
+        self.queue.run(lambda queue: self.work(), 1)
+
     def figures(self, identical: dict[str, str] | None = None) -> dict:
         """The proof's figures once every ``work()`` has returned (see ``prove_weights``)."""
         if self.failure is not None:
@@ -154,291 +164,12 @@ def planned_identical(plan: ConversionPlan, source_dir: Path) -> dict[str, str]:
         return {name: tensor.source for name, tensor in plan.tensors.items() if _same_bytes_expected(tensor, source)}
 
 
-class ProofInThread:
-    """A ``WeightsProof`` worked on by a thread of its own, beside other work (a block-by-block
-    comparison, on the other core), then by the calling thread too once that is done.
-
-    ``check()`` raises the proof's failure as soon as there is one, so the work beside it can
-    stop at its next step; ``result()`` joins in the proof's work, waits for it and returns its
-    figures or raises its failure. ``outcome(error)`` is what the caller raises when the work
-    beside it failed with ``error``: the proof's failure first, since a wrong weight explains a
-    failing model."""
-
-    def __init__(self, proof: WeightsProof) -> None:
-        self.proof = proof
-        self._thread = threading.Thread(target=proof.work, name="weights proof", daemon=True)
-        self._thread.start()
-
-    def check(self) -> None:
-        failure = self.proof.failure
-        if failure is not None:
-            raise failure
-
-    def done(self) -> bool:
-        """Whether the thread has finished (every tensor taken, or a failure)."""
-        return not self._thread.is_alive()
-
-    def _finish(self) -> None:
-        try:
-            self.proof.work()
-        except BaseException:  # an interrupt: the thread stops at its next tensor
-            self.cancel()
-            raise
-        self._thread.join()
-
-    def cancel(self) -> None:
-        """Stop the proof (an interrupt), and wait for its thread to finish its tensor."""
-        self.proof.cancel()
-        self._thread.join()
-
-    def result(self) -> dict:
-        self._finish()
-        return self.proof.figures()
-
-    def outcome(self, error: BaseException) -> BaseException:
-        self._finish()
-        return self.proof.failure or error
-
-
-def proof_in_process(proof: WeightsProof, cores: int) -> ProofInProcess | None:
-    """``proof`` started in a forked process of its own (``ProofInProcess``) when it is big
-    enough for a second worker to pay for itself (``threads.PARALLEL_BYTES``), on Linux with
-    ``cores`` of at least two; else None, and it is for a thread (``ProofInThread``). The process
-    works while this one imports and builds models, which hold the interpreter lock that a
-    thread's every step needs."""
-    import os
-    import sys
-
-    if sys.platform != "linux" or not hasattr(os, "fork") or proof.nbytes <= PARALLEL_BYTES or cores < 2:
-        return None
-    try:
-        return ProofInProcess(proof)
-    except OSError:  # no process to be had (EAGAIN, ENOMEM): a thread does the same work
-        return None
-
-
-class ProofInProcess:
-    """A ``WeightsProof`` worked on by a forked copy of this process, on one core, with the
-    interface of ``ProofInThread`` plus ``done()``.
-
-    The copy shares this process's memory until either writes to it, and reads the checkpoints
-    through the same disk cache. It runs nothing but the proof: interrupts are this process's to
-    handle (it ends the copy, ``cancel``), the answer (figures or failure) goes into a pipe as
-    JSON, and the copy leaves with ``os._exit``, so no clean-up of this process (a temporary output
-    folder's removal, exit handlers) ever runs in it. It ends with this process, however this one
-    ends, and an interrupt while this one waits for it ends it too. A failure comes back as the
-    same kind of error with the same message (``VerificationError``, ``NormswapError``,
-    ``OSError``); any other is reported as an internal error whose note holds the copy's
-    traceback. A copy that dies without answering (the system killed it) is one
-    ``NormswapError``."""
-
-    def __init__(self, proof: WeightsProof) -> None:
-        import os
-        import signal
-        import warnings
-
-        self.proof = proof
-        self._data = bytearray()
-        self._answer: dict | None = None
-        read, write = os.pipe()
-        parent = os.getpid()
-        # an interrupt must not reach the copy before it ignores interrupts: raised there, it would
-        # unwind this process's stack, clean-ups and all, in the copy
-        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-        try:
-            with warnings.catch_warnings():
-                # Python 3.12 warns about forking a process with threads: the copy takes no lock
-                # another thread may hold (it opens readers of its own, and runs in this thread alone)
-                warnings.simplefilter("ignore", DeprecationWarning)
-                pid = os.fork()
-        except BaseException:
-            os.close(read)
-            os.close(write)
-            signal.pthread_sigmask(signal.SIG_SETMASK, held)
-            raise
-        if pid == 0:
-            _prove_in_child(proof, read, write, held, parent)  # never returns
-        os.close(write)
-        self.pid, self._read = pid, read
-        try:
-            signal.pthread_sigmask(signal.SIG_SETMASK, held)  # an interrupt held meanwhile arrives here
-        except BaseException:
-            self.cancel()
-            raise
-
-    def done(self) -> bool:
-        """Whether the copy has answered (without waiting)."""
-        import select
-
-        if self._answer is not None or self._read < 0:
-            return True
-        poller = select.poll()  # not select.select, which refuses descriptors above 1023
-        poller.register(self._read, select.POLLIN | select.POLLHUP)
-        return bool(poller.poll(0))
-
-    def _collect(self) -> dict:
-        """The copy's answer, once it has exited (waiting for it); the copy is reaped."""
-        import json
-        import os
-
-        if self._answer is None:
-            try:
-                while self._read >= 0 and (chunk := os.read(self._read, 1 << 16)):
-                    self._data += chunk
-                status = self._reap()
-            except BaseException:  # an interrupt while waiting: the copy goes with it
-                self.cancel()
-                raise
-            try:
-                answer = json.loads(self._data) if self._data else None
-            except ValueError:
-                answer = None
-            if not isinstance(answer, dict):
-                answer = {"error": {"kind": "normswap", "message": _died(status)}}
-            self._answer = answer
-        return self._answer
-
-    def _reap(self) -> int:
-        """Close the pipe and wait for the copy to exit: its wait status (0 if already reaped)."""
-        import os
-
-        if self._read >= 0:
-            os.close(self._read)
-            self._read = -1
-        try:
-            return os.waitpid(self.pid, 0)[1]
-        except ChildProcessError:  # reaped by an earlier call that an interrupt cut short
-            return 0
-
-    def check(self) -> None:
-        if self.done():
-            failure = self._failure()
-            if failure is not None:
-                raise failure
-
-    def _failure(self) -> BaseException | None:
-        error = self._collect().get("error")
-        return None if error is None else _rebuilt_error(error)
-
-    def cancel(self) -> None:
-        """End the copy (an interrupt) and reap it."""
-        import os
-        import signal
-
-        if self._answer is not None:
-            return
-        self._answer = {"error": {"kind": "normswap", "message": "the weights proof was cancelled"}}
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGKILL)
-        self._reap()
-
-    def result(self) -> dict:
-        failure = self._failure()
-        if failure is not None:
-            raise failure
-        return self._answer["figures"]
-
-    def outcome(self, error: BaseException) -> BaseException:
-        return self._failure() or error
-
-
-def _died(status: int) -> str:
-    """The line for a proof's process that ended (wait ``status``) without answering."""
-    import os
-    import signal
-
-    if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGBUS:  # a mapped page of a shrunk file
-        return "the weights proof's process was killed by SIGBUS: a weight file shrank while it was read"
-    how = (f"was killed by signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status)
-           else f"exited with status {os.waitstatus_to_exitcode(status)}")
-    return f"the weights proof's process {how} before it answered (out of memory?)"
-
-
-def _prove_in_child(proof: WeightsProof, read: int, write: int, mask: set, parent: int) -> None:
-    """The forked copy's whole life: the proof on one core, its answer into ``write``, exit.
-    Interrupts are held until it ignores them (``mask``: the signal mask to restore then), and it
-    ends with ``parent`` (``_end_with_parent``)."""
-    import json
-    import os
-    import signal
-
-    try:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what an interrupt ends
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        _end_with_parent(parent)
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        os.close(read)
-        # one intra-op thread before any torch op: a pool the parent's own parallel ops started
-        # does not survive the fork, and the copy's first parallel op would wait on it forever
-        torch.set_num_threads(1)
-        proof.mapped = True  # nothing else runs here for a SIGBUS (a file truncated meanwhile) to end
-        try:
-            proof.queue.run(lambda queue: proof.work(), 1)
-            answer: dict = {"figures": proof.figures()}
-        except BaseException as error:  # noqa: BLE001 (sent to the parent, which raises it)
-            answer = {"error": _error_record(error)}
-        data = json.dumps(answer).encode()
-        while data:
-            data = data[os.write(write, data):]
-    finally:
-        os._exit(0)
-
-
-def _end_with_parent(parent: int) -> None:
-    """Have the kernel kill this process when ``parent`` ends, however it ends (a SIGKILL, the
-    out-of-memory killer): an orphan would hold the parent's descriptors (an output's lock, the
-    caller's pipes) until its proof is done. Linux's ``PR_SET_PDEATHSIG``; a parent already gone
-    before it was set ends this process now."""
-    import ctypes
-    import os
-    import signal
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
-    if os.getppid() != parent:
-        os._exit(1)
-
-
-def _error_record(error: BaseException) -> dict:
-    """What the parent needs to raise ``error`` again: its kind, message and details."""
-    if isinstance(error, VerificationError):
-        return {"kind": "verification", "message": str(error)}
-    if isinstance(error, NormswapError):
-        return {"kind": "normswap", "message": str(error), "exit_code": error.exit_code}
-    if isinstance(error, OSError):
-        return {"kind": "os", "errno": error.errno, "strerror": error.strerror, "filename": error.filename,
-                "filename2": error.filename2, "message": str(error)}
-    import traceback
-
-    return {"kind": "internal", "type": type(error).__name__, "message": str(error),
-            "traceback": "".join(traceback.format_exception(error))}
-
-
-def _rebuilt_error(record: dict) -> BaseException:
-    kind, message = record.get("kind"), str(record.get("message", ""))
-    if kind == "verification":
-        return VerificationError(message)
-    if kind == "normswap":
-        error = NormswapError(message)
-        error.exit_code = int(record.get("exit_code", NormswapError.exit_code))
-        return error
-    if kind == "os":
-        if not isinstance(record.get("errno"), int):
-            return OSError(message)
-        return OSError(record["errno"], record.get("strerror") or message, record.get("filename"), None,
-                       record.get("filename2"))
-    error = RuntimeError(f"{record.get('type', 'error')} in the weights proof's process: {message}")
-    error.add_note(str(record.get("traceback", "")))
-    return error
-
-
 def rebuilt_conversion_plan(original_dir: Path, original_config: dict, options: dict,
                             stored: dict[str, TensorInfo]) -> ConversionPlan:
     """The plan a conversion ran, rebuilt from the original and the options its provenance
     records (``method``, ``fold_gains``, ``dtype``), planned from the adapter's declarations.
     The output dtype is the source's unless the stored tensors show a cast to the recorded dtype
     (``--dtype``), which then applies to every floating tensor."""
-    from normswap.convert.planning import plan_conversion
 
     def plan(dtype: torch.dtype | None) -> ConversionPlan:
         with CheckpointReader(original_dir) as reader:
@@ -466,13 +197,12 @@ def rebuilt_rotation_plan(reference_dir: Path, reference_config: dict, rotation:
     method and seed make; a ``pca`` Q is measured on calibration text and is taken as stored
     (the file's hash and orthogonality are checked when it is loaded). An online Hadamard
     (``rotate.online``) adds its step to every MLP down projection, once its record is checked."""
-    from normswap.rotate.matrices import Rotation
     from normswap.rotate.online import add_online_hadamard, check_spec
     from normswap.rotate.pipeline import planned_rotation, seeded_rotation
-    from normswap.rotate.plan import add_rotation
 
     method, seed, form = rotation.get("method"), rotation.get("seed"), rotation.get("form", "free")
-    if method in ("hadamard", "orthogonal"):
+    record = rotation_method(method)
+    if record is not None and record.seeded:
         made = seeded_rotation(method, form, matrix.shape[0], seed).matrix
         error = float((made - matrix).abs().max())
         if not error <= 1e-12:

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from normswap.extras import install_hint
+
 from . import launch
 from .fallback import (
     add_rms_norm_torch,
@@ -64,7 +66,6 @@ def use_kernels(x: torch.Tensor) -> bool:
 
 @functools.cache
 def _warn_no_triton() -> None:
-    from normswap.extras import install_hint
 
     warnings.warn(f"normswap: Triton is not installed, so RMSNorm runs on the torch fallback; "
                   f"the fused kernels come with the 'kernels' extra: {install_hint('kernels')}", stacklevel=3)
