@@ -39,6 +39,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_convert import _descendants, _memory_kb  # noqa: E402  (the process-tree sampling they share)
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "bench_scale.json"
 STEPS = ("floor", "startup", "convert_no_verify", "verify", "convert_default")
@@ -122,20 +125,26 @@ def _count(shape: tuple[int, ...]) -> int:
     return total
 
 
-def write_shard(path: Path, names: list[str], shapes: dict[str, tuple[int, ...]], generator) -> int:
-    """A safetensors file of fp16 ``names``, its header first, then one tensor at a time."""
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
+def shard_header(names: list[str], shapes: dict[str, tuple[int, ...]], metadata: dict) -> tuple[bytes, int]:
+    """The safetensors header of fp16 ``names`` in order (length prefix included), and their bytes."""
+    header, offset = {"__metadata__": metadata}, 0
     for name in names:
         nbytes = 2 * _count(shapes[name])
         header[name] = {"dtype": "F16", "shape": list(shapes[name]), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)
+    return struct.pack("<Q", len(encoded)) + encoded, offset
+
+
+def write_shard(path: Path, names: list[str], shapes: dict[str, tuple[int, ...]], generator) -> int:
+    """A safetensors file of fp16 ``names``, its header first, then one tensor at a time."""
+    header, total = shard_header(names, shapes, {"format": "pt"})
     with open(path, "wb") as handle:
-        handle.write(struct.pack("<Q", len(encoded)) + encoded)
+        handle.write(header)
         for name in names:
             handle.write(random_values(name, shapes[name], generator).numpy().tobytes())
-    return offset
+    return total
 
 
 def build_checkpoint(shape: Shape, path: Path) -> dict:
@@ -167,50 +176,15 @@ def floor_copy(source: Path, destination: Path) -> None:
         with safe_open(str(file), "pt") as reader:
             names = list(reader.keys())
             shapes = {name: tuple(reader.get_slice(name).get_shape()) for name in names}
-            header, offset = {"__metadata__": reader.metadata() or {}}, 0
-            for name in names:
-                nbytes = 2 * _count(shapes[name])
-                header[name] = {"dtype": "F16", "shape": list(shapes[name]), "data_offsets": [offset, offset + nbytes]}
-                offset += nbytes
-            encoded = json.dumps(header, separators=(",", ":")).encode()
-            encoded += b" " * (-len(encoded) % 8)
+            header, _ = shard_header(names, shapes, reader.metadata() or {})
             with open(destination / file.name, "wb") as handle:
-                handle.write(struct.pack("<Q", len(encoded)) + encoded)
+                handle.write(header)
                 for name in names:
                     handle.write(reader.get_tensor(name).numpy().tobytes())
 
 
 # ---------------------------------------------------------------------------------------------
 # Measuring
-
-
-def _tree(pid: int) -> list[int]:
-    """``pid`` and every process below it (Linux: /proc/PID/task/TID/children)."""
-    found, queue = [], [pid]
-    while queue:
-        current = queue.pop()
-        found.append(current)
-        try:
-            for task in os.listdir(f"/proc/{current}/task"):
-                with open(f"/proc/{current}/task/{task}/children") as handle:
-                    queue.extend(int(child) for child in handle.read().split())
-        except OSError:  # it exited meanwhile
-            continue
-    return found
-
-
-def _memory_kb(pid: int) -> tuple[int, int]:
-    """(Pss, Rss) of ``pid`` in kB, or (0, 0) once it is gone."""
-    figures = {}
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as handle:
-            for line in handle:
-                key, _, rest = line.partition(":")
-                if key in ("Pss", "Rss"):
-                    figures[key] = int(rest.split()[0])
-    except (OSError, ValueError):
-        return 0, 0
-    return figures.get("Pss", 0), figures.get("Rss", 0)
 
 
 def measured(command: list[str], interval: float = 0.05) -> dict:
@@ -223,7 +197,7 @@ def measured(command: list[str], interval: float = 0.05) -> dict:
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=errors, text=True)
         peak_pss = peak_rss = 0
         while process.poll() is None:
-            sizes = [_memory_kb(pid) for pid in _tree(process.pid)]
+            sizes = [_memory_kb(pid) for pid in _descendants(process.pid)]
             peak_pss = max(peak_pss, sum(pss for pss, _ in sizes))
             peak_rss = max(peak_rss, sum(rss for _, rss in sizes))
             time.sleep(interval)
