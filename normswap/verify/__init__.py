@@ -1,6 +1,6 @@
 """Verification: run the original and the converted checkpoint on the same probe and compare.
 
-- ``checkpoint``: ``verify_checkpoint`` and ``verify_rotated``, the entry points: check the pair,
+- ``checkpoint``: ``verify_checkpoint``, ``verify_conversion`` and ``verify_rotation``, the entry points: check the pair,
   prove the weights, then compare whole models or block by block.
 - ``contents``: the folder holds what normswap writes, and nothing it does not.
 - ``pairs``: what a checkpoint is verified against (its original, or the folded conversion a
