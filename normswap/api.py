@@ -231,7 +231,7 @@ def convert_checkpoint(
 ) -> dict:
     """Convert ``src`` to an exact RMSNorm checkpoint at ``out``, verified against ``src`` by
     ``normswap.verify.checkpoint.verify_conversion`` unless ``verification="none"``; the options
-    are ``normswap.convert.pipeline.convert_checkpoint``'s. The verifier is chosen here, in the
+    are ``normswap.convert.pipeline.ConversionOptions``' and ``convert.install.Verification``'s. The verifier is chosen here, in the
     public layer, because ``convert`` sits below ``verify`` and never imports it. The options are
     checked, in one line each, before the source is resolved."""
 
@@ -252,7 +252,7 @@ def rotate_checkpoint(
 ) -> dict:
     """Write ``src`` with its residual basis rotated to ``out``, verified against ``src`` by
     ``normswap.verify.checkpoint.verify_rotation`` unless ``verification="none"``; the options are
-    ``normswap.rotate.pipeline.rotate_checkpoint``'s (method ``hadamard``, ``orthogonal`` or ``pca``;
+    ``normswap.rotate.pipeline.RotationOptions``' (method ``hadamard``, ``orthogonal`` or ``pca``;
     form ``commuting``, Q·1 = 1 and the stock model type, or ``free``, the ``normswap_<type>`` form).
     ``calibration`` (pca) is what the model reads: a text file, or for Whisper transcribed audio
     and for ViT images (``normswap.evaluation.calibration``); ``bundled`` names the shipped samples.
