@@ -18,15 +18,16 @@ from normswap.checkpoint.provenance import Provenance, family_config
 from normswap.checkpoint.rotations import DEFAULT_CALIBRATION_TOKENS, DEFAULT_FORM, DEFAULT_METHOD
 from normswap.checkpoint.source import StateDictReader, read_config, resolve_source
 from normswap.convert import card, fold
-from normswap.convert.install import OutputFiles, install
+from normswap.convert.install import OutputFiles, install, requested
+from normswap.convert.pipeline import ConversionOptions, main_dtype, plan_conversion
 from normswap.convert.pipeline import convert_checkpoint as convert
-from normswap.convert.pipeline import main_dtype, plan_conversion
 from normswap.dtypes import dtype_name
 from normswap.errors import NormswapError, options_named
 from normswap.evaluation.calibration import MediaInputs
 from normswap.modeling import build, online
+from normswap.runtime.checkpoint import Checkpoint
 from normswap.runtime.reference import load_tokenizer
-from normswap.verify.checkpoint import verify_checkpoint, verify_rotated
+from normswap.verify.checkpoint import verify_conversion, verify_rotation
 
 # how messages name the output arguments of convert_checkpoint and rotate_checkpoint
 _OUT_ARGUMENTS = {"--out": "out", "--overwrite": "overwrite=True"}
@@ -229,14 +230,16 @@ def convert_checkpoint(
     verification: str = "auto", revision: str | None = None,
 ) -> dict:
     """Convert ``src`` to an exact RMSNorm checkpoint at ``out``, verified against ``src`` by
-    ``normswap.verify.checkpoint.verify_checkpoint`` unless ``verification="none"``; the options
-    are ``normswap.convert.pipeline.convert_checkpoint``'s. The verifier is chosen here, in the
-    public layer, because ``convert`` sits below ``verify`` and never imports it."""
+    ``normswap.verify.checkpoint.verify_conversion`` unless ``verification="none"``; the options
+    are ``normswap.convert.pipeline.ConversionOptions``' and ``convert.install.Verification``'s. The verifier is chosen here, in the
+    public layer, because ``convert`` sits below ``verify`` and never imports it. The options are
+    checked, in one line each, before the source is resolved."""
 
     with options_named(_OUT_ARGUMENTS):
-        return convert(src, out, fold_gains=fold_gains, method=method, dtype=dtype, overwrite=overwrite,
-                       trust_remote_code=trust_remote_code, atol=atol, rtol=rtol, allow_inexact=allow_inexact,
-                       quiet=quiet, verification=verification, revision=revision, verifier=verify_checkpoint)
+        checks = requested(verification, atol, rtol, quiet)
+        options = ConversionOptions(method=method, fold_gains=fold_gains, dtype=dtype, allow_inexact=allow_inexact)
+        source = Checkpoint.open(src, trust_remote_code=trust_remote_code, revision=revision)
+        return convert(source, out, options, checks, overwrite=overwrite, quiet=quiet, verifier=verify_conversion)
 
 
 @checked
@@ -248,17 +251,19 @@ def rotate_checkpoint(
     online_hadamard: bool = False,
 ) -> dict:
     """Write ``src`` with its residual basis rotated to ``out``, verified against ``src`` by
-    ``normswap.verify.checkpoint.verify_rotated`` unless ``verification="none"``; the options are
-    ``normswap.rotate.pipeline.rotate_checkpoint``'s (method ``hadamard``, ``orthogonal`` or ``pca``;
+    ``normswap.verify.checkpoint.verify_rotation`` unless ``verification="none"``; the options are
+    ``normswap.rotate.pipeline.RotationOptions``' (method ``hadamard``, ``orthogonal`` or ``pca``;
     form ``commuting``, Q·1 = 1 and the stock model type, or ``free``, the ``normswap_<type>`` form).
     ``calibration`` (pca) is what the model reads: a text file, or for Whisper transcribed audio
     and for ViT images (``normswap.evaluation.calibration``); ``bundled`` names the shipped samples.
     ``online_hadamard`` (``form="free"``): H at every MLP down projection's input, at run time."""
+    from normswap.rotate.pipeline import RotationOptions
     from normswap.rotate.pipeline import rotate_checkpoint as rotate
 
     with options_named(_OUT_ARGUMENTS):
-        return rotate(src, out, method=method, seed=seed, form=form, calibration=calibration,
-                      calibration_tokens=calibration_tokens,
-                      dtype=dtype, overwrite=overwrite, trust_remote_code=trust_remote_code, atol=atol, rtol=rtol,
-                      verification=verification, quiet=quiet, verifier=verify_rotated, media=MediaInputs(),
-                      online_hadamard=online_hadamard)
+        options = RotationOptions(method=method, seed=seed, form=form, calibration=calibration,
+                                  calibration_tokens=calibration_tokens, dtype=dtype, online_hadamard=online_hadamard)
+        checks = requested(verification, atol, rtol, quiet)
+        source = Checkpoint.open(src, trust_remote_code=trust_remote_code)
+        return rotate(source, out, options, checks, overwrite=overwrite, quiet=quiet, verifier=verify_rotation,
+                      media=MediaInputs())

@@ -56,7 +56,7 @@ from normswap.architectures import architecture_for  # noqa: E402
 from normswap.checkpoint.source import read_config, resolve_source  # noqa: E402
 from normswap.evaluation.perplexity import strided_perplexity  # noqa: E402
 from normswap.rotate.quantise import QUANTISERS, apply_quantiser, is_down_projection  # noqa: E402
-from normswap.rotate.slice_pipeline import slice_checkpoint  # noqa: E402
+from normswap.rotate.slice_pipeline import SliceOptions, slice_checkpoint  # noqa: E402
 from normswap.runtime.reference import tokenize_text  # noqa: E402
 
 BUNDLED_TEXT = ROOT / "normswap" / "data" / "text"
@@ -289,8 +289,8 @@ def slicing_curve(args, source: Path, calibration: Path, ids: torch.Tensor, kl_i
     with tempfile.TemporaryDirectory() as scratch:
         for fraction in args.fractions:
             out = Path(scratch) / f"slice-{fraction}"
-            block = slice_checkpoint(source, out, fraction=fraction, calibration=calibration,
-                                     held_out=args.eval_text)["slicing"]
+            block = slice_checkpoint(source, out, SliceOptions(fraction, calibration,
+                                                               held_out=args.eval_text))["slicing"]
             model = normswap.load(out).eval()
             candidate = torch.log_softmax(_logits(model, kl_ids, window), -1)
             rows.append({"model": f"sliced {fraction}", "fraction": fraction, "hidden_size": block["hidden_size"],

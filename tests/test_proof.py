@@ -181,7 +181,7 @@ def test_rotated_tensors_and_the_rotation_matrix(sources, tmp_path):
 
 
 def test_the_slicing_shortcut(sources, tmp_path):
-    from normswap.rotate.slice_pipeline import slice_checkpoint
+    from normswap.rotate.slice_pipeline import SliceOptions, slice_checkpoint
     from normswap.verify.proof import prove_weights
 
     src = sources("gpt2")
@@ -193,7 +193,7 @@ def test_the_slicing_shortcut(sources, tmp_path):
         planned["plan"] = plan
         return prove_weights(source, folder, plan)
 
-    block = slice_checkpoint(src, out, fraction=0.25, calibration=calibration, calibration_tokens=2048, prove=prove)
+    block = slice_checkpoint(src, out, SliceOptions(0.25, calibration, calibration_tokens=2048), prove=prove)
     assert block["slicing"]["proof"]["tensors"] == len(planned["plan"].tensors)
     weights = out / "model.safetensors"
     pristine, state = weights.read_bytes(), load_file(weights)

@@ -29,7 +29,7 @@ from normswap.checkpoint.source import resolve_source
 from normswap.errors import NormswapError
 from normswap.modeling.remote import RMSNorm
 from normswap.rotate import calibration, slicing
-from normswap.rotate.slice_pipeline import slice_checkpoint
+from normswap.rotate.slice_pipeline import SliceOptions, slice_checkpoint
 from normswap.runtime.loaders import stock_refuses
 
 BUNDLED = Path(normswap.__file__).parent / "data"
@@ -59,7 +59,7 @@ def gpt2_src(tmp_path_factory):
 @pytest.fixture(scope="module")
 def sliced(gpt2_src, tmp_path_factory):
     out = tmp_path_factory.mktemp("sliced") / "gpt2-sliced"
-    return out, slice_checkpoint(gpt2_src, out, fraction=0.25, calibration=CALIBRATION)
+    return out, slice_checkpoint(gpt2_src, out, SliceOptions(fraction=0.25, calibration=CALIBRATION))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,7 +143,7 @@ def test_sliced_write_holds_one_tensor_at_a_time(tmp_path, monkeypatch):
 
 def test_fraction_zero_is_exact_in_float64(gpt2_src, tmp_path):
     out = tmp_path / "zero"
-    block = slice_checkpoint(gpt2_src, out, fraction=0, calibration=CALIBRATION, dtype="float64", allow_zero=True)
+    block = slice_checkpoint(gpt2_src, out, SliceOptions(fraction=0, calibration=CALIBRATION, dtype="float64", allow_zero=True))
     assert block["slicing"]["hidden_size"] == 32
     ids = token_ids(VOCAB)
     reference = causal_logits(load(gpt2_src, "original", torch.float64), ids)
@@ -157,7 +157,7 @@ def test_fraction_zero_is_exact_in_float64(gpt2_src, tmp_path):
 def test_fraction_zero_matches_the_rotated_model_in_float32(gpt2_src, tmp_path):
     rotated, zero = tmp_path / "rotated", tmp_path / "zero"
     rotate_checkpoint(gpt2_src, rotated, method="pca", calibration=CALIBRATION, verification="none")
-    slice_checkpoint(gpt2_src, zero, fraction=0, calibration=CALIBRATION, allow_zero=True)
+    slice_checkpoint(gpt2_src, zero, SliceOptions(fraction=0, calibration=CALIBRATION, allow_zero=True))
     ids = token_ids(VOCAB)
     expected = causal_logits(load(rotated, "remote", torch.float32), ids)
     got = causal_logits(load(zero, "remote", torch.float32), ids)
@@ -172,12 +172,12 @@ def test_gpt_neo_slices_exactly_at_fraction_zero(tmp_path):
                                        window_size=4, vocab_size=VOCAB, bos_token_id=0, eos_token_id=0)
     src = _with_tokenizer(transformers.GPTNeoForCausalLM(config), tmp_path / "neo")
     out = tmp_path / "neo-zero"
-    slice_checkpoint(src, out, fraction=0, calibration=CALIBRATION, dtype="float64", allow_zero=True)
+    slice_checkpoint(src, out, SliceOptions(fraction=0, calibration=CALIBRATION, dtype="float64", allow_zero=True))
     ids = token_ids(VOCAB)
     reference = causal_logits(load(src, "original", torch.float64), ids)
     error = float((causal_logits(load(out, "remote", torch.float64), ids) - reference).abs().max())
     assert error < 1e-9 * max(1.0, float(reference.abs().max()))
-    sliced = slice_checkpoint(src, tmp_path / "neo-half", fraction=0.5, calibration=CALIBRATION)
+    sliced = slice_checkpoint(src, tmp_path / "neo-half", SliceOptions(fraction=0.5, calibration=CALIBRATION))
     assert sliced["slicing"]["hidden_size"] == 16 and math.isfinite(sliced["slicing"]["perplexity"]["sliced"])
 
 
@@ -214,7 +214,7 @@ def test_sliced_checkpoint_loads_both_ways(sliced):
 def test_folded_source_slices_like_the_original(gpt2_src, sliced, tmp_path):
     folded, out = tmp_path / "folded", tmp_path / "from-folded"
     normswap.convert_checkpoint(gpt2_src, folded, fold_gains=True, verification="none")
-    block = slice_checkpoint(folded, out, fraction=0.25, calibration=CALIBRATION)["slicing"]
+    block = slice_checkpoint(folded, out, SliceOptions(fraction=0.25, calibration=CALIBRATION))["slicing"]
     assert block["hidden_size"] == 24 and block["calibration"] == sliced[1]["slicing"]["calibration"]
     ids = token_ids(VOCAB)
     expected = causal_logits(load(sliced[0], "remote", torch.float32), ids)
@@ -246,7 +246,7 @@ def test_cli_says_slicing_is_not_exact(gpt2_src, tmp_path, capsys):
 
 def test_slicing_is_deterministic(gpt2_src, sliced, tmp_path):
     again = tmp_path / "again"
-    slice_checkpoint(gpt2_src, again, fraction=0.25, calibration=CALIBRATION)
+    slice_checkpoint(gpt2_src, again, SliceOptions(fraction=0.25, calibration=CALIBRATION))
     assert _files(again) == _files(sliced[0])
 
 

@@ -24,6 +24,7 @@ from normswap.convert.planning import plan_conversion
 from normswap.memory import BufferPool
 from normswap.runtime.lockstep import SharedReads, run_in_lockstep
 from normswap.verify.compare import compare_by_sequence, compare_outputs
+from normswap.verify.comparison import Comparison
 from normswap.verify.layerwise import compare_layerwise
 from normswap.verify.proof import prove_weights
 
@@ -52,8 +53,8 @@ def _converted(tmp_path, family: str, fold_gains: bool = True):
 def test_shared_reads_give_the_figures_of_separate_runs(tmp_path, family):
     src, out, architecture = _converted(tmp_path, family)
     for passes in (None, lambda figures: True):
-        _, together = compare_layerwise(src, out, architecture, stock_loadable=True, passes=passes)
-        _, apart = compare_layerwise(src, out, architecture, stock_loadable=True, passes=passes, shared_reads=False)
+        _, together = compare_layerwise(Comparison(src, out, architecture), passes=passes)
+        _, apart = compare_layerwise(Comparison(src, out, architecture), passes=passes, shared_reads=False)
         assert set(together) == {"stock", "remote_code"}
         assert together == apart  # every figure, bit for bit
         for figures in together.values():
@@ -80,9 +81,9 @@ def test_each_shared_weight_is_read_once(tmp_path, monkeypatch):
         return read_as(self, name, dtype, **options)
 
     monkeypatch.setattr(CheckpointReader, "read_as", counted)
-    compare_layerwise(src, out, architecture, stock_loadable=True, passes=lambda figures: True, shared_reads=False)
+    compare_layerwise(Comparison(src, out, architecture), passes=lambda figures: True, shared_reads=False)
     apart, reads = reads.copy(), Counter()
-    compare_layerwise(src, out, architecture, stock_loadable=True, passes=lambda figures: True)
+    compare_layerwise(Comparison(src, out, architecture), passes=lambda figures: True)
     together = reads
     assert apart and set(together) == set(apart)
     weights = [name for name in apart if name.endswith("c_attn.weight") or name.endswith("c_fc.weight")]
@@ -104,9 +105,9 @@ def test_a_weight_both_checkpoints_hold_is_read_once_for_all_models(tmp_path, mo
         return read_as(self, name, dtype, **options)
 
     monkeypatch.setattr(CheckpointReader, "read_as", counted)
-    _, alone = compare_layerwise(src, out, architecture, stock_loadable=True, passes=lambda figures: True)
+    _, alone = compare_layerwise(Comparison(src, out, architecture), passes=lambda figures: True)
     reads.clear()
-    _, shared = compare_layerwise(src, out, architecture, stock_loadable=True, passes=lambda figures: True,
+    _, shared = compare_layerwise(Comparison(src, out, architecture), passes=lambda figures: True,
                                   identical=identical)
     assert shared == alone  # the same float32 values, so every figure bit for bit
     kept = [name for name in identical if name.endswith(("c_attn.weight", "c_fc.weight"))]
@@ -131,11 +132,11 @@ def test_the_output_head_is_read_once_for_all_models(tmp_path, monkeypatch):
         return read_rows(self, name, start, count, buffer)
 
     monkeypatch.setattr(CheckpointReader, "read_rows", counted)
-    _, shared = compare_layerwise(src, out, architecture, stock_loadable=True, passes=lambda figures: True,
+    _, shared = compare_layerwise(Comparison(src, out, architecture), passes=lambda figures: True,
                                   identical=identical)
     assert reads == {("src", "transformer.wte.weight"): 1}  # one pass for the original and both loads
     reads.clear()
-    _, alone = compare_layerwise(src, out, architecture, stock_loadable=True, passes=lambda figures: True,
+    _, alone = compare_layerwise(Comparison(src, out, architecture), passes=lambda figures: True,
                                  shared_reads=False)
     assert shared == alone and sum(reads.values()) == 3
 
@@ -199,7 +200,7 @@ def test_a_failing_load_is_teacher_forced_alone(tmp_path):
         judged.append(figures["max_abs_diff"])
         return len(judged) > 1  # the first load judged (stock) fails
 
-    _, loaders = compare_layerwise(src, out, architecture, stock_loadable=True, passes=fails_stock)
+    _, loaders = compare_layerwise(Comparison(src, out, architecture), passes=fails_stock)
     assert all("block_max_abs_diff" in layer for layer in loaders["stock"]["layers"])
     assert loaders["stock"]["worst_layer"]["teacher_forced"]
     assert not any("block_max_abs_diff" in layer for layer in loaders["remote_code"]["layers"])

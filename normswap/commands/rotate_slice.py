@@ -20,15 +20,14 @@ def check_options(args: argparse.Namespace) -> None:
 
 
 def run_slice(args: argparse.Namespace) -> int:
-    from normswap.rotate.slice_pipeline import slice_checkpoint
+    from normswap.rotate.slice_pipeline import SliceOptions, slice_checkpoint
     from normswap.verify.proof import prove_weights
 
     check_options(args)
-    provenance = slice_checkpoint(
-        args.src, args.out, fraction=args.slice, calibration=args.calibration, held_out=args.held_out,
-        calibration_tokens=args.calibration_tokens, dtype=args.dtype, overwrite=args.overwrite,
-        trust_remote_code=args.trust_remote_code, prove=None if args.verification == "none" else prove_weights,
-    )
+    options = SliceOptions(args.slice, args.calibration, args.held_out, args.calibration_tokens, args.dtype)
+    provenance = slice_checkpoint(args.src, args.out, options, overwrite=args.overwrite,
+                                  trust_remote_code=args.trust_remote_code,
+                                  prove=None if args.verification == "none" else prove_weights)
     block = provenance["slicing"]
     cost = block["perplexity"]
     print(f"wrote {args.out}: residual stream sliced from {block['original_hidden_size']} to {block['hidden_size']} "

@@ -21,11 +21,38 @@ from normswap.convert.plan import ConversionPlan
 from normswap.convert.write import copy_side_files, write_json, write_weights
 from normswap.errors import NormswapError, VerificationError
 from normswap.modeling import MODELING_FILE, modeling_source
+from normswap.runtime.checkpoint import Checkpoint
 
 VERIFICATION_MODES = ("auto", "layerwise", "full", "none")
 # --verify MODE as the verifier's ``layerwise`` (None: decided by the model's size)
 LAYERWISE = {"auto": None, "layerwise": True, "full": False, "none": None}
-Verifier = Callable[..., dict]
+
+
+@dataclass(frozen=True)
+class Verification:
+    """How a written checkpoint is checked against its source: the tolerance (None: the stored
+    dtype's default), ``layerwise`` (True: block by block; False: whole models; None: chosen by
+    size), whether progress is shown, whether the checkpoint's own modeling file runs
+    (``trust_remote_code``) and whether every tensor is proven first (``proof``)."""
+
+    atol: float | None = None
+    rtol: float | None = None
+    layerwise: bool | None = None
+    quiet: bool = True
+    trust_remote_code: bool = False
+    proof: bool = True
+
+    @classmethod
+    def of_mode(cls, mode: str, atol: float | None = None, rtol: float | None = None,
+                quiet: bool = True) -> Verification:
+        """The verification ``--verify mode`` asks for, its mode and tolerance checked first."""
+        check_verification_mode(mode, atol, rtol)
+        return cls(atol=atol, rtol=rtol, layerwise=LAYERWISE[mode], quiet=quiet)
+
+
+# verifier(source, folder, verification, plan) -> figures: ``verify_conversion``, ``verify_rotation``
+# or a sliced model's perplexity cost; ``plan`` is the plan the folder was written from
+Verifier = Callable[[Checkpoint, Path, Verification, ConversionPlan], dict]
 
 
 def check_verification_mode(verification: str, atol: float | None = None, rtol: float | None = None) -> None:
@@ -45,13 +72,20 @@ def check_tolerance(name: str, value: object) -> None:
         raise NormswapError(f"{name} must be a finite number >= 0, not {value!r:.30}")
 
 
-def chosen_verifier(verification: str, verifier: Verifier | None) -> Verifier | None:
-    """The verifier to run for ``--verify verification``: none for ``none``, else ``verifier``."""
-    if verification == "none":
-        return None
+def requested(mode: str, atol: float | None = None, rtol: float | None = None,
+              quiet: bool = True) -> Verification | None:
+    """The verification ``--verify mode`` asks for (None for ``none``), checked before anything is read."""
+    verification = Verification.of_mode(mode, atol, rtol, quiet)
+    return None if mode == "none" else verification
+
+
+def output_check(verification: Verification | None, verifier: Verifier | None, must_pass: bool) -> OutputCheck:
+    """The check of an output: ``verifier`` with ``verification``, or none when none is asked for."""
+    if verification is None:
+        return OutputCheck()
     if verifier is None:
-        raise TypeError(f"verification {verification!r} needs a verifier (normswap.api passes one)")
-    return verifier
+        raise TypeError("a verification needs a verifier (normswap.api passes one)")
+    return OutputCheck(verifier, must_pass=must_pass, verification=verification)
 
 
 @dataclass
@@ -74,23 +108,23 @@ class OutputFiles:
 
 @dataclass
 class OutputCheck:
-    """How an output is checked before it is installed: ``verifier(source_dir, folder, **options)``
-    (``verify_checkpoint``, ``verify_rotated``, a sliced model's perplexity cost; None: no check),
-    whose figures are recorded in the provenance under the keys ``records_as``; with ``must_pass``
-    a failed check raises ``VerificationError`` and nothing is installed."""
+    """How an output is checked before it is installed: ``verifier(source, folder, verification,
+    plan)`` (``verify_conversion``, ``verify_rotation``, a sliced model's perplexity cost; None: no
+    check), whose figures are recorded in the provenance under the keys ``records_as``; with
+    ``must_pass`` a failed check raises ``VerificationError`` and nothing is installed."""
 
     verifier: Verifier | None = None
     must_pass: bool = False
-    options: dict = field(default_factory=dict)
+    verification: Verification = field(default_factory=Verification)
     records_as: tuple[str, ...] = ("verification",)
 
 
-def install(files: OutputFiles, reader: CheckpointReader, source_dir: Path | None,
+def install(files: OutputFiles, reader: CheckpointReader, source: Checkpoint | None,
             check: OutputCheck | None = None) -> None:
     """Write ``files`` beside their ``out`` from ``reader``, check them, and install them at ``out``.
 
     config.json is written before the check, which loads the checkpoint from disk as a user
-    would, and again with the figures once they are known. ``source_dir`` None (a model from
+    would, and again with the figures once they are known. ``source`` None (a model from
     memory) has no side files to copy and cannot be verified.
     """
     check = check or OutputCheck()
@@ -106,11 +140,12 @@ def install(files: OutputFiles, reader: CheckpointReader, source_dir: Path | Non
             files.extra_files(tmp)
         if config_json(provenance).get("auto_map"):  # only a config that names its classes loads the file
             (tmp / MODELING_FILE).write_bytes(modeling_source())
+        source_dir = None if source is None else source.folder
         if source_dir is not None:  # tokenizer, processor and generation files
             copy_side_files(source_dir, tmp)
         write_json(tmp / "config.json", config_json(provenance))
         if check.verifier is not None:
-            result = check.verifier(source_dir, tmp, **check.options)
+            result = check.verifier(source, tmp, check.verification, plan)
             *parents, key = check.records_as
             block = provenance
             for parent in parents:

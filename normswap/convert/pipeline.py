@@ -6,76 +6,74 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from normswap.arguments import checked
 from normswap.checkpoint import output
-from normswap.checkpoint.source import CheckpointReader, read_config, resolve_source, source_inputs
 from normswap.convert import card, install
 from normswap.convert.plan import ConversionPlan
 from normswap.convert.planning import check_convertible, plan_conversion
 from normswap.dtypes import dtype_name, parse_dtype
 from normswap.errors import NormswapError
+from normswap.runtime.checkpoint import Checkpoint
 
 
-@checked
-def convert_checkpoint(
-    src: str | Path,
-    out: str | Path,
-    *,
-    fold_gains: bool = False,
-    method: str = "exact",
-    dtype: str | torch.dtype | None = None,
-    overwrite: bool = False,
-    trust_remote_code: bool = False,
-    atol: float | None = None,
-    rtol: float | None = None,
-    allow_inexact: bool = False,
-    quiet: bool = True,
-    verification: str = "auto",
-    revision: str | None = None,
-    verifier: install.Verifier | None = None,
-) -> dict:
-    """Convert the LayerNorm checkpoint ``src`` into an exact RMSNorm checkpoint at ``out``.
+@dataclass(frozen=True)
+class ConversionOptions:
+    """What ``convert`` makes of its source: ``method`` ``exact`` (centre the writers) or ``naive``
+    (swap only, which changes the outputs and needs ``allow_inexact``), ``fold_gains`` (γ and β
+    into the readers) and the output ``dtype`` (None: the source's). Checked when made."""
+
+    method: str = "exact"
+    fold_gains: bool = False
+    dtype: str | torch.dtype | None = None
+    allow_inexact: bool = False
+
+    def __post_init__(self) -> None:
+        if self.method == "naive" and not self.allow_inexact:
+            raise NormswapError("--method naive changes the model's outputs; pass --allow-inexact to accept that")
+        parse_dtype(self.dtype)
+
+    @property
+    def out_dtype(self) -> torch.dtype | None:
+        return parse_dtype(self.dtype)
+
+
+def convert_checkpoint(source: Checkpoint, out: str | Path, options: ConversionOptions,
+                       verification: install.Verification | None, *, overwrite: bool = False,
+                       quiet: bool = True, verifier: install.Verifier | None = None) -> dict:
+    """Convert the LayerNorm checkpoint ``source`` into an exact RMSNorm checkpoint at ``out``.
 
     Returns the provenance block written into ``out/config.json`` (with the verification
     figures). Raises ``NormswapError`` for bad input and ``VerificationError`` when the converted
     model does not match the original; in both cases nothing is left at ``out``.
 
     Tensors stream from the source shards to the output shards one group at a time, so memory is
-    bounded by the largest tensor group, not the model. ``verification`` is ``auto`` (layer by
-    layer for models too big to hold twice, else whole models), ``layerwise``, ``full`` or
-    ``none``. A failure, a full disk or SIGINT/SIGTERM leaves nothing at ``out`` and no temporary
-    directory. ``verifier`` (``normswap.verify.checkpoint.verify_checkpoint`` from the public API)
-    checks the output unless ``verification`` is ``none``.
+    bounded by the largest tensor group, not the model. ``verification`` (None: none) says how
+    ``verifier`` (``normswap.verify.checkpoint.verify_conversion`` from the public API) checks the
+    output: layer by layer for models too big to hold twice, or whole models. A failure, a full
+    disk or SIGINT/SIGTERM leaves nothing at ``out`` and no temporary directory.
     """
-    install.check_verification_mode(verification, atol, rtol)
-    if method == "naive" and not allow_inexact:
-        raise NormswapError("--method naive changes the model's outputs; pass --allow-inexact to accept that")
-    out_dtype = parse_dtype(dtype)
-    source_dir = resolve_source(src, trust_remote_code=trust_remote_code, revision=revision)
     out = output.absolute(out)
-    inputs = source_inputs(source_dir)
+    inputs = source.inputs()
     output.check_out(out, inputs, overwrite, kind="checkpoint")
-    config = read_config(source_dir)
-    architecture = check_convertible(source_dir, config)  # before reading any weights
-    with CheckpointReader(source_dir) as reader:
-        _, plan, meta = plan_conversion(source_dir, config, reader, architecture=architecture, method=method,
-                                        fold_gains=fold_gains, dtype=out_dtype, build_class=False)
-        options = {"method": method, "fold_gains": fold_gains, "dtype": dtype_name(main_dtype(plan))}
-        provenance = card.provenance_block(str(src), plan, options, architecture.auto_class)
-        if revision is not None:
-            provenance["revision"] = revision
+    architecture = check_convertible(source.folder, source.config)  # before reading any weights
+    method, fold_gains = options.method, options.fold_gains
+    with source:
+        _, plan, meta = plan_conversion(source.folder, source.config, source.reader, architecture=architecture,
+                                        method=method, fold_gains=fold_gains, dtype=options.out_dtype,
+                                        build_class=False)
+        recorded = {"method": method, "fold_gains": fold_gains, "dtype": dtype_name(main_dtype(plan))}
+        provenance = card.provenance_block(source.name, plan, recorded, architecture.auto_class)
+        if source.revision is not None:
+            provenance["revision"] = source.revision
         files = install.OutputFiles(
             out, inputs, plan, provenance, overwrite=overwrite, quiet=quiet,
-            config_json=lambda block: card.converted_config(config, plan, meta, architecture, block))
-        check = install.OutputCheck(
-            install.chosen_verifier(verification, verifier), must_pass=method == "exact",
-            options={"atol": atol, "rtol": rtol, "layerwise": install.LAYERWISE[verification], "quiet": quiet,
-                     "plan": plan})
-        install.install(files, reader, source_dir, check)
+            config_json=lambda block: card.converted_config(source.config, plan, meta, architecture, block))
+        install.install(files, source.reader, source,
+                        install.output_check(verification, verifier, must_pass=method == "exact"))
     return provenance
 
 

@@ -82,34 +82,43 @@ class ConversionPlan:
 # ---------------------------------------------------------------------------------------------
 
 
-def build_plan(
-    architecture: Architecture,
-    config: dict,
-    tensors: dict[str, TensorInfo],
-    *,
-    model_keys: set[str],
-    layer_norm_modules: list[str],
-    base_prefix: str,
-    method: str = "exact",
-    fold_gains: bool = False,
-    dtype: torch.dtype | str | None = None,
-    read_small: Callable[[str], torch.Tensor] | None = None,
-    rename: Callable[[str], str] | None = None,
-    module_names: list[str] | None = None,
-) -> ConversionPlan:
+@dataclass(frozen=True)
+class ClassNames:
+    """What the family's model class says a checkpoint holds, from the class built on the meta
+    device or from the facts its adapter declares: ``model_keys`` (the canonical state-dict
+    names), ``layer_norm_modules`` (every ``nn.LayerNorm``), ``base_prefix``, ``rename``
+    (transformers' load-time key renaming, see ``canonical_names``; None: none) and
+    ``module_names`` (every module path, which resolves the adapter's structure patterns)."""
+
+    model_keys: set[str]
+    layer_norm_modules: list[str]
+    base_prefix: str
+    rename: Callable[[str], str] | None = None
+    module_names: list[str] | None = None
+
+    @classmethod
+    def of_facts(cls, facts: ModelFacts, rename: Callable[[str], str] | None = None,
+                 module_names: list[str] | None = None) -> ClassNames:
+        """The names ``facts`` gives; ``rename`` and ``module_names`` replace the declared ones
+        (by transformers' own, for a built class)."""
+        return cls(facts.model_keys, list(facts.layer_norms), facts.base_prefix, rename or facts.rename,
+                   facts.module_names if module_names is None else module_names)
+
+
+def build_plan(architecture: Architecture, config: dict, tensors: dict[str, TensorInfo], names: ClassNames, *,
+               method: str = "exact", fold_gains: bool = False, dtype: torch.dtype | str | None = None,
+               read_small: Callable[[str], torch.Tensor] | None = None) -> ConversionPlan:
     """The plan for converting a checkpoint with ``tensors`` (source names -> info).
 
-    ``model_keys`` and ``layer_norm_modules`` come from the family's model class built on the
-    meta device: the canonical state-dict names and every ``nn.LayerNorm`` in it. Every one of
-    those norms must be covered by the adapter, or the conversion would not be exact.
-    ``read_small(name)`` reads a small tensor (a norm gain) now, to check it for zeros.
-    ``rename`` is transformers' load-time key renaming for the class (see ``canonical_names``);
-    the output is written under the renamed names, which must be fixed points of it.
-    ``module_names`` (every module path of the class) resolves the adapter's structure patterns.
+    Every ``nn.LayerNorm`` of the model class (``names``) must be covered by the adapter, or the
+    conversion would not be exact. ``read_small(name)`` reads a small tensor (a norm gain) now, to
+    check it for zeros. The output is written under transformers' renamed names, which must be
+    fixed points of the renaming.
     """
+    model_keys, layer_norm_modules, rename = names.model_keys, names.layer_norm_modules, names.rename
     if method not in ("exact", "naive"):
         raise NormswapError(f"unknown method '{method}'; use exact or naive")
-    renamed = canonical_names(list(tensors), model_keys, base_prefix, rename)
+    renamed = canonical_names(list(tensors), model_keys, names.base_prefix, rename)
     if rename is not None:
         for name in renamed.values():
             if name in model_keys and rename(name) != name:
@@ -120,7 +129,7 @@ def build_plan(
         if copy in model_keys and copy not in plans and table in plans:
             plans[copy] = replace(plans[table], name=copy, steps=[])
     _refuse_missing(model_keys, plans)
-    structure = resolve_structure(architecture.structure(config), module_names)
+    structure = resolve_structure(architecture.structure(config), names.module_names)
     norms = _find_norms(architecture, plans, layer_norm_modules)
     norms += _bake(architecture, config, plans, dropped, structure)  # before centring the table
     writers = []
@@ -141,16 +150,6 @@ def build_plan(
         tensors=dict(sorted(plans.items())), norms=norms, writers=writers, untied=untied, dropped=sorted(dropped),
         renamed={old: new for old, new in renamed.items() if old != new}, structure=structure, shards=shards,
     )
-
-
-def plan_from_facts(architecture: Architecture, config: dict, tensors: dict[str, TensorInfo], facts: ModelFacts,
-                    **options) -> ConversionPlan:
-    """``build_plan`` with the model class's facts taken from ``facts`` (declared by the adapter,
-    or read from a built class by ``normswap.architectures.facts.facts_of_model``); ``options``
-    may replace ``rename`` and ``module_names`` (by transformers' own, for a built class)."""
-    options = {"rename": facts.rename, "module_names": facts.module_names, **options}
-    return build_plan(architecture, config, tensors, model_keys=facts.model_keys,
-                      layer_norm_modules=list(facts.layer_norms), base_prefix=facts.base_prefix, **options)
 
 
 def _tensor_plans(architecture: Architecture, tensors: dict[str, TensorInfo], renamed: dict[str, str],

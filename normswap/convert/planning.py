@@ -15,7 +15,7 @@ from normswap.architectures import Architecture, architecture_for
 from normswap.architectures.facts import ModelFacts, facts_of_model
 from normswap.checkpoint import validation
 from normswap.checkpoint.source import CheckpointReader
-from normswap.convert.plan import ConversionPlan, plan_from_facts
+from normswap.convert.plan import ClassNames, ConversionPlan, build_plan
 from normswap.errors import NormswapError
 
 if TYPE_CHECKING:
@@ -56,12 +56,12 @@ def plan_conversion(
 
         meta = build.meta_model(config, architecture.auto_class)
         facts = facts_of_model(meta)
-        rename, module_names = build.checkpoint_renamer(meta), [name for name, _ in meta.named_modules()]
+        names = ClassNames.of_facts(facts, build.checkpoint_renamer(meta), [name for name, _ in meta.named_modules()])
     else:
-        rename, module_names = facts.rename, facts.module_names
+        names = ClassNames.of_facts(facts)
     read_small = reader.read_array if meta is None and hasattr(reader, "read_array") else reader.get
-    plan = plan_from_facts(architecture, config, reader.tensors, facts, method=method, fold_gains=fold_gains,
-                           dtype=dtype, read_small=read_small, rename=rename, module_names=module_names)
+    plan = build_plan(architecture, config, reader.tensors, names, method=method, fold_gains=fold_gains,
+                      dtype=dtype, read_small=read_small)
     check_shapes(plan, facts, where)
     return architecture, plan, meta
 

@@ -257,9 +257,9 @@ def convert_kwargs(recipe: Recipe, *, trust_remote_code: bool = False) -> dict[s
     """Keyword arguments for ``normswap.convert_checkpoint``: the recipe's, with verification on,
     and ``trust_remote_code`` as the caller decided it (``permitted``), never as the recipe says."""
 
-    from normswap.convert.pipeline import convert_checkpoint
+    from normswap.api import convert_checkpoint
 
-    accepted = set(inspect.signature(convert_checkpoint).parameters) - {"verifier"}  # the API passes that one
+    accepted = set(inspect.signature(convert_checkpoint).parameters)
     kwargs = {**recipe.convert, **recipe.verify, "overwrite": False, "trust_remote_code": trust_remote_code}
     if kwargs.get("verification") == "none":
         raise NormswapError(f"recipe {recipe.path}: a recipe always verifies; remove verification: none")

@@ -24,11 +24,11 @@ orthogonal Q on the centred, RMSNorm-exact conversion; the output has its own mo
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from normswap.arguments import checked
 from normswap.checkpoint import output
 from normswap.checkpoint.rotations import (
     DEFAULT_CALIBRATION_TOKENS,
@@ -38,7 +38,7 @@ from normswap.checkpoint.rotations import (
     ROTATION_METHODS,
     rotation_method,
 )
-from normswap.checkpoint.source import CheckpointReader, read_config, resolve_source, source_inputs
+from normswap.checkpoint.source import CheckpointReader
 from normswap.convert import card, install, pipeline
 from normswap.dtypes import parse_dtype
 from normswap.errors import NormswapError
@@ -55,69 +55,66 @@ from normswap.rotate.plan import (
     plan_rotation,
     stream_width,
 )
+from normswap.runtime.checkpoint import Checkpoint
 
 
-@checked
-def rotate_checkpoint(
-    src: str | Path,
-    out: str | Path,
-    *,
-    method: str = DEFAULT_METHOD,
-    seed: int = 0,
-    form: str = DEFAULT_FORM,
-    calibration: str | Path | None = None,
-    calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS,
-    dtype: str | torch.dtype | None = None,
-    overwrite: bool = False,
-    trust_remote_code: bool = False,
-    atol: float | None = None,
-    rtol: float | None = None,
-    verification: str = "auto",
-    quiet: bool = True,
-    verifier: install.Verifier | None = None,
-    media: MediaCalibration | None = None,
-    online_hadamard: bool = False,
-) -> dict:
-    """Write ``src`` with its residual basis rotated by Q to ``out``, verified against ``src``.
+@dataclass(frozen=True)
+class RotationOptions:
+    """What ``rotate`` makes of its source: Q by ``method`` (``hadamard`` and ``orthogonal`` seeded
+    by ``seed``; ``pca`` measured on ``calibration`` over ``calibration_tokens`` positions) in
+    ``form`` (``commuting``: Q·1 = 1, stock model type; ``free``: ``normswap_<type>``), stored in
+    ``dtype`` (None: the source's), and with ``online_hadamard`` (free form only) H at every MLP
+    down projection's input, at run time. Checked, in one line, when made."""
 
-    ``src`` is an original LayerNorm checkpoint (folded, and for the free form centred, in the same
-    streaming pass) or a normswap checkpoint converted with ``--fold-gains``. ``method``:
-    ``hadamard``, ``orthogonal`` (both seeded by ``seed``) or ``pca`` (needs ``calibration``: text, or
-    for Whisper and ViT what ``media`` reads, ``normswap.evaluation.calibration`` from the API). ``form``:
-    ``commuting`` (Q·1 = 1, stock model type) or ``free`` (``normswap_<type>``); ``online_hadamard``
-    (free form only): H at every MLP down projection's input, at run time (``normswap.rotate.online``).
-    Returns the provenance block written into ``out/config.json``; raises ``NormswapError`` for bad
-    input and ``VerificationError`` when the output does not match, leaving nothing at ``out``.
-    ``verifier`` (``normswap.verify.checkpoint.verify_rotated`` from the public API) checks the
-    output unless ``verification`` is ``none``.
+    method: str = DEFAULT_METHOD
+    seed: int = 0
+    form: str = DEFAULT_FORM
+    calibration: str | Path | None = None
+    calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS
+    dtype: str | torch.dtype | None = None
+    online_hadamard: bool = False
+
+    def __post_init__(self) -> None:
+        check_options(self)
+        parse_dtype(self.dtype)
+
+    @property
+    def out_dtype(self) -> torch.dtype | None:
+        return parse_dtype(self.dtype)
+
+
+def rotate_checkpoint(source: Checkpoint, out: str | Path, options: RotationOptions,
+                      verification: install.Verification | None, *, overwrite: bool = False, quiet: bool = True,
+                      verifier: install.Verifier | None = None, media: MediaCalibration | None = None) -> dict:
+    """Write ``source`` with its residual basis rotated by Q to ``out``, verified against it.
+
+    ``source`` is an original LayerNorm checkpoint (folded, and for the free form centred, in the
+    same streaming pass) or a normswap checkpoint converted with ``--fold-gains``. A pca
+    calibration of a Whisper or ViT model is what ``media`` reads
+    (``normswap.evaluation.calibration`` from the API). Returns the provenance block written into
+    ``out/config.json``; raises ``NormswapError`` for bad input and ``VerificationError`` when the
+    output does not match, leaving nothing at ``out``. ``verifier``
+    (``normswap.verify.checkpoint.verify_rotation`` from the public API) checks the output as
+    ``verification`` asks (None: not at all).
     """
-    check_options(method, seed, calibration, calibration_tokens, verification, form, online_hadamard)
-    install.check_verification_mode(verification, atol, rtol)
-    out_dtype = parse_dtype(dtype)
-    source_dir, out = resolve_source(src, trust_remote_code=trust_remote_code), output.absolute(out)
-    config = read_config(source_dir)
-    calibration = check_source(source_dir, config, form, calibration, media)
+    out, config = output.absolute(out), source.config
+    calibration = check_source(source.folder, config, options.form, options.calibration, media)
     read_files = [Path(calibration)] if calibration is not None and Path(calibration).exists() else []
-    inputs = source_inputs(source_dir) + read_files
+    inputs = source.inputs() + read_files
     output.check_out(out, inputs, overwrite, kind="checkpoint")
-    with CheckpointReader(source_dir) as reader:
-        rotation_plan, fixed = planned_rotation(source_dir, config, reader, form, out_dtype)
-        rotation = make_rotation(method, form, seed, source_dir, config, rotation_plan, calibration, calibration_tokens,
-                                 stream_width(rotation_plan.plan, rotation_plan.architecture, fixed), fixed, media)
-        block = rotated_block(rotation, form, rotation_plan, fixed, online_hadamard)
+    with source:
+        rotation_plan, fixed = planned_rotation(source.folder, config, source.reader, options.form, options.out_dtype)
+        rotation = make_rotation(options, source, rotation_plan, calibration, fixed, media)
+        block = rotated_block(rotation, options.form, rotation_plan, fixed, options.online_hadamard)
         plan, architecture = rotation_plan.plan, rotation_plan.architecture
-        provenance = card.rotation_provenance(str(src), plan, architecture.auto_class, pipeline.main_dtype(plan), block,
-                                              rotation_plan.source_block)
+        provenance = card.rotation_provenance(source.name, plan, architecture.auto_class, pipeline.main_dtype(plan),
+                                              block, rotation_plan.source_block)
         files = install.OutputFiles(
             out, inputs, plan, provenance, overwrite=overwrite, quiet=quiet,
             config_json=lambda block: card.converted_config(rotation_plan.config, plan, rotation_plan.built,
                                                             architecture, block),
             extra_files=lambda folder: save_rotation(folder / ROTATION_FILE, rotation))
-        check = install.OutputCheck(
-            install.chosen_verifier(verification, verifier), must_pass=True,
-            options={"atol": atol, "rtol": rtol, "layerwise": install.LAYERWISE[verification], "quiet": quiet,
-                     "reference_config": config, "plan": plan})
-        install.install(files, reader, source_dir, check)
+        install.install(files, source.reader, source, install.output_check(verification, verifier, must_pass=True))
     return provenance
 
 
@@ -148,15 +145,18 @@ def check_source(source_dir: Path, config: dict, form: str, calibration: str | P
     return calibration
 
 
-def make_rotation(method: str, form: str, seed: int, source_dir: Path, config: dict, rotation_plan: RotationPlan,
-                  calibration: str | Path | None, tokens: int, d: int, fixed: dict[str, str] | None = None,
+def make_rotation(options: RotationOptions, source: Checkpoint, rotation_plan: RotationPlan,
+                  calibration: str | Path | None, fixed: dict[str, str] | None = None,
                   media: MediaCalibration | None = None) -> Rotation:
-    """Q of ``method`` in ``form``, of the stream's size d; pca measured on the calibration inputs
-    (text, or what ``media`` reads for a model of audio or images) over the rotated stream."""
+    """Q of ``options.method`` in ``options.form``, of the stream's size; pca measured on the
+    ``calibration`` inputs (text, or what ``media`` reads for a model of audio or images, as
+    ``check_source`` resolved them) over the rotated stream."""
+    method, form = options.method, options.form
     if ROTATION_METHODS[method].calibrated:
-        return calibrate(source_dir, rotation_plan, calibration, tokens, config, make=construction(method, form),
-                         fixed=fixed, media=media)
-    return seeded_rotation(method, form, d, seed)
+        return calibrate(source.folder, rotation_plan, calibration, options.calibration_tokens, source.config,
+                         make=construction(method, form), fixed=fixed, media=media)
+    d = stream_width(rotation_plan.plan, rotation_plan.architecture, fixed or {})
+    return seeded_rotation(method, form, d, options.seed)
 
 
 # the module holding each form's constructions, one per method under its ``builder`` name
@@ -195,12 +195,12 @@ def form_provenance(form: str, rotation_plan: RotationPlan, fixed: dict[str, str
     return block
 
 
-def check_options(method: str, seed: int, calibration: str | Path | None, calibration_tokens: int,
-                  verification: str, form: str = DEFAULT_FORM, online_hadamard: bool = False) -> None:
+def check_options(options: RotationOptions) -> None:
     """Refuse inconsistent options in one line, before anything is read."""
-    if form not in ROTATION_FORMS:
-        raise NormswapError(f"unknown rotation form '{form}'; use one of {', '.join(ROTATION_FORMS)}")
-    if online_hadamard and form != "free":
+    method, seed, calibration = options.method, options.seed, options.calibration
+    if options.form not in ROTATION_FORMS:
+        raise NormswapError(f"unknown rotation form '{options.form}'; use one of {', '.join(ROTATION_FORMS)}")
+    if options.online_hadamard and options.form != "free":
         raise NormswapError("--online-hadamard needs --form free: H is applied at run time to the MLP down "
                             "projection's input, which follows the non-linearity, so no weight can hold it and the "
                             "stock class has no place for it")
@@ -214,6 +214,5 @@ def check_options(method: str, seed: int, calibration: str | Path | None, calibr
     if record.seeded and calibration is not None:
         calibrated = ", ".join(name for name, each in ROTATION_METHODS.items() if each.calibrated)
         raise NormswapError(f"--calibration is only used by a measured rotation (--method {calibrated}), not {method}")
-    if calibration_tokens < 2:
+    if options.calibration_tokens < 2:
         raise NormswapError("--calibration-tokens must be at least 2")
-    install.check_verification_mode(verification)

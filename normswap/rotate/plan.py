@@ -16,7 +16,7 @@ from normswap.architectures import Architecture, architecture_for
 from normswap.checkpoint.provenance import Provenance, original_model_type
 from normswap.checkpoint.source import CheckpointReader
 from normswap.convert import planning
-from normswap.convert.plan import ConversionPlan, Structure, build_plan
+from normswap.convert.plan import ClassNames, ConversionPlan, Structure, build_plan
 from normswap.convert.steps import Rotate
 from normswap.errors import NormswapError
 from normswap.modeling import build
@@ -175,14 +175,13 @@ def plan_rotation(source_dir: Path, config: dict, reader: CheckpointReader, *,
         removed = set(structure.identity)
         # the folded checkpoint's writers are centred and its gains folded already: plan no step
         # but the rotation, and describe it with the structure it was written with
-        plan = build_plan(
-            replace(architecture, bake=(), structure=lambda _config: {}), family_config, reader.tensors,
+        names = ClassNames(
             # the modules the conversion made identities hold no weights in the folded checkpoint
-            model_keys={key for key in meta.state_dict() if not any(key.startswith(f"{module}.") for module in removed)},
-            layer_norm_modules=[name for name in build.layer_norm_modules(meta) if name not in removed],
-            base_prefix=meta.base_model_prefix, method="naive", fold_gains=False, dtype=dtype,
-            rename=build.checkpoint_renamer(meta),
-        )
+            {key for key in meta.state_dict() if not any(key.startswith(f"{module}.") for module in removed)},
+            [name for name in build.layer_norm_modules(meta) if name not in removed],
+            meta.base_model_prefix, rename=build.checkpoint_renamer(meta))
+        plan = build_plan(replace(architecture, bake=(), structure=lambda _config: {}), family_config, reader.tensors,
+                          names, method="naive", fold_gains=False, dtype=dtype)
         plan.method = "exact"
         plan.structure = structure
     check_weightless(plan, reader.get, folded_source=block is not None)

@@ -19,7 +19,6 @@ import torch
 from normswap.architectures import Architecture
 from normswap.checkpoint import output
 from normswap.checkpoint.rotations import DEFAULT_CALIBRATION_TOKENS
-from normswap.checkpoint.source import CheckpointReader, read_config, resolve_source, source_inputs
 from normswap.convert import card, install, pipeline
 from normswap.convert.plan import ConversionPlan
 from normswap.dtypes import parse_dtype
@@ -33,6 +32,7 @@ from normswap.rotate.calibration import (
     read_calibration,
 )
 from normswap.rotate.plan import RotationPlan, hidden_size, plan_rotation
+from normswap.runtime.checkpoint import Checkpoint, checkpoint_of
 from normswap.runtime.loaders import load_converted
 from normswap.runtime.reference import reference_model
 from normswap.threads import cpu_threads
@@ -143,69 +143,80 @@ def model_card(provenance: dict, fields: dict[str, str]) -> str:
     )
 
 
-def slice_checkpoint(
-    src: str | Path,
-    out: str | Path,
-    *,
-    fraction: float,
-    calibration: str | Path | None,
-    held_out: str | Path | None = None,
-    calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS,
-    dtype: str | torch.dtype | None = None,
-    overwrite: bool = False,
-    trust_remote_code: bool = False,
-    allow_zero: bool = False,
-    quiet: bool = True,
-    prove: Callable[[Path, Path, ConversionPlan], dict] | None = None,
-) -> dict:
-    """Write ``src`` sliced by ``fraction`` (0 < f < 1; ``allow_zero`` admits 0, which keeps every
-    dimension and is exact) to ``out``; returns the provenance block, perplexity cost included.
+@dataclass(frozen=True)
+class SliceOptions:
+    """What ``rotate --slice`` makes of its source: the ``fraction`` of the stream's dimensions
+    deleted (0 < f < 1; ``allow_zero`` admits 0, which keeps every dimension and is exact), the
+    ``calibration`` text its principal directions are measured on (at most ``calibration_tokens``
+    of it), the ``held_out`` text the perplexity cost is measured on (None: the calibration
+    text's last tokens) and the output ``dtype`` (None: the source's). Checked when made."""
+
+    fraction: float
+    calibration: str | Path | None
+    held_out: str | Path | None = None
+    calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS
+    dtype: str | torch.dtype | None = None
+    allow_zero: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fraction", slicing.check_fraction(self.fraction, allow_zero=self.allow_zero))
+        if self.calibration is None:
+            raise NormswapError("--slice needs --calibration TEXT_FILE: the stream's principal directions are "
+                                "measured on it")
+        if self.calibration_tokens < 2:
+            raise NormswapError("--calibration-tokens must be at least 2")
+        parse_dtype(self.dtype)
+
+    def texts(self) -> list[Path]:
+        """The text files read, which the output may not hold."""
+        return [Path(self.calibration), *([Path(self.held_out)] if self.held_out else [])]
+
+
+def slice_checkpoint(source: str | Path | Checkpoint, out: str | Path, options: SliceOptions, *,
+                     overwrite: bool = False, trust_remote_code: bool = False, quiet: bool = True,
+                     prove: Callable[[Path, Path, ConversionPlan], dict] | None = None) -> dict:
+    """Write ``source`` sliced as ``options`` say to ``out``; returns the provenance block,
+    perplexity cost included.
 
     ``prove(source_dir, folder, plan)`` (``normswap.verify.proof.prove_weights``, passed in by the
     command) proves every written tensor against the sliced plan before the perplexity is
     measured; its figures are recorded as ``slicing.proof``."""
 
-    fraction = slicing.check_fraction(fraction, allow_zero=allow_zero)
-    if calibration is None:
-        raise NormswapError("--slice needs --calibration TEXT_FILE: the stream's principal directions are measured on it")
-    if calibration_tokens < 2:
-        raise NormswapError("--calibration-tokens must be at least 2")
-    out_dtype = parse_dtype(dtype)
-    source_dir = resolve_source(src, trust_remote_code=trust_remote_code)
+    source = checkpoint_of(source, trust_remote_code=trust_remote_code)
     out = output.absolute(out)
-    inputs = [*source_inputs(source_dir), Path(calibration), *([Path(held_out)] if held_out else [])]
+    inputs = [*source.inputs(), *options.texts()]
     output.check_out(out, inputs, overwrite, kind="checkpoint")
-    config = read_config(source_dir)
+    source_dir, config = source.folder, source.config
     architecture, layout = slicing.check_sliceable(source_dir, config)
-    texts = slice_texts(source_dir, calibration, held_out, calibration_tokens)
-    with CheckpointReader(source_dir) as reader:
-        rotation_plan = plan_rotation(source_dir, config, reader, dtype=out_dtype)
-        slice_plan = plan_slicing(source_dir, rotation_plan, architecture, layout, fraction, texts, config)
+    texts = slice_texts(source_dir, options.calibration, options.held_out, options.calibration_tokens)
+    with source:
+        rotation_plan = plan_rotation(source_dir, config, source.reader, dtype=parse_dtype(options.dtype))
+        slice_plan = plan_slicing(source_dir, rotation_plan, architecture, layout, options.fraction, texts, config)
         plan = rotation_plan.plan
         dtype_out = pipeline.main_dtype(plan)
-        provenance = card.rotation_provenance(str(src), plan, architecture.auto_class, dtype_out, {},
+        provenance = card.rotation_provenance(source.name, plan, architecture.auto_class, dtype_out, {},
                                               rotation_plan.source_block)
         del provenance["rotation"]  # the source's block for a checkpoint in a new basis; the basis is sliced
         provenance["slicing"] = slice_plan.block
         sliced = slicing.sliced_plan(plan, slice_plan.roles, slice_plan.bases, slice_plan.shortcuts, dtype_out,
                                      slice_plan.d)
-        cost = _perplexity_measure(architecture, texts.held_out, slice_plan.block["calibration"]["window"], config,
-                                   None if prove is None else lambda source, folder: slice_plan.block.update(
-                                       proof=prove(source, folder, sliced)))
+        cost = _perplexity_measure(architecture, texts.held_out, slice_plan.block["calibration"]["window"],
+                                   None if prove is None else lambda source_dir, folder: slice_plan.block.update(
+                                       proof=prove(source_dir, folder, sliced)))
         files = install.OutputFiles(out, inputs, sliced, provenance, overwrite=overwrite, quiet=quiet,
                                     config_json=lambda block: sliced_config(slice_plan, block), model_card=model_card)
-        install.install(files, reader, source_dir, install.OutputCheck(cost, records_as=("slicing", "perplexity")))
+        install.install(files, source.reader, source, install.OutputCheck(cost, records_as=("slicing", "perplexity")))
     return provenance
 
 
 def _perplexity_measure(architecture: Architecture, ids: torch.Tensor, window: int,
-                        source_config: dict, proof: Callable[[Path, Path], None] | None = None) -> install.Verifier:
+                        proof: Callable[[Path, Path], None] | None = None) -> install.Verifier:
     """The install lifecycle's check for a sliced checkpoint: the weights ``proof`` when given,
     then its perplexity cost, which must be finite."""
-    def measure(source_dir: Path, folder: Path) -> dict:
+    def measure(source: Checkpoint, folder: Path, verification: install.Verification, plan: ConversionPlan) -> dict:
         if proof is not None:
-            proof(source_dir, folder)
-        cost = perplexity_cost(source_dir, folder, architecture, ids, window, source_config)
+            proof(source.folder, folder)
+        cost = perplexity_cost(source.folder, folder, architecture, ids, window, source.config)
         if not all(math.isfinite(cost[label]) for label in ("original", "sliced")):
             raise NormswapError(f"the sliced model's perplexity is not finite ({cost['sliced']}); nothing was written")
         return cost

@@ -14,14 +14,14 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from torch import nn
 
-from normswap.architectures import Architecture, architecture_for
+from normswap.architectures import Architecture
 from normswap.arguments import checked
 from normswap.checkpoint import validation
-from normswap.checkpoint.provenance import Provenance, family_config, original_model_type
+from normswap.checkpoint.provenance import Provenance, original_model_type
 from normswap.checkpoint.side_files import check_side_files
 from normswap.checkpoint.source import CheckpointReader, first_non_finite, read_config, resolve_source
+from normswap.convert.install import Verification, check_tolerance
 from normswap.convert.plan import ConversionPlan
 from normswap.dtypes import default_tolerance
 from normswap.errors import NormswapError
@@ -29,6 +29,7 @@ from normswap.modeling import build
 from normswap.rotate.matrices import load_rotation
 from normswap.rotate.plan import family_of
 from normswap.runtime import background
+from normswap.runtime.checkpoint import Checkpoint, checkpoint_of
 from normswap.runtime.loaders import refusals
 from normswap.runtime.offload import Unsupported, wants_layerwise
 from normswap.runtime.reference import reference_model
@@ -37,6 +38,7 @@ from normswap.verify import contents
 from normswap.verify import layerwise as by_layer
 from normswap.verify import proof as weights
 from normswap.verify.compare import within_tolerance
+from normswap.verify.comparison import Comparison, centred64
 from normswap.verify.pairs import check_reference, uncompared_outputs
 from normswap.verify.probes import Probe
 from normswap.verify.whole import compare_whole
@@ -66,34 +68,41 @@ def verify_checkpoint(original: str | Path, converted: str | Path, *, atol: floa
     ``plan`` is the conversion's plan when the caller has it (``convert`` does); else it is
     rebuilt from the original with the options the conversion recorded.
     """
-    from normswap.verify import check_tolerance
-
     check_tolerance("atol", atol)
     check_tolerance("rtol", rtol)
-    original_dir, converted_dir = resolve_source(original), Path(converted).expanduser()
-    provenance, architecture, configs = _check_pair(original_dir, converted_dir, converted, with_contents=False)
+    verification = Verification(atol=atol, rtol=rtol, layerwise=layerwise, quiet=quiet,
+                                trust_remote_code=trust_remote_code, proof=proof)
+    return verify_conversion(Checkpoint.open(original), converted, verification, plan)
+
+
+def verify_conversion(original: Checkpoint, converted: str | Path, verification: Verification | None = None,
+                      plan: ConversionPlan | None = None) -> dict:
+    """``verify_checkpoint`` of the checkpoint ``original`` already opened, as ``verification``
+    asks (the verifier ``convert`` runs, handed the plan it wrote)."""
+    verification = verification or Verification()
+    original_dir, converted_dir = original.folder, Path(converted).expanduser()
+    provenance, architecture, configs = _check_pair(original, converted_dir, converted, with_contents=False)
     check_contents = partial(contents.check_contents, original_dir, converted_dir, *configs, provenance)
     if provenance.rotation is not None:  # its stream is C·h·Q, not C·h
         check_contents()
-        return _compare_rotated(original_dir, converted_dir, provenance, configs, atol=atol, rtol=rtol,
-                                layerwise=layerwise, quiet=quiet, trust_remote_code=trust_remote_code, proof=proof,
-                                plan=None)
-    atol, rtol = tolerance(provenance, converted_dir, atol, rtol)
-    mode = verification_mode(original_dir, architecture, layerwise)
+        return _compare_rotated(original_dir, converted_dir, provenance, configs, verification, None)
+    atol, rtol = tolerance(provenance, converted_dir, verification.atol, verification.rtol)
+    mode = verification_mode(original_dir, architecture, verification.layerwise)
+    proof = verification.proof
     if proof and plan is None:
         plan = weights.rebuilt_conversion_plan(original_dir, configs[0], provenance.options,
                                                stored_tensors(converted_dir))
     original_config = configs[0]
+    comparison = Comparison(
+        original_dir, converted_dir, architecture,
+        reference=lambda: build.load_pretrained(build.model_class(original_config, architecture.auto_class),
+                                                original_dir, dtype=torch.float32),
+        configs=configs, stock_loadable=provenance.stock_loadable,
+        rms_how="remote" if verification.trust_remote_code else "rmsnorm", mode=mode, quiet=verification.quiet,
+        tolerance=(atol, rtol), every_block=verification.layerwise is True or not proof)
 
     def compare(identical: dict[str, str], check: Callable[[], None] | None) -> tuple:
-        return run_comparison(
-            original_dir, converted_dir, architecture,
-            reference=lambda: build.load_pretrained(build.model_class(original_config, architecture.auto_class),
-                                                    original_dir, dtype=torch.float32),
-            stock_loadable=provenance.stock_loadable, trust_remote_code=trust_remote_code, layerwise=mode,
-            quiet=quiet, tolerance=(atol, rtol), configs=configs, identical=identical, check=check,
-            every_block=layerwise is True or not proof,
-        )
+        return run_comparison(comparison, identical, check)
 
     def prepare() -> None:
         check_contents()
@@ -103,9 +112,8 @@ def verify_checkpoint(original: str | Path, converted: str | Path, *, atol: floa
 
     proven, (probe, loaders, mode, note) = proven_and_compared(
         original_dir, converted_dir, plan if proof else None, mode, compare, prepare=prepare,
-        beside=layerwise is not True)
-    return summarise(probe, loaders, atol=atol, rtol=rtol, mode=mode, note=note,
-                     method=provenance.method, paths=(original_dir, converted_dir),
+        beside=verification.layerwise is not True)
+    return summarise(probe, loaders, (atol, rtol), (mode, note), provenance.method, (original_dir, converted_dir),
                      **({"proof": proven} if proven is not None else {}))
 
 
@@ -183,8 +191,9 @@ def prove_checkpoint(original: str | Path, converted: str | Path, *, plan: Conve
     ``plan``, or the plan rebuilt from the original with what the provenance records (options;
     for a rotation its method, seed and stored Q). Returns the proof's figures; raises
     ``VerificationError`` naming the first wrong tensor."""
-    original_dir, converted_dir = resolve_source(original), Path(converted).expanduser()
-    provenance, _, configs = _check_pair(original_dir, converted_dir, converted)
+    source, converted_dir = Checkpoint.open(original), Path(converted).expanduser()
+    original_dir = source.folder
+    provenance, _, configs = _check_pair(source, converted_dir, converted)
     if provenance.rotation is not None:
         return prove_rotated(original_dir, converted_dir, plan=plan, configs=configs)
     return _prove_converted(original_dir, converted_dir, provenance, configs[0], plan)
@@ -228,7 +237,7 @@ def stored_tensors(path: Path) -> dict:
         return dict(reader.tensors)
 
 
-def _check_pair(original_dir: Path, converted_dir: Path, converted: str | Path,
+def _check_pair(original: Checkpoint, converted_dir: Path, converted: str | Path,
                 with_contents: bool = True) -> tuple[Provenance, Architecture, tuple[dict, dict]]:
     """The conversion's provenance, the family and the two configs (each config.json read once
     here and passed down), once the pair is known to belong together: its structure, and (with
@@ -237,7 +246,7 @@ def _check_pair(original_dir: Path, converted_dir: Path, converted: str | Path,
     if not (converted_dir / "config.json").is_file():
         raise NormswapError(f"{converted} is not a checkpoint folder (it has no config.json)")
     check_side_files(converted_dir)  # as resolve_source does for the original
-    original_config, converted_config = read_config(original_dir), read_config(converted_dir)
+    original_dir, original_config, converted_config = original.folder, original.config, read_config(converted_dir)
     block = converted_config.get("normswap")
     if block is None and "normswap" not in original_config:
         raise NormswapError(f"{converted_dir} is not a normswap checkpoint (its config.json has no normswap block)")
@@ -250,7 +259,7 @@ def _check_pair(original_dir: Path, converted_dir: Path, converted: str | Path,
     check_reference(original_dir, original_config, converted_dir, provenance)
     for path, config in ((original_dir, original_config), (converted_dir, converted_config)):
         validation.check_structure(path, config)
-    architecture = architecture_for(family_config(original_config))
+    architecture = original.architecture
     if provenance.original_model_type != original_model_type(original_config):
         raise NormswapError(f"{converted_dir} was converted from a {provenance.original_model_type} model, "
                             f"but {original_dir} is a {original_model_type(original_config)} model")
@@ -283,51 +292,40 @@ def verification_mode(reference_dir: Path, architecture: Architecture,
     return "layerwise", None
 
 
-def run_comparison(reference_dir: Path, converted_dir: Path, architecture: Architecture, *,
-                   reference: Callable[[], nn.Module], stock_loadable: bool, trust_remote_code: bool,
-                   layerwise: tuple[str, str | None], quiet: bool,
-                   stream_map: by_layer.StreamMap = by_layer.centred64,
-                   tolerance: tuple[float, float] | None = None,
-                   configs: tuple[dict | None, dict | None] = (None, None), rmsnorm_form: bool = True,
-                   skip: frozenset[str] = frozenset(), identical: dict[str, str] | None = None,
-                   check: Callable[[], None] | None = None,
-                   every_block: bool = True) -> tuple[Probe, dict[str, dict], str, str | None]:
-    """(probe, figures per loader, mode, note): block by block when ``layerwise`` (a
+def run_comparison(comparison: Comparison, identical: dict[str, str] | None = None,
+                   check: Callable[[], None] | None = None) -> tuple[Probe, dict[str, dict], str, str | None]:
+    """(probe, figures per loader, mode, note): block by block when ``comparison.mode`` (a
     ``verification_mode`` answer) says so and the model allows it, else whole models.
 
-    With ``tolerance`` (atol, rtol), a block-by-block run teacher-forces only the loads that fail
-    it (``layerwise.compare_layerwise``). ``configs``: the two config.json files, already read.
-    Without ``rmsnorm_form`` only the stock class loads the checkpoint (an uncentred stream, which no
-    RMSNorm class computes); outputs in ``skip`` are not compared. ``identical``: tensors the
-    weights proof found byte-identical in both checkpoints (converted name -> original name),
-    which a block-by-block run reads once for both; ``check`` runs after every block of one (it
-    raises to stop the run). Without ``every_block`` a block-by-block run runs the sampled blocks
-    only (``layerwise.sampled_blocks``): for a checkpoint whose weights the proof covers."""
-    rms_how = ("remote" if trust_remote_code else "rmsnorm") if rmsnorm_form else None
-    mode, note = layerwise
-    refused = refusals(converted_dir, stock_loadable, configs[1])
+    ``identical``: tensors the weights proof found byte-identical in both checkpoints (converted
+    name -> original name), which a block-by-block run reads once for both; ``check`` runs after
+    every block of one (it raises to stop the run)."""
+    mode, note = comparison.mode
+    refused = refusals(comparison.converted_dir, comparison.stock_loadable, comparison.configs[1])
     if mode == "layerwise":
+        tolerance = comparison.tolerance
         try:
-            probe, compared = by_layer.compare_layerwise(reference_dir, converted_dir, architecture,
-                                                         stock_loadable=stock_loadable, quiet=quiet,
-                                                         rms_how=rms_how, stream_map=stream_map,
-                                                         passes=None if tolerance is None else
-                                                         partial(within_tolerance, atol=tolerance[0],
-                                                                 rtol=tolerance[1]), configs=configs,
-                                                         identical=identical, check=check,
-                                                         every_block=every_block)
+            probe, compared = by_layer.compare_layerwise(
+                comparison, passes=None if tolerance is None else partial(within_tolerance, atol=tolerance[0],
+                                                                          rtol=tolerance[1]),
+                identical=identical, check=check)
             return probe, {**refused, **compared}, mode, note
         except Unsupported as error:
             mode, note = "full", f"layer by layer unavailable ({error}); compared whole models"
-    probe, compared = compare_whole(reference, reference_dir, converted_dir, architecture,
-                                    stock_loadable=stock_loadable, rms_how=rms_how, converted_config=configs[1],
-                                    skip=skip)
+    if comparison.reference is None:
+        raise TypeError("a whole-model comparison needs the reference model's builder")
+    probe, compared = compare_whole(comparison.reference, comparison.reference_dir, comparison.converted_dir,
+                                    comparison.architecture, stock_loadable=comparison.stock_loadable,
+                                    rms_how=comparison.rms_how, converted_config=comparison.configs[1],
+                                    skip=comparison.skip)
     return probe, {**refused, **compared}, mode, note
 
 
-def summarise(probe: Probe, loaders: dict[str, dict], *, atol: float, rtol: float, mode: str, note: str | None,
+def summarise(probe: Probe, loaders: dict[str, dict], tolerance: tuple[float, float], how: tuple[str, str | None],
               method: str, paths: tuple[Path, Path], **extra: object) -> dict:
-    """The verification result: each compared loader judged against the tolerance, and the verdict."""
+    """The verification result: each compared loader judged against the ``tolerance`` (atol,
+    rtol), and the verdict; ``how`` is the comparison's (mode, note)."""
+    (atol, rtol), (mode, note) = tolerance, how
     compared = [figures for figures in loaders.values() if "max_abs_diff" in figures]
     if not all(math.isfinite(figures["max_abs_diff"]) and math.isfinite(figures["max_abs_reference"])
                for figures in compared):
@@ -379,47 +377,42 @@ def _worst_layer(loaders: dict[str, dict]) -> dict:
     return {"loader": name, **loaders[name]["worst_layer"]}
 
 
-@checked
-def verify_rotated(reference: str | Path, rotated: str | Path, *, atol: float | None = None,
-                   rtol: float | None = None, layerwise: bool | None = None, quiet: bool = True,
-                   trust_remote_code: bool = False, reference_config: dict | None = None,
-                   rotated_config: dict | None = None, proof: bool = True,
-                   plan: ConversionPlan | None = None) -> dict:
+def verify_rotation(reference: Checkpoint | str | Path, rotated: str | Path,
+                    verification: Verification | None = None, plan: ConversionPlan | None = None) -> dict:
     """Compare a rotated checkpoint with the checkpoint it was rotated from (an original or a
     folded conversion): first every stored tensor against the rotation plan (``proof``; ``plan``
     is the plan the rotation ran, else it is rebuilt from the recorded form, method, seed and the
     stored Q), then logits, and per block the stream, which must be h·Q (C·h·Q for the free form,
     whose stream is centred).
 
-    The free form's model is built from normswap's own RMSNorm classes (with ``trust_remote_code``
-    the checkpoint's ``modeling_normswap.py`` runs instead). The commuting form's is loaded with
-    the stock class, and with the RMSNorm class too where its stream is centred (a folded source);
-    the outputs that come out rotated (``rotated_outputs``) are not compared. ``reference_config``
-    and ``rotated_config`` are the two config.json files when the caller has read them."""
-    reference_dir, rotated_dir = resolve_source(reference), Path(rotated)
-    reference_config = read_config(reference_dir) if reference_config is None else reference_config
-    rotated_config = read_config(rotated_dir) if rotated_config is None else rotated_config
+    The free form's model is built from normswap's own RMSNorm classes (with
+    ``verification.trust_remote_code`` the checkpoint's ``modeling_normswap.py`` runs instead).
+    The commuting form's is loaded with the stock class, and with the RMSNorm class too where its
+    stream is centred (a folded source); the outputs that come out rotated (``rotated_outputs``)
+    are not compared."""
+    reference, verification = checkpoint_of(reference), verification or Verification()
+    reference_dir, rotated_dir = reference.folder, Path(rotated)
+    reference_config, rotated_config = reference.config, read_config(rotated_dir)
     provenance = Provenance.of(rotated_config, rotated_dir)
     if provenance is None or provenance.rotation is None:
         raise NormswapError(f"{rotated_dir} is not a rotated normswap checkpoint")
     contents.check_contents(reference_dir, rotated_dir, reference_config, rotated_config, provenance)
-    return _compare_rotated(reference_dir, rotated_dir, provenance, (reference_config, rotated_config), atol=atol,
-                            rtol=rtol, layerwise=layerwise, quiet=quiet, trust_remote_code=trust_remote_code,
-                            proof=proof, plan=plan)
+    return _compare_rotated(reference_dir, rotated_dir, provenance, (reference_config, rotated_config),
+                            verification, plan)
 
 
-def _compare_rotated(reference_dir: Path, rotated_dir: Path, provenance: Provenance, configs: tuple[dict, dict], *,
-                     atol: float | None, rtol: float | None, layerwise: bool | None, quiet: bool,
-                     trust_remote_code: bool, proof: bool, plan: ConversionPlan | None) -> dict:
-    """``verify_rotated`` once the pair's contents are checked: the proof, then the comparison."""
+def _compare_rotated(reference_dir: Path, rotated_dir: Path, provenance: Provenance, configs: tuple[dict, dict],
+                     verification: Verification, plan: ConversionPlan | None) -> dict:
+    """``verify_rotation`` once the pair's contents are checked: the proof, then the comparison."""
 
     reference_config, rotated_config = configs
     rotation = rotation_matrix(rotated_dir, rotated_config)
     architecture, _, reference_block = family_of(reference_dir, reference_config)
+    proof, layerwise = verification.proof, verification.layerwise
     if proof and plan is None:
         plan = weights.rebuilt_rotation_plan(reference_dir, reference_config, provenance.rotation or {}, rotation,
                                              provenance.options, stored_tensors(rotated_dir))
-    atol, rtol = tolerance(provenance, rotated_dir, atol, rtol)
+    atol, rtol = tolerance(provenance, rotated_dir, verification.atol, verification.rtol)
     if (reference_block or {}).get("stock_loadable", True):
         mode = verification_mode(reference_dir, architecture, layerwise)
     else:
@@ -428,24 +421,23 @@ def _compare_rotated(reference_dir: Path, rotated_dir: Path, provenance: Provena
     form, centred = rotation_block.get("form", "free"), provenance.rmsnorm_exact
 
     def stream_map(hidden: torch.Tensor) -> torch.Tensor:
-        return (by_layer.centred64(hidden) if centred else hidden.double()) @ rotation
+        return (centred64(hidden) if centred else hidden.double()) @ rotation
 
-    rms_how = "remote" if trust_remote_code else "rmsnorm"
-    skip = uncompared_outputs(architecture, reference_config, rotation_block, rotated_dir)
+    rms_how = "remote" if verification.trust_remote_code else "rmsnorm"
+    comparison = Comparison(
+        reference_dir, rotated_dir, architecture,
+        reference=lambda: reference_model(reference_dir, architecture, rms_how=rms_how, config=reference_config),
+        configs=(reference_config, rotated_config),
+        stock_loadable=form == "commuting" and provenance.stock_loadable, rms_how=rms_how if centred else None,
+        mode=mode, quiet=verification.quiet, stream_map=stream_map, tolerance=(atol, rtol),
+        skip=uncompared_outputs(architecture, reference_config, rotation_block, rotated_dir),
+        every_block=layerwise is True or not proof)
 
     def compare(identical: dict[str, str], check: Callable[[], None] | None) -> tuple:
-        return run_comparison(
-            reference_dir, rotated_dir, architecture,
-            reference=lambda: reference_model(reference_dir, architecture, rms_how=rms_how, config=reference_config),
-            stock_loadable=form == "commuting" and provenance.stock_loadable, trust_remote_code=trust_remote_code,
-            layerwise=mode, quiet=quiet, stream_map=stream_map, tolerance=(atol, rtol),
-            configs=(reference_config, rotated_config), rmsnorm_form=centred, skip=skip, check=check,
-            every_block=layerwise is True or not proof,
-        )
+        return run_comparison(comparison, None, check)
 
     proven, (probe, loaders, mode, note) = proven_and_compared(
         reference_dir, rotated_dir, plan if proof else None, mode, compare,
         prepare=partial(import_classes, reference_config, architecture), beside=layerwise is not True)
-    return summarise(probe, loaders, atol=atol, rtol=rtol, mode=mode, note=note, method="exact",
-                     paths=(reference_dir, rotated_dir), reference="source",
-                     **({"proof": proven} if proven is not None else {}))
+    return summarise(probe, loaders, (atol, rtol), (mode, note), "exact", (reference_dir, rotated_dir),
+                     reference="source", **({"proof": proven} if proven is not None else {}))

@@ -45,15 +45,9 @@ from normswap.runtime.offload import (
     original_model,
 )
 from normswap.threads import on_idle_cores
-from normswap.verify.compare import centred, compare_by_sequence
+from normswap.verify.compare import compare_by_sequence
+from normswap.verify.comparison import Comparison, StreamMap, centred64
 from normswap.verify.probes import Probe, build_probe
-
-StreamMap = Callable[[torch.Tensor], torch.Tensor]  # the original's stream -> the converted model's
-
-
-def centred64(x: torch.Tensor) -> torch.Tensor:
-    """C·x in float64: the stream the converted model carries, for the original's stream x."""
-    return centred(x.double())
 
 
 def _stream_in(args: tuple, kwargs: dict) -> torch.Tensor:
@@ -369,22 +363,18 @@ def _together(converted: _Converted, runs: list[tuple[str, str]], teacher_forced
 
 
 @on_idle_cores
-def compare_layerwise(original_dir: Path, converted_dir: Path, architecture: Architecture, *,
-                      stock_loadable: bool, quiet: bool = True, rms_how: str | None = "rmsnorm",
-                      stream_map: StreamMap = centred64, passes: Judge | None = None,
-                      shared_reads: bool = True, configs: tuple[dict | None, dict | None] = (None, None),
+def compare_layerwise(comparison: Comparison, *, passes: Judge | None = None, shared_reads: bool = True,
                       identical: Mapping[str, str] | None = None,
-                      check: Callable[[], None] | None = None,
-                      every_block: bool = True) -> tuple[Probe, dict[str, dict]]:
+                      check: Callable[[], None] | None = None) -> tuple[Probe, dict[str, dict]]:
     """The probe and, per load of the converted checkpoint (``loaders.loader_runs``), the logit
     figures plus per-block figures and the worst layer.
 
-    ``stream_map`` turns the original's stream into the one the converted model must carry.
-    With ``shared_reads`` the loads run in lockstep, each block's weights read and converted once
-    for all of them (``lockstep``); the figures are those of separate runs, bit for bit. With
-    ``passes`` too, the original runs in the same lockstep, and a tensor the conversion holds byte
-    for byte as the original does (``identical``: converted name -> original name, as the weights
-    proof found) is read once for every model.
+    ``comparison.stream_map`` turns the original's stream into the one the converted model must
+    carry. With ``shared_reads`` the loads run in lockstep, each block's weights read and
+    converted once for all of them (``lockstep``); the figures are those of separate runs, bit
+    for bit. With ``passes`` too, the original runs in the same lockstep, and a tensor the
+    conversion holds byte for byte as the original does (``identical``: converted name ->
+    original name, as the weights proof found) is read once for every model.
 
     With ``passes`` (the verdict on a loader's logit figures), the loads run free only: the
     verdict rests on the free run's logits alone, and the teacher-forced half only says which
@@ -393,11 +383,14 @@ def compare_layerwise(original_dir: Path, converted_dir: Path, architecture: Arc
     per-block figures (its stream against the original's at every block); its worst layer is
     the block whose stream error is largest relative to the stream. Without ``passes`` every
     load runs teacher-forced too. Raises ``Unsupported`` when the model cannot be run this way.
-    ``configs``: the two checkpoints' config.json files, when the caller has read them.
     ``check`` runs after every block any model runs; what it raises stops every model. Without
-    ``every_block``, the models run the ``sampled_blocks`` only, and the figures name the blocks
-    run under ``blocks`` (for a checkpoint whose weights are proven).
+    ``comparison.every_block``, the models run the ``sampled_blocks`` only, and the figures name
+    the blocks run under ``blocks`` (for a checkpoint whose weights are proven).
     """
+    original_dir, converted_dir, architecture = (comparison.reference_dir, comparison.converted_dir,
+                                                 comparison.architecture)
+    configs, every_block, quiet = comparison.configs, comparison.every_block, comparison.quiet
+    stock_loadable, rms_how, stream_map = comparison.stock_loadable, comparison.rms_how, comparison.stream_map
     device, identical = execution_device(), identical or {}
     config = read_config(original_dir) if configs[0] is None else configs[0]
     built_config = build.config_object(config)
