@@ -21,7 +21,7 @@ from normswap.convert import card, fold
 from normswap.convert.install import OutputFiles, install, requested
 from normswap.convert.pipeline import ConversionOptions, main_dtype, plan_conversion
 from normswap.convert.pipeline import convert_checkpoint as convert
-from normswap.dtypes import dtype_name
+from normswap.dtypes import dtype_name, parse_dtype
 from normswap.errors import NormswapError, options_named
 from normswap.evaluation.calibration import MediaInputs
 from normswap.modeling import build, online
@@ -39,8 +39,6 @@ def _check_loading(where: str, kwargs: dict) -> None:
     if dtype is not None and dtype != "auto":
         if not isinstance(dtype, (str, torch.dtype)):
             raise TypeError(f"{where}: dtype must be a torch.dtype, a dtype name or 'auto', not {type(dtype).__name__}")
-        from normswap.dtypes import parse_dtype
-
         parse_dtype(dtype)
     check_device_map(where, kwargs.get("device_map"))
 

@@ -32,6 +32,7 @@ import sys
 import threading
 from typing import NoReturn
 
+from normswap import __version__
 from normswap.errors import NormswapError, one_line, options_named
 
 # (subcommand, module implementing it, one-line help)
@@ -83,8 +84,6 @@ def build_parser(only: str | None = None) -> tuple[argparse.ArgumentParser, dict
     Command modules import only the standard library at module level, and ``normswap --help``
     (``only`` given but not a subcommand) imports none of them.
     """
-    from normswap import __version__
-
     parser = _Parser(
         prog="normswap", description="Exact LayerNorm -> RMSNorm conversion of transformer checkpoints."
     )

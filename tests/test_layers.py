@@ -40,11 +40,11 @@ def module_name(path: Path) -> str:
 MODULES = {module_name(path): path for path in ROOT.rglob("*.py")}
 
 
-def imported(name: str, path: Path) -> set[str]:
-    """The normswap modules ``name`` imports anywhere in its source."""
+def imported(name: str, path: Path, nodes: list[ast.AST] | None = None) -> set[str]:
+    """The normswap modules ``name`` imports anywhere in its source (or in the import ``nodes``)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in nodes if nodes is not None else ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -188,3 +188,45 @@ def test_package_docstrings_list_their_own_modules():
         where = init.parent.relative_to(ROOT)
         assert set(bullets) <= own, f"{where}'s docstring lists modules it does not hold"
         assert sorted(name for name in own if f"``{name}``" not in doc) == [], f"{where}'s docstring misses modules"
+
+
+def _loaded_at_import(name: str) -> set[str]:
+    """The normswap modules importing ``name`` loads: its packages and, transitively, what each
+    module on the way imports at module level (``TYPE_CHECKING`` blocks aside)."""
+    loaded: set[str] = set()
+    todo = [name]
+    while todo:
+        module = todo.pop()
+        parts = module.split(".")
+        for end in range(1, len(parts) + 1):
+            package = ".".join(parts[:end])
+            if package in loaded or package not in MODULES:
+                continue
+            loaded.add(package)
+            tree = ast.parse(MODULES[package].read_text(encoding="utf-8"))
+            nodes = [node for statement in tree.body
+                     for node in ([statement] if not isinstance(statement, ast.Try) else statement.body)
+                     if isinstance(node, (ast.Import, ast.ImportFrom))]
+            todo.extend(imported(package, MODULES[package], nodes))
+    return loaded
+
+
+def test_imports_inside_functions_defer_something():
+    """An import inside a function is there to keep start-up light (``normswap --help``,
+    ``import normswap``): it defers a module that importing its own module does not load. One
+    that the module loads anyway belongs at the top. ``from normswap import name`` defers the
+    lazy public API and is left out."""
+    needless = []
+    for name, path in MODULES.items():
+        if path == ROOT / "modeling" / "remote.py":  # copied into every checkpoint as one self-contained file
+            continue
+        loaded = _loaded_at_import(name)
+        for function in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(function):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    targets = imported(name, path, [node]) - {"normswap"}
+                    if targets and targets <= loaded:
+                        needless.append(f"{path.relative_to(ROOT)}:{node.lineno} {', '.join(sorted(targets))}")
+    assert not needless, "imported inside a function but loaded with the module anyway:\n" + "\n".join(needless)

@@ -7,16 +7,21 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import normswap
 from normswap.analysis import DEFAULT_TEXT
 from normswap.commands import (
     add_device_option,
     add_progress_option,
     add_report_options,
     at_least,
+    check_device,
     check_report_out,
+    check_source,
     command_inputs,
     emit_json,
+    json_text,
     quiet_progress_bars,
+    resolve_device,
     write_reports,
 )
 from normswap.errors import NormswapError
@@ -114,11 +119,7 @@ def _dtype(name: str) -> torch.dtype:
 
 
 def _load(src: str, args: argparse.Namespace):
-    import normswap
-
     model, tokenizer = normswap.load_model(src, dtype=_dtype(args.dtype), trust_remote_code=args.trust_remote_code)
-    from normswap.commands import resolve_device
-
     return model.to(resolve_device(args.device)), tokenizer
 
 
@@ -185,7 +186,6 @@ def _text_reports(args: argparse.Namespace) -> tuple[dict, Callable[[], str] | N
 
 def _check_arguments(args: argparse.Namespace) -> None:
     """Refuse contradictory or impossible options, with one line, before any model is loaded."""
-    from normswap.commands import check_source
     from normswap.extras import require
 
     if args.audio and args.images:
@@ -204,8 +204,6 @@ def _check_arguments(args: argparse.Namespace) -> None:
     check_source(args.model, trust_remote_code=args.trust_remote_code)  # before any heavy import
     if args.compare:
         check_source(args.compare, trust_remote_code=args.trust_remote_code)
-    from normswap.commands import check_device
-
     check_device(args.device)
     from normswap.checkpoint.source import read_config, resolve_source
 
@@ -255,7 +253,6 @@ def run(args: argparse.Namespace) -> int:
 def _write_files(folder: Path, payload: dict, reports: dict, text: str, plot: bool) -> list[Path]:
     """report.json, report.md, and with ``plot`` report.png (and report-outliers.png) in ``folder``."""
     from normswap.analysis.report import to_markdown
-    from normswap.commands import json_text
 
     written = [folder / "report.json", folder / "report.md"]
     written[0].write_text(json_text(payload), encoding="utf-8")

@@ -12,6 +12,7 @@ import json
 import os
 from pathlib import Path
 
+from normswap import __version__
 from normswap.errors import option, quoted
 
 MARKER = ".normswap-output"
@@ -63,8 +64,6 @@ def paths_under(folder: Path) -> list[str]:
 
 def write_marker(folder: Path, kind: str, leave_out: str = "") -> None:
     """Write ``MARKER`` into ``folder``, listing every path now under it but ``leave_out``."""
-    from normswap import __version__
-
     paths = [path for path in paths_under(folder) if path != leave_out]
     marker = {"written_by": "normswap", "version": __version__, "kind": kind, "paths": paths}
     (folder / MARKER).write_text(json.dumps(marker) + "\n")

@@ -15,6 +15,7 @@ from normswap.commands import (
     non_empty,
     progress_off,
 )
+from normswap.text import count, format_table
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -40,7 +41,6 @@ def run(args: argparse.Namespace) -> int:
     check_source(args.src, trust_remote_code=args.trust_remote_code)
     from normswap.api import convert_checkpoint
     from normswap.commands.verify import describe_verification
-    from normswap.text import count, format_table
 
     provenance = convert_checkpoint(
         args.src, args.out,

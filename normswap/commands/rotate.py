@@ -19,6 +19,8 @@ from normswap.commands import (
     emit_json,
     progress_off,
 )
+from normswap.errors import NormswapError
+from normswap.text import count, format_table
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -65,7 +67,6 @@ def run(args: argparse.Namespace) -> int:
             if getattr(args, name) is not None:
                 setattr(args, name, str(text_file(getattr(args, name))))
         from normswap.commands.rotate_slice import run_slice
-        from normswap.errors import NormswapError
 
         if args.form is not None or args.online_hadamard:
             raise NormswapError(f"{'--form' if args.form is not None else '--online-hadamard'} applies to rotation; a "
@@ -74,7 +75,6 @@ def run(args: argparse.Namespace) -> int:
         return run_slice(args)
     from normswap.api import rotate_checkpoint
     from normswap.commands.verify import describe_verification
-    from normswap.text import count, format_table
 
     provenance = rotate_checkpoint(
         args.src, args.out, method=args.method or DEFAULT_METHOD, seed=args.seed, form=args.form or "commuting",

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 
+from normswap.commands import emit_json
+from normswap.errors import NormswapError
+
 
 def check_options(args: argparse.Namespace) -> None:
     """Refuse the rotate options that mean nothing for a sliced checkpoint."""
-    from normswap.errors import NormswapError
-
     if args.slice is None:
         raise NormswapError("--held-out is only used with --slice")
     if args.method not in (None, "pca"):
@@ -37,7 +38,5 @@ def run_slice(args: argparse.Namespace) -> int:
     print(f"NOT exact: perplexity on {cost['tokens']} held-out tokens {cost['original']:.4f} (original) -> "
           f"{cost['sliced']:.4f} (sliced), {cost['increase']:+.2%}")
     if args.json:
-        from normswap.commands import emit_json
-
         emit_json(args, provenance)
     return 0

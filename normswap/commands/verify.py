@@ -19,6 +19,7 @@ from normswap.commands import (
     write_reports,
 )
 from normswap.errors import VerificationError
+from normswap.text import format_table
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -64,8 +65,6 @@ def run(args: argparse.Namespace) -> int:
 
 def summary(result: dict) -> str:
     """The figures as text: one row per loader, the comparison mode, the probe, the verdict."""
-    from normswap.text import format_table
-
     verdict = "verified: outputs match" if result["passed"] else "FAILED: outputs differ beyond tolerance"
     return "\n".join([
         format_table(result["loaders"]),

@@ -15,7 +15,7 @@ from normswap.checkpoint import output
 from normswap.convert import card, install
 from normswap.convert.plan import ConversionPlan
 from normswap.convert.planning import check_convertible, plan_conversion
-from normswap.dtypes import dtype_name, parse_dtype
+from normswap.dtypes import dtype_name, least_precise, parse_dtype
 from normswap.errors import NormswapError
 from normswap.runtime.checkpoint import Checkpoint
 
@@ -80,7 +80,5 @@ def convert_checkpoint(source: Checkpoint, out: str | Path, options: ConversionO
 def main_dtype(plan: ConversionPlan) -> torch.dtype:
     """The least precise floating dtype of the output: it sets the verification tolerance (a
     checkpoint mixing float16 and float32 tensors is as exact as its float16 ones)."""
-    from normswap.dtypes import dtype_name, least_precise
-
     dtypes = {dtype_name(tensor.dtype) for tensor in plan.tensors.values() if tensor.dtype.is_floating_point}
     return getattr(torch, least_precise(dtypes))

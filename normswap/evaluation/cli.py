@@ -17,11 +17,14 @@ from normswap.commands import (
     add_progress_option,
     add_report_options,
     check_report_out,
+    check_source,
     command_inputs,
     emit_json,
     progress_off,
     quiet_progress_bars,
+    resolve_device,
     tolerance,
+    write_reports,
 )
 from normswap.errors import NormswapError, VerificationError
 
@@ -92,8 +95,6 @@ def settings_from_args(args: argparse.Namespace, **overrides: Any) -> EvalSettin
     if args.batch_size is not None and args.batch_size < 1:
         raise NormswapError("--batch-size must be at least 1")
     check_threads(getattr(args, "threads", None))
-    from normswap.commands import resolve_device
-
     tasks = [t.strip() for t in (args.tasks or "").split(",") if t.strip()]
     values = dict(
         dtype=args.dtype, batch_size=args.batch_size, max_length=args.max_length, stride=args.stride,
@@ -133,7 +134,6 @@ def finish(args: argparse.Namespace, report: dict, *, out: Path | None, inputs: 
     """Print the Markdown (or, with --json, the report), write the files, and map the verdict to the exit status.
 
     The files go to ``out`` as every normswap output does (``normswap.commands.write_reports``)."""
-    from normswap.commands import write_reports
     from normswap.evaluation.report import to_markdown, write_report
 
     print(to_markdown(report))
@@ -149,7 +149,6 @@ def finish(args: argparse.Namespace, report: dict, *, out: Path | None, inputs: 
 
 
 def run(args: argparse.Namespace) -> int:
-    from normswap.commands import check_source
     from normswap.extras import require
 
     quiet_progress_bars(args)

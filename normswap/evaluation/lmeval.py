@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from normswap.errors import NormswapError, first_line, quoted, quoted_list
+from normswap.evaluation.hub import hub_reachable
 from normswap.evaluation.local_tasks import (  # noqa: F401  (re-exported: the task folder's names)
     BUNDLED_EVALS,
     LOCAL_ALIAS,
@@ -74,8 +75,6 @@ def plan_tasks(requested: list[str], *, with_text_task: bool = False) -> TaskPla
         local.append(TEXT_TASK)
     unknown = [name for name in hub if name not in KNOWN_HUB_TASKS]
     if unknown:
-        from normswap.evaluation.hub import hub_reachable
-
         known_local = ", ".join(sorted(local_names)) or "none"
         if not hub_reachable():
             # Offline, a name that is not local cannot run whatever it is: say both things at once.

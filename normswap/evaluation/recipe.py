@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import normswap
 from normswap.checkpoint import output
 from normswap.checkpoint.bounded import read_yaml
 from normswap.checkpoint.removal import remove_tree
@@ -278,7 +279,6 @@ def run_recipe(recipe: Recipe, out: Path, *, settings, tolerances, overwrite: bo
     Everything is written into a temporary folder installed at ``out`` only when the whole run
     succeeded (see ``normswap.checkpoint.output``): a failed or interrupted run leaves nothing.
     """
-    import normswap
     from normswap.evaluation.api import evaluate
     from normswap.evaluation.report import write_report
 

@@ -12,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from normswap.commands import add_progress_option, add_report_options, quiet_progress_bars
+from normswap.commands import add_progress_option, add_report_options, check_source, quiet_progress_bars
 from normswap.evaluation.cli import add_eval_options, finish, settings_from_args
 
 
@@ -52,7 +52,6 @@ def _merged_settings(recipe, args: argparse.Namespace, trust_remote_code: bool =
 
 
 def run(args: argparse.Namespace) -> int:
-    from normswap.commands import check_source
     from normswap.evaluation.recipe import load_recipe, permitted, run_recipe
     from normswap.extras import require
 

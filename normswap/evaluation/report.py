@@ -7,18 +7,10 @@ import math
 from pathlib import Path
 from typing import Any
 
+from normswap import __version__
 from normswap.evaluation.compare import Comparison, reference_rows
 from normswap.evaluation.runner import EvalSettings, ModelEval
 from normswap.text import json_text
-
-
-def _version() -> str:
-    try:
-        from normswap import __version__
-
-        return str(__version__)
-    except Exception:  # the report must not fail over a missing version string
-        return "unknown"
 
 
 def build_report(
@@ -33,7 +25,7 @@ def build_report(
 ) -> dict[str, Any]:
     """Everything measured, as a JSON-ready dict (per-document values are reduced to the maxima)."""
     report: dict[str, Any] = {
-        "normswap_version": _version(),
+        "normswap_version": __version__,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "settings": settings.as_dict(),
         "text": text,

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from normswap.runtime.reference import load_tokenizer
+from normswap.runtime.reference import load_tokenizer, tokenize_text
 
 # Once the weights are proven (``proof``), a forward pass only has to show that a loader builds a
 # model computing the function: a short probe does (see docs/verification.md).
@@ -48,9 +48,7 @@ def token_ids(vocab_size: int, length: int, tokenizer: Any, generator: torch.Gen
     """Ids [PROBE_BATCH, length] and their kind: the probe text through ``tokenizer`` when there is
     one and the text is long enough, else ids drawn uniformly from the vocabulary."""
     if tokenizer is not None:
-        from normswap.runtime.reference import tokenize_text  # longer than the context on purpose: no warning
-
-        ids = tokenize_text(tokenizer, probe_text())
+        ids = tokenize_text(tokenizer, probe_text())  # longer than the context on purpose: no warning
         if ids.numel() >= PROBE_BATCH * length:
             return ids[: PROBE_BATCH * length].reshape(PROBE_BATCH, length), "text"
     return torch.randint(0, int(vocab_size), (PROBE_BATCH, length), generator=generator), "random"

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .fallback import forward_native
+
 # Rows up to this many 16-bit elements are normalised from registers, longer ones in two looped
 # passes; half as many float32 elements, a quarter as many in the backward, which keeps more row
 # arrays live (beyond that ptxas spills, see ``python -m normswap.kernels.aot_check``).
@@ -504,8 +506,6 @@ def forward_eager(
     dtype. The host work of a repeated call is one dict look-up, its allocations and the launch."""
     plan = eager_plan(x, weight, bias, residual)
     if plan.native and native_now(plan):
-        from .fallback import forward_native  # noqa: PLC0415
-
         return forward_native(x, weight, residual, eps)
     return run_eager(plan, x, weight, bias, residual, plan.tail(eps))
 
