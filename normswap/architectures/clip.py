@@ -184,4 +184,5 @@ CLIP = assemble(
              "CLIPVisionModel": _tower_facts("vision", False),
              "CLIPVisionModelWithProjection": _tower_facts("vision", True)},
     modality={"clip": "images"},
+    calibration_tower={"clip": "text_model"},
 )

@@ -344,12 +344,20 @@ class Architecture:
     # (``normswap.evaluation.shared_context``): its left-padded, position-explicit cached forward is
     # tested against HFLM's path for this family
     shared_context: bool = False
+    # model types whose rotation covers one tower only, as {model type: attribute of that tower}
+    # (CLIPModel's text_model): their calibration forward runs that tower alone, on text
+    calibration_tower: dict[str, str] = field(default_factory=dict)
 
     def modality_of(self, model_type: str) -> str:
         """What a checkpoint of ``model_type`` (one of this family's) reads."""
         if isinstance(self.modality, dict):
             return self.modality.get(model_type, "text")
         return self.modality
+
+    def calibration_modality(self, model_type: str) -> str:
+        """What the rotated stream of a ``model_type`` checkpoint is calibrated on: the input of the
+        tower it rotates, else the model's own."""
+        return "text" if model_type in self.calibration_tower else self.modality_of(model_type)
 
     def facts(self, config: dict) -> ModelFacts | None:
         """The declared facts of the class ``config`` loads into; None when not declared."""

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from normswap.architectures import ARCHITECTURES
 from normswap.checkpoint.provenance import original_model_type
 from normswap.checkpoint.source import CheckpointReader
 from normswap.errors import NormswapError
@@ -38,8 +39,9 @@ KINDS = {"audio": "a folder of audio files with same-stem .txt transcripts, a JS
 
 def _kind(config: dict) -> str:
     """What the rotated stream of a model of ``config`` is calibrated on: audio, images or text."""
-    kind = media.modality(config)
-    return "text" if original_model_type(config) == "clip" else kind
+    model_type = str(original_model_type(config))
+    architecture = ARCHITECTURES.get(model_type)
+    return architecture.calibration_modality(model_type) if architecture is not None else "text"
 
 
 class MediaInputs:

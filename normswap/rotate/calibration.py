@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from normswap.architectures import Architecture
+from normswap.architectures import ARCHITECTURES, Architecture
 from normswap.checkpoint.bounded import read_text_file
+from normswap.checkpoint.provenance import original_model_type
 from normswap.checkpoint.source import read_config
 from normswap.errors import NormswapError
 from normswap.rotate.matrices import Rotation, pca_rotation
@@ -39,8 +40,6 @@ from normswap.threads import cpu_threads
 if TYPE_CHECKING:
     from normswap.rotate.plan import RotationPlan
 
-# the probe kinds whose rotated stream reads text (CLIP: its text tower)
-TEXT_PROBES = ("causal_lm", "clip")
 # windows of at most this many positions
 CALIBRATION_WINDOW = 512
 # windows of the same length run together, this many at a time
@@ -99,11 +98,19 @@ def calibration_windows(ids: torch.Tensor, window: int) -> list[torch.Tensor]:
     return batches
 
 
+def reads_text(architecture: Architecture, config: dict) -> bool:
+    """Whether the rotated stream of a checkpoint of ``config`` is calibrated on text."""
+    return architecture.calibration_modality(str(original_model_type(config))) == "text"
+
+
 def run_forward(model: nn.Module, batch: dict[str, torch.Tensor]) -> None:
-    """One calibration forward: the text tower alone for CLIPModel (the vision tower is not
-    rotated), without a cache for the generating classes."""
-    if getattr(model.config, "model_type", None) == "clip":
-        model.text_model(**batch)
+    """One calibration forward: the rotated tower alone where the family's record names one
+    (``calibration_tower``: CLIPModel's text tower), without a cache for the generating classes."""
+    model_type = str(getattr(model.config, "model_type", "")).removeprefix("normswap_")
+    architecture = ARCHITECTURES.get(model_type)
+    tower = architecture.calibration_tower.get(model_type) if architecture is not None else None
+    if tower is not None:
+        model.get_submodule(tower)(**batch)
     elif "pixel_values" in batch:
         model(**batch)
     else:
@@ -254,7 +261,7 @@ def calibrate(source_dir: Path, rotation_plan: RotationPlan, spec: str | Path, m
     Σ over every norm of the rotated stream of its input's second moment, measured block by block
     on the calibration text, or for a model that reads audio or images on the inputs ``media``
     reads from ``spec``."""
-    if rotation_plan.architecture.probe in TEXT_PROBES:
+    if reads_text(rotation_plan.architecture, rotation_plan.config):
         inputs, record = text_inputs(source_dir, spec, max_tokens, config)
     else:
         if media is None:

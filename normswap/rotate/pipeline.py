@@ -43,7 +43,7 @@ from normswap.convert import card, install, pipeline
 from normswap.dtypes import parse_dtype
 from normswap.errors import NormswapError
 from normswap.rotate import commuting, matrices
-from normswap.rotate.calibration import TEXT_PROBES, MediaCalibration, calibrate, read_calibration
+from normswap.rotate.calibration import MediaCalibration, calibrate, read_calibration, reads_text
 from normswap.rotate.matrices import ROTATION_FILE, Rotation, save_rotation
 from normswap.rotate.online import add_online_hadamard
 from normswap.rotate.plan import (
@@ -140,7 +140,7 @@ def check_source(source_dir: Path, config: dict, form: str, calibration: str | P
         return None
     if media is not None:
         calibration = media.resolve(config, str(calibration))
-    if architecture.probe in TEXT_PROBES:
+    if reads_text(architecture, config):
         read_calibration(calibration, 1 << 12)  # its first characters: found, UTF-8, not empty
     return calibration
 
