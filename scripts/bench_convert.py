@@ -177,40 +177,52 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-def _memory_kb(pid: int) -> tuple[int, int]:
-    """(Pss, Rss) of ``pid`` in kB, or (0, 0) once it is gone."""
-    figures = {}
+MEMORY_FIELDS = ("Pss", "Rss", "Anonymous")
+
+
+def _memory_kb(pid: int) -> dict[str, int]:
+    """Pss, Rss and Anonymous of ``pid`` in kB (``MEMORY_FIELDS``), zeros once it is gone."""
+    figures = dict.fromkeys(MEMORY_FIELDS, 0)
     try:
         with open(f"/proc/{pid}/smaps_rollup") as handle:
             for line in handle:
                 key, _, rest = line.partition(":")
-                if key in ("Pss", "Rss"):
+                if key in figures:
                     figures[key] = int(rest.split()[0])
     except (OSError, ValueError):
-        return 0, 0
-    return figures.get("Pss", 0), figures.get("Rss", 0)
+        return dict.fromkeys(MEMORY_FIELDS, 0)
+    return figures
+
+
+def sample_tree(process: subprocess.Popen, interval: float = 0.05) -> dict:
+    """Until ``process`` ends, every ``interval`` s, the memory of it and every process it starts
+    (``verify``'s weights proof runs in a forked copy of it): the peaks of their summed
+    proportional set size (Pss: each shared page counted once in all, split between the processes
+    that map it), of their summed resident set size (shared pages counted in each), and of their
+    summed anonymous memory (what the processes allocated, not the checkpoint files they map)."""
+    peaks = dict.fromkeys(MEMORY_FIELDS, 0)
+    processes = 0
+    while process.poll() is None:
+        sizes = [_memory_kb(pid) for pid in _descendants(process.pid)]
+        for key in MEMORY_FIELDS:
+            peaks[key] = max(peaks[key], sum(size[key] for size in sizes))
+        processes = max(processes, len([size for size in sizes if size["Rss"]]))
+        time.sleep(interval)
+    return {"peak_pss_mb": round(peaks["Pss"] / 1024, 1), "peak_summed_rss_mb": round(peaks["Rss"] / 1024, 1),
+            "peak_anon_mb": round(peaks["Anonymous"] / 1024, 1), "most_processes": processes,
+            "sampled_every_seconds": interval}
 
 
 def tree_memory(command: list[str], interval: float = 0.05) -> dict:
-    """Run ``command`` once after a ``sync``, sampling every ``interval`` s the memory of it and every
-    process it starts (``verify``'s weights proof runs in a forked copy of it): the peak of their
-    summed proportional set size (Pss: each shared page counted once in all, split between the
-    processes that map it) and of their summed resident set size (shared pages counted in each)."""
+    """``sample_tree`` of ``command``, run once after a ``sync``."""
     subprocess.run(["sync"], check=True)
     with tempfile.TemporaryFile("w+") as errors:  # a file, not a pipe: a chatty command never blocks on it
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=errors, text=True)
-        peak_pss = peak_rss = processes = 0
-        while process.poll() is None:
-            sizes = [_memory_kb(pid) for pid in _descendants(process.pid)]
-            peak_pss = max(peak_pss, sum(pss for pss, _ in sizes))
-            peak_rss = max(peak_rss, sum(rss for _, rss in sizes))
-            processes = max(processes, len([size for size in sizes if size[1]]))
-            time.sleep(interval)
+        peaks = sample_tree(process, interval)
         if process.returncode != 0:
             errors.seek(0)
             raise SystemExit(f"failed ({process.returncode}): {' '.join(command)}\n{errors.read()}")
-    return {"peak_pss_mb": round(peak_pss / 1024, 1), "peak_summed_rss_mb": round(peak_rss / 1024, 1),
-            "most_processes": processes, "sampled_every_seconds": interval}
+    return peaks
 
 
 def uptime() -> str:
