@@ -11,8 +11,8 @@ projection that removes the mean. For a row vector x, xC = x - mean(x)·1.
 
 Every function takes and returns tensors. The last section executes a plan's steps with these
 functions: ``compute_tensor`` for one tensor, ``slice_kernel``/``run_kernels`` for the slices the
-writer streams (in place on one reused float64 buffer), so what the tests check here is what
-conversion runs.
+writer streams (in place on one reused float64 buffer), ``row_kernel`` for the blocks of rows it
+streams from file to file, so what the tests check here is what conversion runs.
 """
 
 from __future__ import annotations
@@ -249,6 +249,39 @@ def slice_kernel(step: Step, read: Read) -> Callable[[torch.Tensor], torch.Tenso
         return lambda w: layer_norm_rows(w, gain, bias, step.eps)
     if isinstance(step, Rotate):
         return lambda w: rotate_axis(w, step.rotation.matrix, step.axis)
+    raise TypeError(step)
+
+
+RowKernel = Callable[[torch.Tensor, int], torch.Tensor]
+
+
+def centres_columns(step: Step) -> bool:
+    """Whether ``step`` is C applied along the leading axis (an nn.Linear writer [d, in], each
+    column centred): on blocks of whole rows it needs the column means first."""
+    return isinstance(step, Centre) and step.axis == 0
+
+
+def runs_on_rows(step: Step) -> bool:
+    """Whether ``step`` can run on a tensor a block of whole rows at a time: a ``row_kernel``, or
+    a centring along the leading axis (``centres_columns``)."""
+    return (step.slice_wise and getattr(step, "axis", 0) != 0) or centres_columns(step) or (
+        isinstance(step, FoldGain) and step.axis == 0)
+
+
+def row_kernel(step: Step, read: Read) -> RowKernel:
+    """The float64 kernel of a ``runs_on_rows`` step other than a leading-axis centring, on a
+    block of whole rows: (rows, first row) -> rows, in place.
+
+    A slice-wise step across a non-leading axis acts on each row alone (``slice_kernel``). A gain
+    folded along the leading axis scales row i by γ_i, so the block starting at row r takes
+    γ[r : r + rows]: the products are those of ``fold_gain_`` on the whole tensor.
+    """
+    if isinstance(step, FoldGain) and step.axis == 0:
+        gain = read(step.gain).double() + step.offset
+        return lambda w, start: fold_gain_(w, gain.narrow(0, start, w.shape[0]), 0)
+    if step.slice_wise and getattr(step, "axis", 0) != 0:
+        kernel = slice_kernel(step, read)
+        return lambda w, start: kernel(w)
     raise TypeError(step)
 
 

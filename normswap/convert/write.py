@@ -8,10 +8,11 @@ serialised deterministically, so the same input always gives byte-identical outp
 
 Per tensor, the cheapest of three ways is taken. A tensor the plan leaves as it is (most readers,
 the untied head) is copied from source shard to output shard inside the kernel
-(``os.copy_file_range``), never entering Python. A tensor whose steps act on whole rows (a writer
-centred along its hidden axis, an embedding table, a head with a folded gain) goes from source
-file to output file a block of rows at a time through ``fold``'s in-place slice kernels, so even a
-vocab × d table is never whole in memory. Everything else is computed whole by
+(``os.copy_file_range``), never entering Python. A tensor whose steps act on blocks of whole rows (a
+writer centred along either axis, an embedding table, a head with a folded gain) goes from source
+file to output file a block of rows at a time through ``fold``'s in-place row kernels, so even a
+vocab × d table is never whole in memory; a writer centred along its leading axis takes one more
+pass over its rows first, for the column means. Everything else is computed whole by
 ``fold.compute_tensor``. Reads go through ``source.RecentReads`` (a bias fold reads its layer's
 weight, the next tensor written, once). The file format itself is ``safetensors_io``'s.
 """
@@ -43,9 +44,10 @@ class ShardSource:
 
     * ``unchanged(plan)``: (fd, offset) of the source bytes of a tensor the plan keeps as it is
       (same dtype, no steps): copied file to file in the kernel, within ``holding(plan)``.
-    * ``row_streamable(plan)``: the plan has only slice-wise steps across a non-leading axis
-      (centring a writer along its hidden axis, folding a gain into rows), so the tensor can go
-      from source file to output file a block of rows at a time, never whole in memory.
+    * ``row_streamable(plan)``: every step of the plan runs on blocks of whole rows
+      (``fold.runs_on_rows``: centring a writer along either axis, folding a gain, baking a norm
+      into a table), so the tensor can go from source file to output file a block of rows at a
+      time, never whole in memory.
     Both need a safetensors source; anything else is computed whole with ``compute_tensor``.
     """
 
@@ -80,7 +82,7 @@ class ShardSource:
     def row_streamable(self, plan: TensorPlan) -> bool:
         return (
             self._direct and plan.source is not None and len(plan.shape) >= 2 and plan.shape[0] > 0
-            and bool(plan.steps) and all(step.slice_wise and step.axis != 0 for step in plan.steps)
+            and bool(plan.steps) and all(fold.runs_on_rows(step) for step in plan.steps)
         )
 
 
@@ -178,25 +180,45 @@ def _stream_rows(fd: int, position: int, plan: TensorPlan, source: ShardSource) 
 def row_blocks(plan: TensorPlan, source: ShardSource,
                slice_elements: int = fold.SLICE_ELEMENTS) -> Iterator[tuple[int, torch.Tensor]]:
     """(first row, float64 rows) of a ``row_streamable`` tensor's value, block by block: each block
-    read from the source and run through ``fold``'s in-place slice kernels. Row blocks are whole
-    slices for steps along a non-leading axis, so the values are exactly those of
-    ``fold.apply_slice_steps``. Each block is overwritten by the next."""
+    read from the source and run through ``fold``'s in-place row kernels. Each block is overwritten
+    by the next.
+
+    A centring along the leading axis (``fold.centres_columns``: an nn.Linear writer [d, in]) needs
+    each column's mean over all d rows: a first pass over the blocks sums the columns in float64,
+    the steps before it applied, and the blocks then subtract mean = sum / d. For a float16 source
+    with d < 8192 every partial sum is exact (each value a multiple of 2⁻²⁴ below 2¹⁶), so the mean
+    is the one ``fold.centre_`` takes over the whole column, whatever the block size."""
     if math.prod(plan.shape) == 0:  # no elements, no rows to walk, whatever the first dimension says
         yield 0, torch.empty(tuple(plan.shape), dtype=torch.float64)
         return
     rows_total = plan.shape[0]
     row = math.prod(plan.shape[1:])
     rows = max(1, slice_elements // row)
-    kernels = [fold.slice_kernel(step, source.read) for step in plan.steps]
     source_dtype = source.reader.tensors[plan.source].dtype
     raw = source.buffer("raw", rows * row * source_dtype.itemsize)
     work = source.buffer("work", rows * row * 8).view(torch.float64)
-    for start in range(0, rows_total, rows):
-        count = min(rows, rows_total - start)
-        piece = source.reader.read_rows(plan.source, start, count, raw)
-        block = work[: count * row].view(piece.shape)
-        block.copy_(piece)
-        yield start, fold.run_kernels(kernels, block)
+    kernels: list[fold.RowKernel] = []
+
+    def blocks() -> Iterator[tuple[int, torch.Tensor]]:
+        for start in range(0, rows_total, rows):
+            count = min(rows, rows_total - start)
+            piece = source.reader.read_rows(plan.source, start, count, raw)
+            block = work[: count * row].view(piece.shape)
+            block.copy_(piece)
+            for kernel in kernels:
+                block = kernel(block, start)
+            yield start, block
+
+    for step in plan.steps:
+        if fold.centres_columns(step):
+            total = torch.zeros(tuple(plan.shape[1:]), dtype=torch.float64)
+            for _, block in blocks():
+                total += block.sum(dim=0)
+            mean = total.div_(rows_total)
+            kernels.append(lambda w, start, mean=mean: w.sub_(mean))
+        else:
+            kernels.append(fold.row_kernel(step, source.read))
+    yield from blocks()
 
 
 def expected_blocks(plan: TensorPlan, source: ShardSource,

@@ -1,15 +1,15 @@
-"""Several loads of one checkpoint run block by block in turn, sharing each weight read.
+"""Several loads of one checkpoint run unit by unit in turn, sharing each weight read.
 
 The stock and RMSNorm forms of a converted checkpoint hold the same weights: only their norms
-differ. Run one after the other, each would read every block's weights from the checkpoint and
+differ. Run one after the other, each would read every layer's weights from the checkpoint and
 convert them to float32 again. Run in lockstep (``run_in_lockstep``), the models take turns a
-block at a time: model 0 runs block i, then model 1 runs block i, then model 0 runs block i+1,
-and so on. Each weight is read and converted once (``SharedReads``) by whichever model reaches it
-first, and handed to the other, so memory holds one block's weights at a time, as it does for
-one model.
+unit at a time (the caller's list: a block, or one layer of a block): model 0 runs unit i, then
+model 1 runs unit i, then model 0 runs unit i+1, and so on. Each weight is read and converted
+once (``SharedReads``) by whichever model reaches it first, and handed to the other, so memory
+holds one unit's weights at a time, as it does for one model.
 
 Each model runs its own class's forward, unchanged, in its own thread; the turns make sure that
-only one computes a block at any moment, so the two never compete for the cores. Output heads
+only one computes a unit at any moment, so the two never compete for the cores. Output heads
 that all read the same weight (a vocabulary-wide matrix, often the largest tensor) make one pass
 over it for every model (``SharedHead``) instead of a turn each.
 """
@@ -148,9 +148,11 @@ class _Aborted(Exception):
 
 
 class Turns:
-    """Whose turn it is: model k may start block i once every model before it has finished
-    block i and every model after it has finished block i - 1. A model that has finished its
-    run (or failed) no longer holds anyone up."""
+    """Whose turn it is: model k may start its turn i once every model before it has finished
+    i + 1 turns and every model after it i turns. Turns are counted as each model takes them, in
+    the order its forward calls its units (a pre-norm block calls its norm first, whatever the
+    order it declares its modules in). A model that has finished its run (or failed) no longer
+    holds anyone up."""
 
     def __init__(self, count: int) -> None:
         self.done = [0] * count
@@ -158,13 +160,14 @@ class Turns:
         self.aborted = False
         self.condition = threading.Condition()
 
-    def _may_start(self, model: int, block: int) -> bool:
-        return all(self.finished[other] or self.done[other] >= block + (other < model)
+    def _may_start(self, model: int, turn: int) -> bool:
+        return all(self.finished[other] or self.done[other] >= turn + (other < model)
                    for other in range(len(self.done)) if other != model)
 
-    def enter(self, model: int, block: int) -> None:
+    def enter(self, model: int) -> None:
         with self.condition:
-            self.condition.wait_for(lambda: self.aborted or self._may_start(model, block))
+            turn = self.done[model]
+            self.condition.wait_for(lambda: self.aborted or self._may_start(model, turn))
             if self.aborted:
                 raise _Aborted
 
@@ -183,12 +186,11 @@ class Turns:
 @contextmanager
 def _turn_hooks(turns: Turns, block_lists: list[Sequence[nn.Module]]) -> Iterator[None]:
     handles = []
-    for model, blocks in enumerate(block_lists):
-        for index, block in enumerate(blocks):
-            handles.append(block.register_forward_pre_hook(
-                lambda module, args, model=model, index=index: turns.enter(model, index)))
-            # a turn ends when the block returns; hooks added later (per-block figures) may run past it
-            handles.append(block.register_forward_hook(lambda module, args, output, model=model: turns.leave(model)))
+    for model, units in enumerate(block_lists):
+        for unit in units:
+            handles.append(unit.register_forward_pre_hook(lambda module, args, model=model: turns.enter(model)))
+            # a turn ends when the unit returns; hooks added later (per-block figures) may run past it
+            handles.append(unit.register_forward_hook(lambda module, args, output, model=model: turns.leave(model)))
     try:
         yield
     finally:

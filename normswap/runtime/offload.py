@@ -1,12 +1,12 @@
 """Models on the meta device, run with their weights read from the checkpoint one unit at a time.
 
 The original and the converted model are each built on the meta device (accelerate's
-``init_empty_weights``) and dispatched with accelerate's ``dispatch_model``: every residual block,
-and every module outside the block list, is one unit of the ``device_map``, offloaded, with the
-checkpoint itself as the offload store (``Float32Weights``: tensors read from the shards on
-demand; nothing is copied to an offload folder). accelerate's hooks then load a unit's weights
-just before it runs and drop them right after, so memory holds one block (or the embedding, or
-the head) at a time. With a GPU present the execution device is the GPU, else the CPU.
+``init_empty_weights``) and dispatched with accelerate's ``dispatch_model``: each layer of a
+residual block (``block_units``), and every module outside the block list, is one unit of the
+``device_map``, offloaded, with the checkpoint itself as the offload store (``Float32Weights``:
+tensors read from the shards on demand; nothing is copied to an offload folder). accelerate's
+hooks then load a unit's weights just before it runs and drop them right after, so memory holds
+one layer (or a few rows of the embedding, or a slice of the head) at a time. With a GPU present the execution device is the GPU, else the CPU.
 """
 
 from __future__ import annotations
@@ -212,7 +212,8 @@ def find_blocks(model: nn.Module, path: str | None) -> tuple[str, nn.ModuleList]
 
 
 def device_map_for(model: nn.Module, blocks_path: str, device: str = "disk") -> dict[str, str]:
-    """One ``device_map`` unit per block and per module outside the block list, all on ``device``.
+    """The ``device_map``, every unit on ``device``: the ``block_units`` of every block, and one
+    unit per module outside the block list.
 
     Raises ``Unsupported`` when a module above the block list holds parameters of its own: such
     a parameter cannot be a unit of its own.
@@ -225,7 +226,8 @@ def device_map_for(model: nn.Module, blocks_path: str, device: str = "disk") -> 
         for name, child in module.named_children():
             full = f"{prefix}.{name}" if prefix else name
             if full == blocks_path:
-                units.update({f"{full}.{key}": device for key in child._modules})
+                for key, block in child._modules.items():
+                    units.update(dict.fromkeys(block_units(block, f"{full}.{key}"), device))
             elif blocks_path.startswith(full + "."):
                 visit(child, full)
             else:
@@ -233,6 +235,19 @@ def device_map_for(model: nn.Module, blocks_path: str, device: str = "disk") -> 
 
     visit(model, "")
     return units
+
+
+def block_units(block: nn.Module, prefix: str) -> list[str]:
+    """The units one block is loaded in, by module path (``prefix``: the block's), in module
+    order: each module that holds parameters or buffers of its own, or has no children, is one
+    unit with everything below it; any other module is split into its children. A block of an
+    nn.Linear stack loads one linear layer at a time: at OPT-6.7B's width that is fc1's 268 MB in
+    float32, where the whole block is 805 MB."""
+    if (next(block.parameters(recurse=False), None) is not None or next(block.buffers(recurse=False), None) is not None
+            or not block._modules):
+        return [prefix]
+    return [unit for name, child in block._modules.items() if child is not None
+            for unit in block_units(child, f"{prefix}.{name}")]
 
 
 class RowsFromCheckpoint(nn.Module):

@@ -1,7 +1,7 @@
 """Layer-by-layer verification within bounded memory.
 
 A model too large to hold twice is compared block by block: each model runs with its weights
-read from the checkpoint one block at a time (``offload``), so memory holds one block at a time.
+read from the checkpoint one layer at a time (``offload``), so memory holds one layer's weights.
 
 The original runs once on the probe; forward hooks record the residual stream h entering and
 leaving every block, and the logits. The converted model carries the centred stream
@@ -38,6 +38,7 @@ from normswap.runtime.loaders import checked_form, loader_runs
 from normswap.runtime.lockstep import SharedReads, run_in_lockstep
 from normswap.runtime.offload import (
     Unsupported,
+    block_units,
     converted_model,
     dispatched,
     execution_device,
@@ -297,11 +298,15 @@ def _pool(converted: _Converted) -> BufferPool | None:
 
 
 def _turns(model: nn.Module, blocks_path: str) -> list[nn.Module]:
-    """The units a lockstep run takes turns over: the blocks, then the output head (so that the
-    models' vocabulary-wide heads never run at the same time either; heads that read one weight
-    make one pass over it instead: ``lockstep.SharedHead``)."""
+    """The units a lockstep run takes turns over: every unit a block is loaded in that holds
+    weights (``offload.block_units``: a weight read for several models is kept only until each
+    has run that one layer), block after block, then the output head (so that the models'
+    vocabulary-wide heads never run at the same time either; heads that read one weight make one
+    pass over it instead: ``lockstep.SharedHead``)."""
+    units = [model.get_submodule(name) for index, block in enumerate(model.get_submodule(blocks_path))
+             for name in block_units(block, f"{blocks_path}.{index}")]
     head = _head(model)
-    return [*model.get_submodule(blocks_path), *([head] if head is not None else [])]
+    return [*(unit for unit in units if next(unit.parameters(), None) is not None), *([head] if head is not None else [])]
 
 
 def _head(model: nn.Module) -> nn.Module | None:
