@@ -6,7 +6,8 @@ residual block (``block_units``), and every module outside the block list, is on
 ``device_map``, offloaded, with the checkpoint itself as the offload store (``Float32Weights``:
 tensors read from the shards on demand; nothing is copied to an offload folder). accelerate's
 hooks then load a unit's weights just before it runs and drop them right after, so memory holds
-one layer (or a few rows of the embedding, or a slice of the head) at a time. With a GPU present the execution device is the GPU, else the CPU.
+one layer (or a few rows of the embedding, or a slice of the head) at a time. With a GPU
+present the execution device is the GPU, else the CPU.
 """
 
 from __future__ import annotations
