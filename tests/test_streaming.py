@@ -624,3 +624,26 @@ def test_each_command_parses_each_config_json_once(tmp_path, monkeypatch):
         configs = [path for path in parses if path.name == "config.json"]
         folders = {path.parent for path in configs}
         assert sorted(map(str, configs)) == sorted(map(str, {folder / "config.json" for folder in folders})), command
+
+
+def test_row_blocks_of_a_leading_axis_writer_are_the_whole_tensor_math(tmp_path):
+    # several blocks per tensor, so the column means come from a pass over blocks
+    from normswap.convert import fold
+    from normswap.convert.steps import Centre, FoldGain, TensorPlan
+    from normswap.convert.write import ShardSource, row_blocks
+
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(37, 11, generator=generator).to(torch.float16)
+    gain = torch.randn(37, generator=generator).to(torch.float16)
+    save_file({"w": weight, "g": gain}, tmp_path / "model.safetensors")
+    cases = {
+        "centre": ([Centre(axis=0)], fold.centre(weight, 0)),
+        "gain then centre": ([FoldGain(gain="g", axis=0), Centre(axis=0)], fold.centre(fold.fold_gain(weight, gain, 0), 0)),
+    }
+    with CheckpointReader(tmp_path) as reader:
+        source = ShardSource(reader)
+        for label, (steps, expected) in cases.items():
+            plan = TensorPlan("w", "w", (37, 11), "float16", "model.safetensors", steps)
+            assert source.row_streamable(plan), label
+            streamed = torch.cat([block.clone() for _, block in row_blocks(plan, source, slice_elements=5 * 11)])
+            assert torch.equal(streamed, expected), label

@@ -264,8 +264,11 @@ def centres_columns(step: Step) -> bool:
 def runs_on_rows(step: Step) -> bool:
     """Whether ``step`` can run on a tensor a block of whole rows at a time: a ``row_kernel``, or
     a centring along the leading axis (``centres_columns``)."""
-    return (step.slice_wise and getattr(step, "axis", 0) != 0) or centres_columns(step) or (
-        isinstance(step, FoldGain) and step.axis == 0)
+    return _scales_rows(step) or (step.slice_wise and step.axis != 0) or centres_columns(step)
+
+
+def _scales_rows(step: Step) -> bool:
+    return isinstance(step, FoldGain) and step.axis == 0
 
 
 def row_kernel(step: Step, read: Read) -> RowKernel:
@@ -276,13 +279,13 @@ def row_kernel(step: Step, read: Read) -> RowKernel:
     folded along the leading axis scales row i by γ_i, so the block starting at row r takes
     γ[r : r + rows]: the products are those of ``fold_gain_`` on the whole tensor.
     """
-    if isinstance(step, FoldGain) and step.axis == 0:
+    if _scales_rows(step):
         gain = read(step.gain).double() + step.offset
         return lambda w, start: fold_gain_(w, gain.narrow(0, start, w.shape[0]), 0)
-    if step.slice_wise and getattr(step, "axis", 0) != 0:
-        kernel = slice_kernel(step, read)
-        return lambda w, start: kernel(w)
-    raise TypeError(step)
+    if not runs_on_rows(step) or centres_columns(step):
+        raise TypeError(step)
+    kernel = slice_kernel(step, read)
+    return lambda w, start: kernel(w)
 
 
 def whole_step(step: Step, value: torch.Tensor, read: Read) -> torch.Tensor:
