@@ -28,6 +28,7 @@ from normswap.modeling import build, online
 from normswap.runtime.checkpoint import Checkpoint
 from normswap.runtime.reference import load_tokenizer
 from normswap.verify.checkpoint import verify_conversion, verify_rotation
+from normswap.verify.proof import WrittenProof
 
 # how messages name the output arguments of convert_checkpoint and rotate_checkpoint
 _OUT_ARGUMENTS = {"--out": "out", "--overwrite": "overwrite=True"}
@@ -237,7 +238,8 @@ def convert_checkpoint(
         checks = requested(verification, atol, rtol, quiet)
         options = ConversionOptions(method=method, fold_gains=fold_gains, dtype=dtype, allow_inexact=allow_inexact)
         source = Checkpoint.open(src, trust_remote_code=trust_remote_code, revision=revision)
-        return convert(source, out, options, checks, overwrite=overwrite, quiet=quiet, verifier=verify_conversion)
+        return convert(source, out, options, checks, overwrite=overwrite, quiet=quiet, verifier=verify_conversion,
+                       prover=WrittenProof)
 
 
 @checked
@@ -264,4 +266,4 @@ def rotate_checkpoint(
         checks = requested(verification, atol, rtol, quiet)
         source = Checkpoint.open(src, trust_remote_code=trust_remote_code)
         return rotate(source, out, options, checks, overwrite=overwrite, quiet=quiet, verifier=verify_rotation,
-                      media=MediaInputs())
+                      media=MediaInputs(), prover=WrittenProof)

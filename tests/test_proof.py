@@ -182,18 +182,18 @@ def test_rotated_tensors_and_the_rotation_matrix(sources, tmp_path):
 
 def test_the_slicing_shortcut(sources, tmp_path):
     from normswap.rotate.slice_pipeline import SliceOptions, slice_checkpoint
-    from normswap.verify.proof import prove_weights
+    from normswap.verify.proof import WrittenProof, prove_weights
 
     src = sources("gpt2")
     out = tmp_path / "sliced"
     calibration = example_model_path().parent / "text" / "persuasion-excerpt.txt"
     planned = {}
 
-    def prove(source, folder, plan):
+    def prover(plan):
         planned["plan"] = plan
-        return prove_weights(source, folder, plan)
+        return WrittenProof(plan)
 
-    block = slice_checkpoint(src, out, SliceOptions(0.25, calibration, calibration_tokens=2048), prove=prove)
+    block = slice_checkpoint(src, out, SliceOptions(0.25, calibration, calibration_tokens=2048), prover=prover)
     assert block["slicing"]["proof"]["tensors"] == len(planned["plan"].tensors)
     weights = out / "model.safetensors"
     pristine, state = weights.read_bytes(), load_file(weights)

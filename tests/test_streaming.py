@@ -226,7 +226,7 @@ def test_workers_share_the_writing_and_the_proof_with_the_outcome_of_one(tmp_pat
     report the failure it would: the first in plan order, whichever thread met it."""
     from normswap.convert import write
     from normswap.convert.planning import plan_conversion
-    from normswap.verify.proof import prove_weights
+    from normswap.verify.proof import WrittenProof, prove_weights
 
     src = tiny_gpt2(tmp_path / "src", shard_size="40KB")
     config = json.loads((src / "config.json").read_text())
@@ -241,15 +241,22 @@ def test_workers_share_the_writing_and_the_proof_with_the_outcome_of_one(tmp_pat
             figures.append(prove_weights(src, tmp_path / "out1", plan, workers=workers))
         assert len(trees[0]) > 2 and trees[1] == trees[0] and trees[2] == trees[0]
         assert figures[1] == figures[0] and figures[2] == figures[0]
+        for workers in (1, 2):  # proven while written: the same bytes, the same figures
+            out = tmp_path / f"witnessed{workers}"
+            out.mkdir()
+            witness = WrittenProof(plan)
+            write.write_weights(out, plan, reader, workers=workers, witness=witness)
+            assert tree_hash(out) == trees[0]
+            assert witness.figures(out) == figures[0]
 
         names = list(write.tensors_by_shard(plan).values())
         early, late = names[0][1].name, names[-1][-1].name
         written = write.write_tensor
 
-        def failing(fd, position, tensor, source, whole=None):
+        def failing(fd, position, tensor, source, whole=None, witness=None):
             if tensor.name in (early, late):
                 raise NormswapError(f"cannot write {tensor.name}")
-            written(fd, position, tensor, source, whole)
+            written(fd, position, tensor, source, whole, witness)
 
         monkeypatch.setattr(write, "write_tensor", failing)
         for workers in (1, 2):
@@ -262,13 +269,13 @@ def test_workers_share_the_writing_and_the_proof_with_the_outcome_of_one(tmp_pat
         # tensor before the files it writes into are closed, and it takes no other
         busy, taken, still_open = threading.Event(), [], []
 
-        def slow(fd, position, tensor, source, whole=None):
+        def slow(fd, position, tensor, source, whole=None, witness=None):
             if threading.current_thread() is not threading.main_thread():
                 taken.append(tensor.name)
                 busy.set()
                 time.sleep(0.6)
                 still_open.append(os.path.exists(f"/proc/self/fd/{fd}"))
-            written(fd, position, tensor, source, whole)
+            written(fd, position, tensor, source, whole, witness)
 
         class Interrupted(BaseException):
             pass

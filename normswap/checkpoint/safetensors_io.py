@@ -275,8 +275,8 @@ def encode_header(tensors: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> tu
 
 
 def create_sized(path: Path, size: int) -> int:
-    """A write descriptor of ``path``, created (or truncated) at its final ``size``; the caller
-    closes it.
+    """A read-write descriptor of ``path``, created (or truncated) at its final ``size``; the
+    caller closes it. (A proof taken while writing reads each block back through it.)
 
     The file is sized first, sparse (``ftruncate``), and then filled at known offsets: space
     reserved with ``posix_fallocate`` instead is held as unwritten extents, and on ext4 turning
@@ -286,7 +286,7 @@ def create_sized(path: Path, size: int) -> int:
     process filling the disk) still becomes a one-line ``NormswapError`` (``space_errors``).
     """
     with space_errors(path):
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # the umask decides
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)  # the umask decides
         try:
             os.ftruncate(fd, size)
         except BaseException:
@@ -319,6 +319,19 @@ def write_at(fd: int, offset: int, data: memoryview) -> None:
     done = 0
     while done < len(data):
         done += os.pwrite(fd, data[done:], offset + done)
+
+
+def read_at(fd: int, offset: int, into: torch.Tensor) -> torch.Tensor:
+    """Fill the uint8 tensor ``into`` with the bytes at ``offset`` (a single read may be partial);
+    a file that ends first is a ``NormswapError``."""
+    view = memoryview(into.numpy()).cast("B")
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got <= 0:
+            raise NormswapError("a weight file ended early (it shrank while it was read)")
+        done += got
+    return into
 
 
 def copy_range(source_fd: int, source_offset: int, fd: int, offset: int, count: int) -> bool:

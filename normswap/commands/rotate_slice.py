@@ -22,13 +22,13 @@ def check_options(args: argparse.Namespace) -> None:
 
 def run_slice(args: argparse.Namespace) -> int:
     from normswap.rotate.slice_pipeline import SliceOptions, slice_checkpoint
-    from normswap.verify.proof import prove_weights
+    from normswap.verify.proof import WrittenProof
 
     check_options(args)
     options = SliceOptions(args.slice, args.calibration, args.held_out, args.calibration_tokens, args.dtype)
     provenance = slice_checkpoint(args.src, args.out, options, overwrite=args.overwrite,
                                   trust_remote_code=args.trust_remote_code,
-                                  prove=None if args.verification == "none" else prove_weights)
+                                  prover=None if args.verification == "none" else WrittenProof)
     block = provenance["slicing"]
     cost = block["perplexity"]
     print(f"wrote {args.out}: residual stream sliced from {block['original_hidden_size']} to {block['hidden_size']} "

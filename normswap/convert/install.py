@@ -18,7 +18,7 @@ from normswap.checkpoint import output
 from normswap.checkpoint.source import CheckpointReader
 from normswap.convert import card
 from normswap.convert.plan import ConversionPlan
-from normswap.convert.write import copy_side_files, write_json, write_weights
+from normswap.convert.write import Witness, copy_side_files, write_json, write_weights
 from normswap.errors import NormswapError, VerificationError
 from normswap.modeling import MODELING_FILE, modeling_source
 from normswap.runtime.checkpoint import Checkpoint
@@ -50,9 +50,13 @@ class Verification:
         return cls(atol=atol, rtol=rtol, layerwise=LAYERWISE[mode], quiet=quiet)
 
 
-# verifier(source, folder, verification, plan) -> figures: ``verify_conversion``, ``verify_rotation``
-# or a sliced model's perplexity cost; ``plan`` is the plan the folder was written from
-Verifier = Callable[[Checkpoint, Path, Verification, ConversionPlan], dict]
+# verifier(source, folder, verification, plan, written) -> figures: ``verify_conversion``,
+# ``verify_rotation`` or a sliced model's perplexity cost; ``plan`` is the plan the folder was
+# written from, ``written`` the witness that proved its weights as they were written (or None)
+Verifier = Callable[[Checkpoint, Path, Verification, ConversionPlan, "Witness | None"], dict]
+# prover(plan) -> the witness that proves a plan's weights while they are written
+# (``normswap.verify.proof.WrittenProof``), so that the source is read once
+Prover = Callable[[ConversionPlan], Witness]
 
 
 def check_verification_mode(verification: str, atol: float | None = None, rtol: float | None = None) -> None:
@@ -79,13 +83,17 @@ def requested(mode: str, atol: float | None = None, rtol: float | None = None,
     return None if mode == "none" else verification
 
 
-def output_check(verification: Verification | None, verifier: Verifier | None, must_pass: bool) -> OutputCheck:
-    """The check of an output: ``verifier`` with ``verification``, or none when none is asked for."""
+def output_check(verification: Verification | None, verifier: Verifier | None, must_pass: bool,
+                 prover: Prover | None = None) -> OutputCheck:
+    """The check of an output: ``verifier`` with ``verification`` (its weights proven while they
+    are written when there is a ``prover`` and the verification proves them), or none when none
+    is asked for."""
     if verification is None:
         return OutputCheck()
     if verifier is None:
         raise TypeError("a verification needs a verifier (normswap.api passes one)")
-    return OutputCheck(verifier, must_pass=must_pass, verification=verification)
+    return OutputCheck(verifier, must_pass=must_pass, verification=verification,
+                       prover=prover if verification.proof else None)
 
 
 @dataclass
@@ -109,14 +117,16 @@ class OutputFiles:
 @dataclass
 class OutputCheck:
     """How an output is checked before it is installed: ``verifier(source, folder, verification,
-    plan)`` (``verify_conversion``, ``verify_rotation``, a sliced model's perplexity cost; None: no
-    check), whose figures are recorded in the provenance under the keys ``records_as``; with
-    ``must_pass`` a failed check raises ``VerificationError`` and nothing is installed."""
+    plan, written)`` (``verify_conversion``, ``verify_rotation``, a sliced model's perplexity cost;
+    None: no check), whose figures are recorded in the provenance under the keys ``records_as``;
+    with ``must_pass`` a failed check raises ``VerificationError`` and nothing is installed.
+    ``prover(plan)`` makes the witness that proves the weights as they are written (``written``)."""
 
     verifier: Verifier | None = None
     must_pass: bool = False
     verification: Verification = field(default_factory=Verification)
     records_as: tuple[str, ...] = ("verification",)
+    prover: Prover | None = None
 
 
 def install(files: OutputFiles, reader: CheckpointReader, source: Checkpoint | None,
@@ -133,8 +143,9 @@ def install(files: OutputFiles, reader: CheckpointReader, source: Checkpoint | N
     output.check_free_space(files.out, total)
     with output.claimed_output(files.out, inputs=files.inputs, overwrite=files.overwrite, kind="checkpoint") as claim:
         tmp = claim.tmp
+        written = None if check.verifier is None or check.prover is None else check.prover(plan)
         with output.progress_bar(total, len(plan.tensors), files.quiet) as done:
-            write_weights(tmp, plan, reader, done)
+            write_weights(tmp, plan, reader, done, witness=written)
         reader.close()
         if files.extra_files is not None:
             files.extra_files(tmp)
@@ -145,7 +156,7 @@ def install(files: OutputFiles, reader: CheckpointReader, source: Checkpoint | N
             copy_side_files(source_dir, tmp)
         write_json(tmp / "config.json", config_json(provenance))
         if check.verifier is not None:
-            result = check.verifier(source, tmp, check.verification, plan)
+            result = check.verifier(source, tmp, check.verification, plan, written)
             *parents, key = check.records_as
             block = provenance
             for parent in parents:

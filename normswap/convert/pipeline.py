@@ -43,7 +43,8 @@ class ConversionOptions:
 
 def convert_checkpoint(source: Checkpoint, out: str | Path, options: ConversionOptions,
                        verification: install.Verification | None, *, overwrite: bool = False,
-                       quiet: bool = True, verifier: install.Verifier | None = None) -> dict:
+                       quiet: bool = True, verifier: install.Verifier | None = None,
+                       prover: install.Prover | None = None) -> dict:
     """Convert the LayerNorm checkpoint ``source`` into an exact RMSNorm checkpoint at ``out``.
 
     Returns the provenance block written into ``out/config.json`` (with the verification
@@ -53,8 +54,10 @@ def convert_checkpoint(source: Checkpoint, out: str | Path, options: ConversionO
     Tensors stream from the source shards to the output shards one group at a time, so memory is
     bounded by the largest tensor group, not the model. ``verification`` (None: none) says how
     ``verifier`` (``normswap.verify.checkpoint.verify_conversion`` from the public API) checks the
-    output: layer by layer for models too big to hold twice, or whole models. A failure, a full
-    disk or SIGINT/SIGTERM leaves nothing at ``out`` and no temporary directory.
+    output: layer by layer for models too big to hold twice, or whole models; ``prover``
+    (``normswap.verify.proof.WrittenProof``) proves the weights as they are written, so that the
+    source is read once. A failure, a full disk or SIGINT/SIGTERM leaves nothing at ``out`` and
+    no temporary directory.
     """
     out = output.absolute(out)
     inputs = source.inputs()
@@ -73,7 +76,7 @@ def convert_checkpoint(source: Checkpoint, out: str | Path, options: ConversionO
             out, inputs, plan, provenance, overwrite=overwrite, quiet=quiet,
             config_json=lambda block: card.converted_config(source.config, plan, meta, architecture, block))
         install.install(files, source.reader, source,
-                        install.output_check(verification, verifier, must_pass=method == "exact"))
+                        install.output_check(verification, verifier, must_pass=method == "exact", prover=prover))
     return provenance
 
 

@@ -15,6 +15,11 @@ vocab × d table is never whole in memory; a writer centred along its leading ax
 pass over its rows first, for the column means. Everything else is computed whole by
 ``fold.compute_tensor``. Reads go through ``source.RecentReads`` (a bias fold reads its layer's
 weight, the next tensor written, once). The file format itself is ``safetensors_io``'s.
+
+A ``Witness`` (the weights proof of the command that writes) sees every block as it is written:
+the float64 value the writer computed, or the source bytes of a kept tensor, beside where its
+bytes now are. A kept tensor then goes through a buffer instead of the kernel, so that the
+proof checks the bytes the writer read; the source is read once, for both.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -37,13 +43,33 @@ from normswap.convert.plan import ConversionPlan, TensorPlan
 from normswap.threads import WorkQueue, tensor_workers
 
 Progress = Callable[[int], None]
+COPY_CHUNK_BYTES = 16 << 20
+
+
+class Witness(Protocol):
+    """What checks each tensor as it is written, over the writer's own reads
+    (``normswap.verify.proof.WrittenProof``). Each call may come from any writer thread; a call
+    that finds a wrong block raises, and the write fails with its error."""
+
+    def identical(self, plan: TensorPlan, expected: torch.Tensor, fd: int, position: int) -> None:
+        """``expected`` (uint8), bytes of ``plan.source`` the writer read, now stored at ``position``
+        of ``fd``: a tensor the plan keeps as it is."""
+
+    def computed(self, plan: TensorPlan, start: int, value: torch.Tensor, fd: int, position: int) -> None:
+        """``value``: float64 rows from row ``start`` of what the plan makes ``plan``, before the
+        cast the writer stored at ``position`` of ``fd``."""
+
+    def figures(self, output_dir: Path, identical: dict[str, str] | None = None) -> dict:
+        """Once the write is done, the proof's figures for the checkpoint at ``output_dir``
+        (``identical`` receives each tensor kept byte for byte: name -> source name)."""
 
 
 class ShardSource:
     """What the writer needs from the checkpoint: cached reads, and the fast paths it allows.
 
-    * ``unchanged(plan)``: (fd, offset) of the source bytes of a tensor the plan keeps as it is
-      (same dtype, no steps): copied file to file in the kernel, within ``holding(plan)``.
+    * ``keeps_bytes(plan)``: the plan keeps the tensor as it is (same dtype, no steps);
+      ``unchanged(plan)``: (fd, offset) of its source bytes, copied file to file in the kernel,
+      within ``holding(plan)``.
     * ``row_streamable(plan)``: every step of the plan runs on blocks of whole rows
       (``fold.runs_on_rows``: centring a writer along either axis, folding a gain, baking a norm
       into a table), so the tensor can go from source file to output file a block of rows at a
@@ -65,10 +91,12 @@ class ShardSource:
             held = self._buffers[role] = torch.empty(nbytes, dtype=torch.uint8)
         return held[:nbytes]
 
+    def keeps_bytes(self, plan: TensorPlan) -> bool:
+        """The plan keeps this tensor as it is: no steps, the source's dtype, so its bytes are the source's."""
+        return not plan.steps and plan.source is not None and self.reader.tensors[plan.source].dtype == plan.dtype
+
     def unchanged(self, plan: TensorPlan) -> tuple[int, int] | None:
-        if not self._direct or plan.steps or plan.source is None or not hasattr(os, "copy_file_range"):
-            return None
-        if self.reader.tensors[plan.source].dtype != plan.dtype:
+        if not self._direct or not self.keeps_bytes(plan) or not hasattr(os, "copy_file_range"):
             return None
         return self.reader.locate(plan.source)
 
@@ -149,32 +177,68 @@ class OutputShards:
 
 
 def write_tensor(fd: int, position: int, plan: TensorPlan, source: ShardSource,
-                 whole: threading.Lock | None = None) -> None:
+                 whole: threading.Lock | None = None, witness: Witness | None = None) -> None:
     """Write one tensor's bytes at ``position``: copied when unchanged, streamed by rows when the
-    steps allow, else computed whole (holding ``whole``, when given, meanwhile)."""
+    steps allow, else computed whole (holding ``whole``, when given, meanwhile); ``witness``, when
+    given, sees every block written."""
+    if witness is not None and source.keeps_bytes(plan):
+        _copy_witnessed(fd, position, plan, source, witness)
+        return
     with source.holding(plan):  # the source shard's descriptor stays open while the kernel copies from it
         where = source.unchanged(plan)
         if where is not None and safetensors_io.copy_range(where[0], where[1], fd, position, plan.nbytes):
             return
     if source.row_streamable(plan):
-        _stream_rows(fd, position, plan, source)
+        _stream_rows(fd, position, plan, source, witness)
         return
     with whole if whole is not None else contextlib.nullcontext():
-        value = fold.compute_tensor(plan, source.read)
+        exact = fold.compute_tensor(plan, source.read, torch.float64) if witness is not None else None
+        value = fold.compute_tensor(plan, source.read) if exact is None else exact.to(plan.dtype)
         if tuple(value.shape) != tuple(plan.shape):
             raise AssertionError(f"{plan.name}: computed shape {tuple(value.shape)} != {plan.shape}")
         safetensors_io.write_at(fd, position, safetensors_io.bytes_of(value))
-        del value  # before another thread computes the next whole tensor
+        if exact is not None:
+            row_bytes = _row_bytes(plan)
+            for start, rows in _row_slices(exact, fold.SLICE_ELEMENTS):
+                witness.computed(plan, start, rows, fd, position + start * row_bytes)
+        del value, exact  # before another thread computes the next whole tensor
 
 
-def _stream_rows(fd: int, position: int, plan: TensorPlan, source: ShardSource) -> None:
+def _row_bytes(plan: TensorPlan) -> int:
+    return max(1, math.prod(plan.shape[1:])) * plan.dtype.itemsize
+
+
+def _copy_witnessed(fd: int, position: int, plan: TensorPlan, source: ShardSource, witness: Witness) -> None:
+    """A kept tensor copied through a buffer, a block of rows at a time, each block shown to
+    ``witness`` with the bytes it was read as: the source is read once for the copy and its proof."""
+    reader = source.reader
+    if not reader.is_safetensors or not plan.shape or plan.nbytes == 0:
+        value = reader.get(plan.source)
+        data = value.contiguous().reshape(-1).view(torch.uint8)
+        safetensors_io.write_at(fd, position, safetensors_io.bytes_of(data))
+        witness.identical(plan, data, fd, position)
+        return
+    row_bytes = _row_bytes(plan)
+    rows = max(1, COPY_CHUNK_BYTES // row_bytes)
+    buffer = source.buffer("copy", min(rows, plan.shape[0]) * row_bytes)
+    for start in range(0, plan.shape[0], rows):
+        count = min(rows, plan.shape[0] - start)
+        data = reader.read_rows(plan.source, start, count, buffer).reshape(-1).view(torch.uint8)
+        safetensors_io.write_at(fd, position + start * row_bytes, safetensors_io.bytes_of(data))
+        witness.identical(plan, data, fd, position + start * row_bytes)
+
+
+def _stream_rows(fd: int, position: int, plan: TensorPlan, source: ShardSource,
+                 witness: Witness | None = None) -> None:
     """Read, transform (float64, in place) and write ``plan`` a block of rows at a time
     (``row_blocks``); memory holds three buffers of one block each."""
-    out_row_bytes = max(1, math.prod(plan.shape[1:])) * plan.dtype.itemsize
+    out_row_bytes = _row_bytes(plan)
     for start, block in row_blocks(plan, source):
         result = source.buffer("out", block.numel() * plan.dtype.itemsize).view(plan.dtype).view(block.shape)
         result.copy_(block)
         safetensors_io.write_at(fd, position + start * out_row_bytes, safetensors_io.bytes_of(result))
+        if witness is not None:
+            witness.computed(plan, start, block, fd, position + start * out_row_bytes)
 
 
 def row_blocks(plan: TensorPlan, source: ShardSource,
@@ -230,7 +294,12 @@ def expected_blocks(plan: TensorPlan, source: ShardSource,
     if source.row_streamable(plan):
         yield from row_blocks(plan, source, slice_elements)
         return
-    value = fold.compute_tensor(plan, source.read, torch.float64)
+    yield from _row_slices(fold.compute_tensor(plan, source.read, torch.float64), slice_elements)
+
+
+def _row_slices(value: torch.Tensor, slice_elements: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """(first row, rows) of ``value`` in slices of about ``slice_elements`` (a scalar or an empty
+    tensor whole)."""
     if value.dim() == 0 or value.shape[0] == 0:
         yield 0, value
         return
@@ -240,15 +309,17 @@ def expected_blocks(plan: TensorPlan, source: ShardSource,
 
 
 def write_weights(out_dir: Path, plan: ConversionPlan, reader: CheckpointReader,
-                  progress: Progress | None = None, workers: int | None = None) -> None:
+                  progress: Progress | None = None, workers: int | None = None,
+                  witness: Witness | None = None) -> None:
     """Every output shard, plus ``model.safetensors.index.json`` when there are several.
 
     ``workers`` threads (default ``threads.tensor_workers``; one for a pickled source) share the
     tensors, each writing the next one in plan order at its place: writing into the page cache
     is bound by the memory copies of the core that makes them, so a second core adds its own.
-    Only one tensor at a time is computed whole, so that memory holds one. The bytes are
-    the same whatever the split. The index follows transformers: ``metadata.total_size`` is the
-    bytes of tensor data and ``weight_map`` names each tensor's shard, keys sorted.
+    Only one tensor at a time is computed whole, so that memory holds one. The bytes are the
+    same whatever the split, and whether a ``witness`` sees the blocks. The index follows
+    transformers: ``metadata.total_size`` is the bytes of tensor data and ``weight_map`` names
+    each tensor's shard, keys sorted.
     """
     by_shard = tensors_by_shard(plan)
     order = [tensor for tensors in by_shard.values() for tensor in tensors]
@@ -265,7 +336,7 @@ def write_weights(out_dir: Path, plan: ConversionPlan, reader: CheckpointReader,
             try:
                 fd, position = files.place(tensor)
                 with safetensors_io.space_errors(out_dir / tensor.shard):
-                    write_tensor(fd, position, tensor, source, whole)
+                    write_tensor(fd, position, tensor, source, whole, witness)
                     files.written(tensor)  # closing a finished shard may report a full disk too
                 if progress is not None:
                     with reported:

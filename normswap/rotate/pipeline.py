@@ -85,7 +85,8 @@ class RotationOptions:
 
 def rotate_checkpoint(source: Checkpoint, out: str | Path, options: RotationOptions,
                       verification: install.Verification | None, *, overwrite: bool = False, quiet: bool = True,
-                      verifier: install.Verifier | None = None, media: MediaCalibration | None = None) -> dict:
+                      verifier: install.Verifier | None = None, media: MediaCalibration | None = None,
+                      prover: install.Prover | None = None) -> dict:
     """Write ``source`` with its residual basis rotated by Q to ``out``, verified against it.
 
     ``source`` is an original LayerNorm checkpoint (folded, and for the free form centred, in the
@@ -95,7 +96,7 @@ def rotate_checkpoint(source: Checkpoint, out: str | Path, options: RotationOpti
     ``out/config.json``; raises ``NormswapError`` for bad input and ``VerificationError`` when the
     output does not match, leaving nothing at ``out``. ``verifier``
     (``normswap.verify.checkpoint.verify_rotation`` from the public API) checks the output as
-    ``verification`` asks (None: not at all).
+    ``verification`` asks (None: not at all); ``prover`` proves the weights as they are written.
     """
     out, config = output.absolute(out), source.config
     calibration = check_source(source.folder, config, options.form, options.calibration, media)
@@ -114,7 +115,8 @@ def rotate_checkpoint(source: Checkpoint, out: str | Path, options: RotationOpti
             config_json=lambda block: card.converted_config(rotation_plan.config, plan, rotation_plan.built,
                                                             architecture, block),
             extra_files=lambda folder: save_rotation(folder / ROTATION_FILE, rotation))
-        install.install(files, source.reader, source, install.output_check(verification, verifier, must_pass=True))
+        install.install(files, source.reader, source, install.output_check(verification, verifier, must_pass=True,
+                                                                         prover=prover))
     return provenance
 
 

@@ -21,6 +21,7 @@ from normswap.checkpoint import output
 from normswap.checkpoint.rotations import DEFAULT_CALIBRATION_TOKENS
 from normswap.convert import card, install, pipeline
 from normswap.convert.plan import ConversionPlan
+from normswap.convert.write import Witness
 from normswap.dtypes import parse_dtype
 from normswap.errors import NormswapError
 from normswap.evaluation.perplexity import strided_perplexity
@@ -174,13 +175,13 @@ class SliceOptions:
 
 def slice_checkpoint(source: str | Path | Checkpoint, out: str | Path, options: SliceOptions, *,
                      overwrite: bool = False, trust_remote_code: bool = False, quiet: bool = True,
-                     prove: Callable[[Path, Path, ConversionPlan], dict] | None = None) -> dict:
+                     prover: install.Prover | None = None) -> dict:
     """Write ``source`` sliced as ``options`` say to ``out``; returns the provenance block,
     perplexity cost included.
 
-    ``prove(source_dir, folder, plan)`` (``normswap.verify.proof.prove_weights``, passed in by the
-    command) proves every written tensor against the sliced plan before the perplexity is
-    measured; its figures are recorded as ``slicing.proof``."""
+    ``prover(plan)`` (``normswap.verify.proof.WrittenProof``, passed in by the command) proves
+    every tensor against the sliced plan as it is written, before the perplexity is measured;
+    its figures are recorded as ``slicing.proof``."""
 
     source = checkpoint_of(source, trust_remote_code=trust_remote_code)
     out = output.absolute(out)
@@ -201,21 +202,23 @@ def slice_checkpoint(source: str | Path | Checkpoint, out: str | Path, options: 
         sliced = slicing.sliced_plan(plan, slice_plan.roles, slice_plan.bases, slice_plan.shortcuts, dtype_out,
                                      slice_plan.d)
         cost = _perplexity_measure(architecture, texts.held_out, slice_plan.block["calibration"]["window"],
-                                   None if prove is None else lambda source_dir, folder: slice_plan.block.update(
-                                       proof=prove(source_dir, folder, sliced)))
+                                   lambda figures: slice_plan.block.update(proof=figures))
         files = install.OutputFiles(out, inputs, sliced, provenance, overwrite=overwrite, quiet=quiet,
                                     config_json=lambda block: sliced_config(slice_plan, block), model_card=model_card)
-        install.install(files, source.reader, source, install.OutputCheck(cost, records_as=("slicing", "perplexity")))
+        install.install(files, source.reader, source, install.OutputCheck(cost, records_as=("slicing", "perplexity"),
+                                                                         prover=prover))
     return provenance
 
 
 def _perplexity_measure(architecture: Architecture, ids: torch.Tensor, window: int,
-                        proof: Callable[[Path, Path], None] | None = None) -> install.Verifier:
-    """The install lifecycle's check for a sliced checkpoint: the weights ``proof`` when given,
-    then its perplexity cost, which must be finite."""
-    def measure(source: Checkpoint, folder: Path, verification: install.Verification, plan: ConversionPlan) -> dict:
-        if proof is not None:
-            proof(source.folder, folder)
+                        record_proof: Callable[[dict], None]) -> install.Verifier:
+    """The install lifecycle's check for a sliced checkpoint: the figures of the weights proof
+    taken while it was written (``written``, when there is one) to ``record_proof``, then its
+    perplexity cost, which must be finite."""
+    def measure(source: Checkpoint, folder: Path, verification: install.Verification, plan: ConversionPlan,
+                written: Witness | None) -> dict:
+        if written is not None:
+            record_proof(written.figures(folder))
         cost = perplexity_cost(source.folder, folder, architecture, ids, window, source.config)
         if not all(math.isfinite(cost[label]) for label in ("original", "sliced")):
             raise NormswapError(f"the sliced model's perplexity is not finite ({cost['sliced']}); nothing was written")

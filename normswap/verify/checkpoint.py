@@ -76,16 +76,17 @@ def verify_checkpoint(original: str | Path, converted: str | Path, *, atol: floa
 
 
 def verify_conversion(original: Checkpoint, converted: str | Path, verification: Verification | None = None,
-                      plan: ConversionPlan | None = None) -> dict:
+                      plan: ConversionPlan | None = None, written: weights.WrittenProof | None = None) -> dict:
     """``verify_checkpoint`` of the checkpoint ``original`` already opened, as ``verification``
-    asks (the verifier ``convert`` runs, handed the plan it wrote)."""
+    asks (the verifier ``convert`` runs, handed the plan it wrote and ``written``, the proof it
+    took while writing, whose figures stand for the weights proof)."""
     verification = verification or Verification()
     original_dir, converted_dir = original.folder, Path(converted).expanduser()
     provenance, architecture, configs = _check_pair(original, converted_dir, converted, with_contents=False)
     check_contents = partial(contents.check_contents, original_dir, converted_dir, *configs, provenance)
     if provenance.rotation is not None:  # its stream is C·h·Q, not C·h
         check_contents()
-        return _compare_rotated(original_dir, converted_dir, provenance, configs, verification, None)
+        return _compare_rotated(original_dir, converted_dir, provenance, configs, verification, None, None)
     atol, rtol = tolerance(provenance, converted_dir, verification.atol, verification.rtol)
     mode = verification_mode(original_dir, architecture, verification.layerwise)
     proof = verification.proof
@@ -112,7 +113,7 @@ def verify_conversion(original: Checkpoint, converted: str | Path, verification:
 
     proven, (probe, loaders, mode, note) = proven_and_compared(
         original_dir, converted_dir, plan if proof else None, mode, compare, prepare=prepare,
-        beside=verification.layerwise is not True)
+        beside=verification.layerwise is not True, written=written)
     return summarise(probe, loaders, (atol, rtol), (mode, note), provenance.method, (original_dir, converted_dir),
                      **({"proof": proven} if proven is not None else {}))
 
@@ -121,10 +122,14 @@ def proven_and_compared(reference_dir: Path, converted_dir: Path, plan: Conversi
                         mode: tuple[str, str | None],
                         compare: Callable[[dict[str, str], Callable[[], None] | None], tuple],
                         prepare: Callable[[], object] | None = None, beside: bool = True,
-                        ) -> tuple[dict | None, tuple]:
+                        written: weights.WrittenProof | None = None) -> tuple[dict | None, tuple]:
     """(proof figures or None, ``compare(identical, check)``): the weights proof of ``plan``
     (none without one), then the forward comparison, after ``prepare()``: the checks of the
     folder's other contents and ``import_classes``, which fail before any figure is taken.
+
+    ``written``, the proof taken while the folder was written, stands for the weights proof: its
+    figures are taken (the stored inventory checked against the plan) and the comparison follows,
+    reading each tensor kept byte for byte once for both checkpoints.
 
     A whole-model comparison runs after the proof, so that a wrong weight fails before any model
     runs, and so does a block-by-block one of every block (not ``beside``: its forward passes
@@ -140,6 +145,12 @@ def proven_and_compared(reference_dir: Path, converted_dir: Path, plan: Conversi
     (``identical``, proven so by the proof) is read once for both checkpoints. ``check`` stops
     the comparison at its next block once the proof has failed, and the proof's failure is raised
     before the comparison's. An interrupt stops the proof too."""
+    if written is not None:
+        if prepare is not None:
+            prepare()
+        identical = {}
+        proven = written.figures(converted_dir, identical)
+        return proven, compare(identical, None)
     if plan is None or mode[0] != "layerwise" or not beside:
         if prepare is not None:
             prepare()
@@ -378,11 +389,12 @@ def _worst_layer(loaders: dict[str, dict]) -> dict:
 
 
 def verify_rotation(reference: Checkpoint | str | Path, rotated: str | Path,
-                    verification: Verification | None = None, plan: ConversionPlan | None = None) -> dict:
+                    verification: Verification | None = None, plan: ConversionPlan | None = None,
+                    written: weights.WrittenProof | None = None) -> dict:
     """Compare a rotated checkpoint with the checkpoint it was rotated from (an original or a
     folded conversion): first every stored tensor against the rotation plan (``proof``; ``plan``
     is the plan the rotation ran, else it is rebuilt from the recorded form, method, seed and the
-    stored Q), then logits, and per block the stream, which must be h·Q (C·h·Q for the free form,
+    stored Q; ``written``, the proof the rotation took while writing, stands for it), then logits, and per block the stream, which must be h·Q (C·h·Q for the free form,
     whose stream is centred).
 
     The free form's model is built from normswap's own RMSNorm classes (with
@@ -398,18 +410,19 @@ def verify_rotation(reference: Checkpoint | str | Path, rotated: str | Path,
         raise NormswapError(f"{rotated_dir} is not a rotated normswap checkpoint")
     contents.check_contents(reference_dir, rotated_dir, reference_config, rotated_config, provenance)
     return _compare_rotated(reference_dir, rotated_dir, provenance, (reference_config, rotated_config),
-                            verification, plan)
+                            verification, plan, written)
 
 
 def _compare_rotated(reference_dir: Path, rotated_dir: Path, provenance: Provenance, configs: tuple[dict, dict],
-                     verification: Verification, plan: ConversionPlan | None) -> dict:
+                     verification: Verification, plan: ConversionPlan | None,
+                     written: weights.WrittenProof | None) -> dict:
     """``verify_rotation`` once the pair's contents are checked: the proof, then the comparison."""
 
     reference_config, rotated_config = configs
     rotation = rotation_matrix(rotated_dir, rotated_config)
     architecture, _, reference_block = family_of(reference_dir, reference_config)
     proof, layerwise = verification.proof, verification.layerwise
-    if proof and plan is None:
+    if proof and plan is None and written is None:
         plan = weights.rebuilt_rotation_plan(reference_dir, reference_config, provenance.rotation or {}, rotation,
                                              provenance.options, stored_tensors(rotated_dir))
     atol, rtol = tolerance(provenance, rotated_dir, verification.atol, verification.rtol)
@@ -438,6 +451,7 @@ def _compare_rotated(reference_dir: Path, rotated_dir: Path, provenance: Provena
 
     proven, (probe, loaders, mode, note) = proven_and_compared(
         reference_dir, rotated_dir, plan if proof else None, mode, compare,
-        prepare=partial(import_classes, reference_config, architecture), beside=layerwise is not True)
+        prepare=partial(import_classes, reference_config, architecture), beside=layerwise is not True,
+        written=written)
     return summarise(probe, loaders, (atol, rtol), (mode, note), "exact", (reference_dir, rotated_dir),
                      reference="source", **({"proof": proven} if proven is not None else {}))

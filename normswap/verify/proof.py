@@ -21,17 +21,24 @@ infinity where the plan makes a finite value fails. The proof reads each file on
 disk speed, and it proves every row, including rows no forward probe reads (embedding rows of
 tokens outside the probe, positions beyond its length). Its figures name the worst tensor and its
 distance, in ulps, from the correctly rounded value.
+
+Two ways to run it, with the same checks and figures: ``WeightsProof`` proves a checkpoint on
+disk, recomputing each value from the original (``normswap verify``); ``WrittenProof`` proves
+each block as the writer writes it (``convert`` and ``rotate``), against the float64 value the
+writer computed and the stored bytes read back at once from the file just written, so that the
+source is read once for the write and its proof.
 """
 
 from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 
+from normswap.checkpoint import safetensors_io
 from normswap.checkpoint.rotations import rotation_method
 from normswap.checkpoint.source import CheckpointReader, TensorInfo
 from normswap.convert.plan import ConversionPlan, TensorPlan
@@ -116,7 +123,7 @@ class WeightsProof:
                 shared = ShardSource(source)
                 while (index := self.queue.take()) is not None:
                     tensor = self.tensors[index]
-                    if _same_bytes_expected(tensor, source):
+                    if shared.keeps_bytes(tensor):
                         _prove_identical(tensor, source, output, shared)
                         result = (index, None, 0)
                     elif shared.row_streamable(tensor):
@@ -141,27 +148,92 @@ class WeightsProof:
         """The proof's figures once every ``work()`` has returned (see ``prove_weights``)."""
         if self.failure is not None:
             raise self.failure
-        counts = {"tensors": len(self.plan.tensors), "byte_identical": 0, "recomputed": 0}
-        worst = {"tensor": None, "ulp": 0.0, "dtype": None, "elements_off_by_rounding": 0}
-        for index, units, off in sorted(self.results, key=lambda result: result[0]):
-            tensor = self.tensors[index]
-            if units is None:
-                counts["byte_identical"] += 1
-                if identical is not None:
-                    identical[tensor.name] = tensor.source
-                continue
-            counts["recomputed"] += 1
-            worst["elements_off_by_rounding"] += off
-            if units > worst["ulp"]:
-                worst.update(tensor=tensor.name, ulp=units, dtype=tensor.dtype_name)
-        return {**counts, "limit_ulp": ULP_LIMIT, "worst": worst}
+        return _figures(self.plan, self.tensors, self.results, identical)
+
+
+class WrittenProof:
+    """The proof taken while the writer writes (a ``write.Witness``), tensor by tensor and block
+    by block: each block of a computed tensor (the float64 value the writer computed, before its
+    cast) against its stored bytes, read back from the file just written, by ``_prove_block``;
+    each block of a kept tensor, byte for byte, against the source bytes the writer read and
+    copied. Nothing is recomputed and the source is not read again. ``figures()`` (after the
+    write) are those ``prove_weights`` gives for the same checkpoint, once the stored inventory
+    is the plan's (``check_inventory``). A wrong block raises ``VerificationError`` in the writer,
+    which then fails with it."""
+
+    def __init__(self, plan: ConversionPlan) -> None:
+        self.plan = plan
+        self._results: dict[str, tuple[float | None, int]] = {}
+        self._lock = threading.Lock()
+        self._local = threading.local()  # each writer thread's buffers
+
+    def identical(self, tensor: TensorPlan, expected: torch.Tensor, fd: int, position: int) -> None:
+        stored = self._stored(fd, position, expected.numel(), "stored chunk")
+        if not torch.equal(_words(expected), _words(stored)):
+            raise VerificationError(f"weights proof: {tensor.name} should be {tensor.source} unchanged, but its "
+                                    "bytes differ")
+        with self._lock:
+            self._results[tensor.name] = (None, 0)
+
+    def computed(self, tensor: TensorPlan, start: int, value: torch.Tensor, fd: int, position: int) -> None:
+        count = value.shape[0] if value.dim() else 1
+        nbytes = count * max(1, math.prod(tensor.shape[1:])) * tensor.dtype.itemsize
+        stored = self._stored(fd, position, nbytes, "stored").view(tensor.dtype).view(value.shape)
+        worst, off = _prove_block(tensor, start, value, stored, self._buffer("rounded", nbytes))
+        with self._lock:
+            before, before_off = self._results.get(tensor.name, (0.0, 0))
+            self._results[tensor.name] = (max(before or 0.0, worst), before_off + off)
+
+    def figures(self, output_dir: Path, identical: dict[str, str] | None = None) -> dict:
+        """The figures of the proof taken while ``output_dir`` was written, once its stored
+        tensors are the plan's (names, shapes, dtypes, shards)."""
+        with CheckpointReader(output_dir) as output:
+            check_inventory(self.plan, output)
+        tensors = [tensor for group in tensors_by_shard(self.plan).values() for tensor in group]
+        missing = [tensor.name for tensor in tensors if tensor.name not in self._results]
+        if missing:
+            raise AssertionError(f"the writer did not show the proof {missing[0]}")
+        results = [(index, *self._results[tensor.name]) for index, tensor in enumerate(tensors)]
+        return _figures(self.plan, tensors, results, identical)
+
+    def _buffer(self, role: str, nbytes: int) -> torch.Tensor:
+        buffers = self._local.__dict__.setdefault("buffers", {})
+        held = buffers.get(role)
+        if held is None or held.numel() < nbytes:
+            held = buffers[role] = torch.empty(nbytes, dtype=torch.uint8)
+        return held[:nbytes]
+
+    def _stored(self, fd: int, position: int, nbytes: int, role: str) -> torch.Tensor:
+        return safetensors_io.read_at(fd, position, self._buffer(role, nbytes))
+
+
+def _figures(plan: ConversionPlan, tensors: list[TensorPlan], results: Iterable[tuple[int, float | None, int]],
+             identical: dict[str, str] | None) -> dict:
+    """Counts, the limit and the worst tensor of a proof's ``results``: (index into ``tensors``,
+    ulps or None for a byte-identical tensor, elements not bit-exact), each tensor once.
+    ``identical`` receives each byte-identical tensor: converted name -> source name."""
+    counts = {"tensors": len(plan.tensors), "byte_identical": 0, "recomputed": 0}
+    worst = {"tensor": None, "ulp": 0.0, "dtype": None, "elements_off_by_rounding": 0}
+    for index, units, off in sorted(results, key=lambda result: result[0]):
+        tensor = tensors[index]
+        if units is None:
+            counts["byte_identical"] += 1
+            if identical is not None:
+                identical[tensor.name] = tensor.source
+            continue
+        counts["recomputed"] += 1
+        worst["elements_off_by_rounding"] += off
+        if units > worst["ulp"]:
+            worst.update(tensor=tensor.name, ulp=units, dtype=tensor.dtype_name)
+    return {**counts, "limit_ulp": ULP_LIMIT, "worst": worst}
 
 
 def planned_identical(plan: ConversionPlan, source_dir: Path) -> dict[str, str]:
     """The tensors ``plan`` keeps byte for byte as the source holds them (converted name ->
     source name): those ``prove_weights`` compares byte for byte."""
     with CheckpointReader(source_dir) as source:
-        return {name: tensor.source for name, tensor in plan.tensors.items() if _same_bytes_expected(tensor, source)}
+        kept = ShardSource(source)
+        return {name: tensor.source for name, tensor in plan.tensors.items() if kept.keeps_bytes(tensor)}
 
 
 def rebuilt_conversion_plan(original_dir: Path, original_config: dict, options: dict,
@@ -244,11 +316,6 @@ def check_inventory(plan: ConversionPlan, output: CheckpointReader) -> None:
                                     f"{tensor.shard}")
 
 
-def _same_bytes_expected(tensor: TensorPlan, source: CheckpointReader) -> bool:
-    return (not tensor.steps and tensor.source is not None
-            and source.tensors[tensor.source].dtype_name == tensor.dtype_name)
-
-
 def _row_chunks(reader: CheckpointReader, name: str, buffer: torch.Tensor) -> Iterator[torch.Tensor]:
     """``name`` in slices of rows of at most CHUNK_BYTES, read into ``buffer`` (overwritten by the next)."""
     info = reader.tensors[name]
@@ -289,21 +356,31 @@ def _prove_recomputed(tensor: TensorPlan, shared: ShardSource, output: Checkpoin
         nbytes = count * row * tensor.dtype.itemsize
         stored = (_stored_rows(output, tensor.name, start, count, shared.buffer("stored", nbytes))
                   if expected.dim() else output.get(tensor.name))
-        rounded = shared.buffer("rounded", nbytes).view(tensor.dtype).view(expected.shape)
-        rounded.copy_(expected)  # rounded to nearest as ``Tensor.to`` rounds
-        # finite when no value is NaN (which rounds to NaN) or rounds to infinity (aminmax of the
-        # rounded values: one pass over the narrow dtype, no temporary)
-        finite = not expected.numel() or all(math.isfinite(float(bound)) for bound in torch.aminmax(rounded))
-        if not finite:
-            _refuse_overflow(tensor, start, expected, rounded)
-        elif torch.equal(_words(rounded), _words(stored)):  # bit-exact and finite
-            continue
-        differs = ~(rounded == stored)
-        units = _units(stored[differs], rounded[differs], expected, tensor.dtype)
-        if not bool((units <= ULP_LIMIT).all()):
-            _refuse(tensor, start, differs, units, stored, expected)
-        worst, off = max(worst, float(units.max())), off + int(differs.sum())
+        units, differing = _prove_block(tensor, start, expected, stored, shared.buffer("rounded", nbytes))
+        worst, off = max(worst, units), off + differing
     return worst, off
+
+
+def _prove_block(tensor: TensorPlan, start: int, expected: torch.Tensor, stored: torch.Tensor,
+                 buffer: torch.Tensor) -> tuple[float, int]:
+    """(worst ulps, elements not bit-exact) of the ``stored`` rows from row ``start`` against
+    ``expected``, their float64 plan value, rounded into ``buffer`` (uint8, the rows' bytes);
+    raises ``VerificationError`` naming the first element beyond ``ULP_LIMIT`` or a finite value
+    the output dtype cannot hold."""
+    rounded = buffer.view(tensor.dtype).view(expected.shape)
+    rounded.copy_(expected)  # rounded to nearest as ``Tensor.to`` rounds
+    # finite when no value is NaN (which rounds to NaN) or rounds to infinity (aminmax of the
+    # rounded values: one pass over the narrow dtype, no temporary)
+    finite = not expected.numel() or all(math.isfinite(float(bound)) for bound in torch.aminmax(rounded))
+    if not finite:
+        _refuse_overflow(tensor, start, expected, rounded)
+    elif torch.equal(_words(rounded), _words(stored)):  # bit-exact and finite
+        return 0.0, 0
+    differs = ~(rounded == stored)
+    units = _units(stored[differs], rounded[differs], expected, tensor.dtype)
+    if not bool((units <= ULP_LIMIT).all()):
+        _refuse(tensor, start, differs, units, stored, expected)
+    return (float(units.max()) if units.numel() else 0.0), int(differs.sum())
 
 
 def _refuse_overflow(tensor: TensorPlan, start: int, expected: torch.Tensor, rounded: torch.Tensor) -> None:
