@@ -16,6 +16,9 @@ from normswap.errors import NormswapError
 from normswap.evaluation.perplexity import exp_or_inf
 from normswap.verify.probes import LOGIT_PROBES, Probe
 
+# float64 bytes of logits one step of ``compare_by_sequence`` holds per array
+CHUNK_BYTES = 1 << 20
+
 
 # (atol, rtol) on max |Δoutput| by checkpoint dtype: tolerance = atol + rtol * max |output|.
 # fp32: rounding of centred weights is ~1e-7 relative, amplified by depth; 1e-4 absolute is tight
@@ -85,17 +88,20 @@ def compare_outputs(reference: torch.Tensor, candidate: torch.Tensor, *, distrib
 
 
 def compare_by_sequence(reference: torch.Tensor, candidate: torch.Tensor, labels: torch.Tensor | None,
-                        positions: int = 16) -> dict:
+                        positions: int | None = None) -> dict:
     """``compare_outputs``'s figures for causal logits [batch, n, vocab], computed ``positions``
-    positions of one sequence at a time.
+    positions of one sequence at a time (default: as many as fit ``CHUNK_BYTES`` of float64 rows).
 
     A vocabulary-wide float64 comparison of the whole batch holds several [batch, n, vocab]
-    arrays at once; this holds a few [positions, vocab] ones. The merge is exact: maxima are
+    arrays at once; this holds a few [positions, vocab] ones, so its memory does not grow with
+    the vocabulary beyond a row per array. The merge is exact: maxima are
     maxima; KL and top-1 agreement are means over every position; each perplexity is the exp of
     the mean next-token negative log-likelihood per sequence, and sequences (of equal length)
     combine by their geometric mean, the exp of the mean over all their next-token terms.
     """
     batch, length = reference.shape[:2]
+    if positions is None:
+        positions = max(1, CHUNK_BYTES // (8 * max(1, reference.shape[-1])))
     totals = dict.fromkeys(("kl", "top1", "nll_reference", "nll_candidate"), 0.0)
     largest = {"max_abs_diff": 0.0, "max_abs_reference": 0.0}
     for index in range(batch):
