@@ -85,11 +85,11 @@ def describe_proof(result: dict) -> str:
     if not proof:
         return ""
     worst = proof["worst"]
-    how = ("every recomputed tensor bit-exact to its correctly rounded value" if worst["tensor"] is None else
+    how = ("every computed tensor bit-exact to its correctly rounded value" if worst["tensor"] is None else
            f"worst: {worst['tensor']}, {worst['ulp']:.3g} ulp of {worst['dtype']} from its correctly rounded value "
            f"({worst['elements_off_by_rounding']} elements off by rounding)")
     return (f"weights proven: {proof['tensors']} tensors ({proof['byte_identical']} byte-identical to the source, "
-            f"{proof['recomputed']} recomputed in float64); {how}")
+            f"{proof['recomputed']} computed in float64); {how}")
 
 
 def describe_mode(result: dict) -> str:
