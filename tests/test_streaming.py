@@ -308,6 +308,32 @@ def test_workers_share_the_writing_and_the_proof_with_the_outcome_of_one(tmp_pat
     assert messages[0] == messages[1] and late in messages[0]
 
 
+@pytest.mark.parametrize("kind", ["computed", "kept"])
+def test_convert_fails_on_a_block_stored_wrong_while_it_writes(tmp_path, monkeypatch, kind):
+    """The proof taken while writing reads each block back from the file just written: a stored
+    block that differs from what the writer computed (or, for a kept tensor, from the source bytes
+    it read) fails the conversion with the proof's line, and nothing is left at ``--out``."""
+    from normswap.verify.proof import WrittenProof
+
+    src = tiny_gpt2(tmp_path / "src")
+    real, hits = WrittenProof._stored, []
+    wanted = {"computed": "stored", "kept": "stored chunk"}[kind]
+
+    def damaged(self, fd, position, nbytes, role):
+        data = real(self, fd, position, nbytes, role)
+        if role == wanted and not hits:  # the first block of that kind, as read back
+            hits.append(position)
+            data[0] ^= 0x40
+        return data
+
+    monkeypatch.setattr(WrittenProof, "_stored", damaged)
+    message = {"computed": r"weights proof: \S+ is \S+, but the conversion makes it",
+               "kept": r"weights proof: \S+ should be \S+ unchanged, but its bytes differ"}[kind]
+    with pytest.raises(VerificationError, match=message):
+        normswap.convert_checkpoint(src, tmp_path / "out")
+    assert hits and not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+
+
 def _peak_rss_growth(function) -> int:
     """Bytes by which the process's peak RSS rose above its RSS at the start while ``function`` ran."""
     def status(key: str) -> int:

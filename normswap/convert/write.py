@@ -64,6 +64,21 @@ class Witness(Protocol):
         (``identical`` receives each tensor kept byte for byte: name -> source name)."""
 
 
+class ScratchBuffers:
+    """uint8 scratch buffers by role, each kept for the next tensor: allocating fresh multi-MB
+    buffers per tensor fragments the heap and ratchets RSS up. One set per thread."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, torch.Tensor] = {}
+
+    def __call__(self, role: str, nbytes: int) -> torch.Tensor:
+        """The ``role`` buffer's first ``nbytes`` bytes, grown when it is shorter."""
+        held = self._held.get(role)
+        if held is None or held.numel() < nbytes:
+            held = self._held[role] = torch.empty(nbytes, dtype=torch.uint8)
+        return held[:nbytes]
+
+
 class ShardSource:
     """What the writer needs from the checkpoint: cached reads, and the fast paths it allows.
 
@@ -81,15 +96,7 @@ class ShardSource:
         self.reader = reader
         self.read = RecentReads(reader.get)
         self._direct = reader.is_safetensors
-        self._buffers: dict[str, torch.Tensor] = {}
-
-    def buffer(self, role: str, nbytes: int) -> torch.Tensor:
-        """A uint8 scratch buffer of at least ``nbytes``, kept for the next tensor: allocating
-        fresh multi-MB buffers per tensor fragments the heap and ratchets RSS up."""
-        held = self._buffers.get(role)
-        if held is None or held.numel() < nbytes:
-            held = self._buffers[role] = torch.empty(nbytes, dtype=torch.uint8)
-        return held[:nbytes]
+        self.buffer = ScratchBuffers()
 
     def keeps_bytes(self, plan: TensorPlan) -> bool:
         """The plan keeps this tensor as it is: no steps, the source's dtype, so its bytes are the source's."""

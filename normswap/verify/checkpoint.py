@@ -394,8 +394,9 @@ def verify_rotation(reference: Checkpoint | str | Path, rotated: str | Path,
     """Compare a rotated checkpoint with the checkpoint it was rotated from (an original or a
     folded conversion): first every stored tensor against the rotation plan (``proof``; ``plan``
     is the plan the rotation ran, else it is rebuilt from the recorded form, method, seed and the
-    stored Q; ``written``, the proof the rotation took while writing, stands for it), then logits, and per block the stream, which must be h·Q (C·h·Q for the free form,
-    whose stream is centred).
+    stored Q; ``written``, the proof the rotation took while writing, stands for it), then
+    logits, and per block the stream, which must be h·Q (C·h·Q for the free form, whose stream is
+    centred).
 
     The free form's model is built from normswap's own RMSNorm classes (with
     ``verification.trust_remote_code`` the checkpoint's ``modeling_normswap.py`` runs instead).

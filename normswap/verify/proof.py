@@ -43,7 +43,7 @@ from normswap.checkpoint.rotations import rotation_method
 from normswap.checkpoint.source import CheckpointReader, TensorInfo
 from normswap.convert.plan import ConversionPlan, TensorPlan
 from normswap.convert.planning import plan_conversion
-from normswap.convert.write import ShardSource, expected_blocks, tensors_by_shard
+from normswap.convert.write import ScratchBuffers, ShardSource, expected_blocks, tensors_by_shard
 from normswap.dtypes import parse_dtype
 from normswap.errors import VerificationError
 from normswap.memory import map_large_allocations
@@ -165,7 +165,7 @@ class WrittenProof:
         self.plan = plan
         self._results: dict[str, tuple[float | None, int]] = {}
         self._lock = threading.Lock()
-        self._local = threading.local()  # each writer thread's buffers
+        self._local = threading.local()  # each writer thread's ``ScratchBuffers``
 
     def identical(self, tensor: TensorPlan, expected: torch.Tensor, fd: int, position: int) -> None:
         stored = self._stored(fd, position, expected.numel(), "stored chunk")
@@ -197,11 +197,7 @@ class WrittenProof:
         return _figures(self.plan, tensors, results, identical)
 
     def _buffer(self, role: str, nbytes: int) -> torch.Tensor:
-        buffers = self._local.__dict__.setdefault("buffers", {})
-        held = buffers.get(role)
-        if held is None or held.numel() < nbytes:
-            held = buffers[role] = torch.empty(nbytes, dtype=torch.uint8)
-        return held[:nbytes]
+        return self._local.__dict__.setdefault("buffers", ScratchBuffers())(role, nbytes)
 
     def _stored(self, fd: int, position: int, nbytes: int, role: str) -> torch.Tensor:
         return safetensors_io.read_at(fd, position, self._buffer(role, nbytes))
