@@ -43,7 +43,8 @@ from normswap.convert.plan import ConversionPlan, TensorPlan
 from normswap.threads import WorkQueue, tensor_workers
 
 Progress = Callable[[int], None]
-COPY_CHUNK_BYTES = 16 << 20
+# a kept tensor's rows per block when a witness sees them: two buffers of this size per writer thread
+COPY_CHUNK_BYTES = 4 << 20
 
 
 class Witness(Protocol):

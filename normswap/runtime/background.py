@@ -124,6 +124,9 @@ class InProcess:
         self.job = work
         self._data = bytearray()
         self._answer: dict | None = None
+        # the threads of a lockstep comparison each check the copy: one at a time reads its pipe,
+        # closes it and reaps it (a descriptor closed twice may be another file's by then)
+        self._collecting = threading.RLock()
         read, write = os.pipe()
         parent = os.getpid()
         # an interrupt must not reach the copy before it ignores interrupts: raised there, it would
@@ -153,31 +156,33 @@ class InProcess:
     def done(self) -> bool:
         """Whether the copy has answered (without waiting)."""
 
-        if self._answer is not None or self._read < 0:
-            return True
-        poller = select.poll()  # not select.select, which refuses descriptors above 1023
-        poller.register(self._read, select.POLLIN | select.POLLHUP)
-        return bool(poller.poll(0))
+        with self._collecting:
+            if self._answer is not None or self._read < 0:
+                return True
+            poller = select.poll()  # not select.select, which refuses descriptors above 1023
+            poller.register(self._read, select.POLLIN | select.POLLHUP)
+            return bool(poller.poll(0))
 
     def _collect(self) -> dict:
         """The copy's answer, once it has exited (waiting for it); the copy is reaped."""
 
-        if self._answer is None:
-            try:
-                while self._read >= 0 and (chunk := os.read(self._read, 1 << 16)):
-                    self._data += chunk
-                status = self._reap()
-            except BaseException:  # an interrupt while waiting: the copy goes with it
-                self.cancel()
-                raise
-            try:
-                answer = json.loads(self._data) if self._data else None
-            except ValueError:
-                answer = None
-            if not isinstance(answer, dict):
-                answer = {"error": {"kind": "normswap", "message": died(status)}}
-            self._answer = answer
-        return self._answer
+        with self._collecting:
+            if self._answer is None:
+                try:
+                    while self._read >= 0 and (chunk := os.read(self._read, 1 << 16)):
+                        self._data += chunk
+                    status = self._reap()
+                except BaseException:  # an interrupt while waiting: the copy goes with it
+                    self.cancel()
+                    raise
+                try:
+                    answer = json.loads(self._data) if self._data else None
+                except ValueError:
+                    answer = None
+                if not isinstance(answer, dict):
+                    answer = {"error": {"kind": "normswap", "message": died(status)}}
+                self._answer = answer
+            return self._answer
 
     def _reap(self) -> int:
         """Close the pipe and wait for the copy to exit: its wait status (0 if already reaped)."""
@@ -203,12 +208,13 @@ class InProcess:
     def cancel(self) -> None:
         """End the copy (an interrupt) and reap it."""
 
-        if self._answer is not None:
-            return
-        self._answer = {"error": {"kind": "normswap", "message": "the weights proof was cancelled"}}
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGKILL)
-        self._reap()
+        with self._collecting:
+            if self._answer is not None:
+                return
+            self._answer = {"error": {"kind": "normswap", "message": "the weights proof was cancelled"}}
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+            self._reap()
 
     def result(self) -> dict:
         failure = self._failure()
