@@ -96,14 +96,16 @@ def test_every_listed_family_scores_as_hflm(family, tokenizer):
         assert greedy == want_greedy
 
 
-def test_grouping_keeps_truncated_and_one_token_contexts_for_hflm():
+def test_grouping_shares_contexts_runs_lone_requests_whole_and_leaves_truncated_ones_to_hflm():
     requests = [(None, [1, 2, 3], [4]), (None, [1, 2, 3], [5, 6]), (None, [7], [8, 9]),
-                (None, list(range(1, 10)), [1, 2])]
-    groups, plain = group_requests(requests, max_length=9)
-    assert plain == [2, 3]
-    assert len(groups) == 1 and groups[0].indices == [0, 1]
-    assert groups[0].prefix == [1, 2]
-    assert groups[0].suffixes == [[3], [3, 5]]
+                (None, list(range(1, 10)), [1, 2]), (None, [7], [5]), (None, [4, 5], [6])]
+    shared, lone, plain = group_requests(requests, max_length=9)
+    assert plain == [3]
+    assert len(shared) == 1 and shared[0].indices == [0, 1]
+    assert shared[0].prefix == [1, 2]
+    assert shared[0].suffixes == [[3], [3, 5]]
+    # one-token contexts have no prefix to share, even when two requests have the same one
+    assert [(g.indices, g.prefix + g.suffixes[0]) for g in lone] == [([2], [7, 8]), ([4], [7]), ([5], [4, 5])]
 
 
 def test_plain_path_on_request_and_for_unlisted_families(tokenizer, monkeypatch):

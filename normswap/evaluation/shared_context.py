@@ -14,10 +14,15 @@ positions only: exactly the positions HFLM scores. Prefixes are left-padded (as 
 generation) with an attention mask and explicit position ids, so every token sees the same keys
 at the same positions as in HFLM's forward pass; only float rounding differs.
 
-Anything not handled exactly like lm-eval goes to HFLM's own path, per request: contexts of one
-token (nothing to share: rolling windows), requests left-truncated to ``max_length``, encoder-
-decoder models, families whose adapter does not declare ``shared_context``, ``batch_size="auto"``, and runs with
-``share_contexts=False``.
+A request whose context no other request shares (a last-word task, a rolling window), or whose
+context is one token, has nothing to share: it runs in one pass over
+``(context + continuation)[:-1]``, as in HFLM, but left-padded among rows of similar length and
+with the head on its continuation's positions only. Either way the log-softmax runs on the scored
+positions only, a few at a time (``continuation_scores``).
+
+Anything not handled exactly like lm-eval goes to HFLM's own path, per request: requests left-
+truncated to ``max_length``, encoder-decoder models, families whose adapter does not declare
+``shared_context``, ``batch_size="auto"``, and runs with ``share_contexts=False``.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import inspect
+import itertools
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -49,12 +55,15 @@ class ContextGroup:
     continuations: list[list[int]] = field(default_factory=list)
 
 
-def group_requests(requests: list[Request], max_length: int) -> tuple[list[ContextGroup], list[int]]:
-    """Context groups (longest prefix first) and the indices of requests left to HFLM's own path."""
+def group_requests(requests: list[Request], max_length: int) -> tuple[list[ContextGroup], list[ContextGroup],
+                                                                     list[int]]:
+    """Requests sorted three ways: groups sharing a context of two tokens or more (longest prefix
+    first), requests alone with their context (one group each), and the indices of requests left
+    to HFLM's own path (left-truncated to ``max_length``, or with nothing to score)."""
     groups: dict[tuple[int, ...], ContextGroup] = {}
     plain: list[int] = []
     for index, (_, context, continuation) in enumerate(requests):
-        if len(context) < 2 or not continuation or len(context) + len(continuation) > max_length + 1:
+        if not context or not continuation or len(context) + len(continuation) > max_length + 1:
             plain.append(index)
             continue
         key = tuple(context)
@@ -64,8 +73,12 @@ def group_requests(requests: list[Request], max_length: int) -> tuple[list[Conte
         group.indices.append(index)
         group.suffixes.append([context[-1], *continuation[:-1]])
         group.continuations.append(list(continuation))
-    ordered = sorted(groups.values(), key=lambda g: (-len(g.prefix), g.prefix))
-    return ordered, plain
+    shared = sorted((g for g in groups.values() if len(g.indices) > 1 and g.prefix),
+                    key=lambda g: (-len(g.prefix), g.prefix))
+    lone = [ContextGroup(g.prefix, [index], [suffix], [continuation]) for g in groups.values()
+            if len(g.indices) == 1 or not g.prefix
+            for index, suffix, continuation in zip(g.indices, g.suffixes, g.continuations, strict=True)]
+    return shared, lone, plain
 
 
 def batches(groups: list[ContextGroup], token_budget: int, max_length: int) -> Iterator[list[ContextGroup]]:
@@ -88,6 +101,18 @@ def batches(groups: list[ContextGroup], token_budget: int, max_length: int) -> I
         yield batch
 
 
+def lone_batches(groups: list[ContextGroup], token_budget: int) -> Iterator[list[ContextGroup]]:
+    """One-request groups, longest row first, in runs whose padded rows hold at most
+    ``token_budget`` tokens (at least one row per run)."""
+    ordered = sorted(groups, key=lambda g: -(len(g.prefix) + len(g.suffixes[0])))
+    start = 0
+    while start < len(ordered):
+        width = len(ordered[start].prefix) + len(ordered[start].suffixes[0])
+        stop = start + max(1, token_budget // width)
+        yield ordered[start:stop]
+        start = stop
+
+
 def suffix_chunks(lengths: list[int], rows_per_chunk: int) -> list[list[int]]:
     """Row indices sorted by suffix length (longest first) in chunks of ``rows_per_chunk``, so each
     chunk pads to similar lengths."""
@@ -105,6 +130,40 @@ def _repeated_cache(cache, rows: torch.Tensor):
     chunk.layers = [copy.copy(layer) for layer in cache.layers]
     chunk.reorder_cache(rows)
     return chunk
+
+
+# Positions whose log-softmax is taken at once: a few MB of float32 at any vocabulary, so the
+# log-probabilities stay in cache between the softmax and the reads of targets and argmax.
+SOFTMAX_CHUNK_BYTES = 4 << 20
+
+
+def continuation_scores(logits: torch.Tensor, starts: list[int], continuations: list[list[int]],
+                        dtype: torch.dtype | None = None) -> list[tuple[float, bool]]:
+    """(loglikelihood, is_greedy) of each row's continuation, as HFLM computes them.
+
+    Row ``r``'s continuation token ``j`` is scored by ``logits[r, starts[r] + j]``. Only those
+    positions go through the log-softmax (in ``dtype``, HFLM's ``softmax_dtype``), a few at a time;
+    a continuation's log-probabilities are summed in that dtype, as HFLM sums them."""
+    rows = torch.tensor([row for row, tokens in enumerate(continuations) for _ in tokens], device=logits.device)
+    positions = torch.tensor([start + j for start, tokens in zip(starts, continuations, strict=True)
+                              for j in range(len(tokens))], device=logits.device)
+    targets = torch.tensor([token for tokens in continuations for token in tokens], device=logits.device)
+    out_dtype = dtype or logits.dtype
+    picked = torch.empty(len(targets), dtype=out_dtype, device=logits.device)
+    greedy = torch.empty(len(targets), dtype=torch.bool, device=logits.device)
+    step = max(1, SOFTMAX_CHUNK_BYTES // (logits.shape[-1] * torch.finfo(out_dtype).bits // 8))
+    for begin in range(0, len(targets), step):
+        end = min(begin + step, len(targets))
+        log_probs = F.log_softmax(logits[rows[begin:end], positions[begin:end]], dim=-1, dtype=dtype)
+        wanted = targets[begin:end]
+        picked[begin:end] = log_probs.gather(1, wanted.unsqueeze(-1)).squeeze(-1)
+        greedy[begin:end] = log_probs.argmax(dim=-1) == wanted
+    answers, begin = [], 0
+    for tokens in continuations:
+        end = begin + len(tokens)
+        answers.append((float(picked[begin:end].sum()), bool(greedy[begin:end].all())))
+        begin = end
+    return answers
 
 
 def _forward_parameters(model) -> set[str]:
@@ -152,8 +211,8 @@ class SharedContextHFLM(HFLM):
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
         if not self.shares_contexts():
             return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
-        groups, plain = group_requests(requests, self.max_length)
-        if not groups:
+        shared, lone, plain = group_requests(requests, self.max_length)
+        if not shared and not lone:
             return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
         results: list[tuple[float, bool] | None] = [None] * len(requests)
         if plain:
@@ -164,10 +223,14 @@ class SharedContextHFLM(HFLM):
         # Per forward pass, as many tokens as HFLM's batch of full-length rows; suffixes are short,
         # so twice the batch size of them per pass.
         batch_size = override_bs or self.batch_size
+        budget = batch_size * self.max_length
         progress = tqdm(total=len(requests) - len(plain), disable=disable_tqdm or self.rank != 0,
                         desc="Running loglikelihood requests (shared contexts)")
-        for batch in batches(groups, batch_size * self.max_length, self.max_length):
-            for index, answer in self._score_groups(batch, 2 * batch_size):
+        scored = itertools.chain((self._score_groups(batch, 2 * batch_size)
+                                  for batch in batches(shared, budget, self.max_length)),
+                                 (self._score_lone(batch) for batch in lone_batches(lone, budget)))
+        for answers in scored:
+            for index, answer in answers:
                 results[index] = answer
                 request_strings = requests[index][0]
                 if request_strings is not None:
@@ -181,23 +244,40 @@ class SharedContextHFLM(HFLM):
                                              enabled=self.mixed_precision_dtype is not None):
             return self.model(**inputs)
 
-    def _run_prefixes(self, batch: list[ContextGroup]):
-        """Left-padded prefixes through the model with a cache; returns (cache, mask, lengths)."""
-        width = max(len(group.prefix) for group in batch)
+    def _left_padded(self, rows: list[list[int]], use_cache: bool, logits_to_keep: int) -> tuple[object, torch.Tensor]:
+        """Left-padded ``rows`` through the model, the head on the last ``logits_to_keep``
+        positions; returns (the model's output, the attention mask)."""
+        width = max(len(row) for row in rows)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eot_token_id
-        ids = torch.full((len(batch), width), int(pad), dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for row, group in enumerate(batch):
-            ids[row, width - len(group.prefix):] = torch.tensor(group.prefix, dtype=torch.long)
-            mask[row, width - len(group.prefix):] = 1
+        ids = torch.full((len(rows), width), int(pad), dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for index, row in enumerate(rows):
+            ids[index, width - len(row):] = torch.tensor(row, dtype=torch.long)
+            mask[index, width - len(row):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
-        inputs = {"input_ids": ids, "attention_mask": mask, "use_cache": True, "logits_to_keep": 1}
+        inputs = {"input_ids": ids, "attention_mask": mask, "use_cache": use_cache, "logits_to_keep": logits_to_keep}
         if "position_ids" in _forward_parameters(self.model):
             inputs["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
-        output = self._call(**inputs)
+        return self._call(**inputs), mask
+
+    def _run_prefixes(self, batch: list[ContextGroup]):
+        """Left-padded prefixes through the model with a cache; returns (cache, mask, lengths)."""
+        output, mask = self._left_padded([group.prefix for group in batch], use_cache=True, logits_to_keep=1)
         cache = getattr(output, "cache", None) or output.past_key_values
         lengths = torch.tensor([len(group.prefix) for group in batch], dtype=torch.long, device=self.device)
         return cache, mask, lengths
+
+    def _score_lone(self, batch: list[ContextGroup]) -> list[tuple[int, tuple[float, bool]]]:
+        """Requests alone with their context, each row ``(context + continuation)[:-1]`` in one
+        pass; rows end together (left padding), so the head runs on the last ``longest
+        continuation`` positions."""
+        continuations = [group.continuations[0] for group in batch]
+        keep = max(len(tokens) for tokens in continuations)
+        output, _ = self._left_padded([group.prefix + group.suffixes[0] for group in batch], use_cache=False,
+                                      logits_to_keep=keep)
+        scores = continuation_scores(output.logits, [keep - len(tokens) for tokens in continuations],
+                                     continuations, self.softmax_dtype)
+        return [(group.indices[0], score) for group, score in zip(batch, scores, strict=True)]
 
     def _score_groups(self, batch: list[ContextGroup], rows_per_chunk: int) -> list[tuple[int, tuple[float, bool]]]:
         """Every request of ``batch``: (its index, (loglikelihood, is_greedy)), as HFLM computes them."""
@@ -209,19 +289,16 @@ class SharedContextHFLM(HFLM):
         for chunk in suffix_chunks([len(request[2]) for request in requests], rows_per_chunk):
             selected = [requests[row] for row in chunk]
             rows = torch.tensor([request[0] for request in selected], device=self.device)
-            log_probs = self._run_suffixes(_repeated_cache(cache, rows), prefix_mask[rows], lengths[rows],
-                                           [request[2] for request in selected])
-            for row, (_, index, _, continuation) in enumerate(selected):
-                tokens = torch.tensor(continuation, dtype=torch.long, device=self.device)
-                scored = log_probs[row, :len(continuation)]
-                greedy = bool((scored.argmax(dim=-1) == tokens).all())
-                value = float(torch.gather(scored, 1, tokens.unsqueeze(-1)).sum())
-                answers.append((index, (value, greedy)))
+            logits = self._run_suffixes(_repeated_cache(cache, rows), prefix_mask[rows], lengths[rows],
+                                        [request[2] for request in selected])
+            continuations = [request[3] for request in selected]
+            scores = continuation_scores(logits, [0] * len(selected), continuations, self.softmax_dtype)
+            answers += [(request[1], score) for request, score in zip(selected, scores, strict=True)]
         return answers
 
     def _run_suffixes(self, cache, prefix_mask: torch.Tensor, lengths: torch.Tensor,
                       suffixes: list[list[int]]) -> torch.Tensor:
-        """Log-probabilities at every suffix position, each row on its prefix's cache."""
+        """Logits at every suffix position, each row on its prefix's cache."""
         width = max(len(suffix) for suffix in suffixes)
         ids = torch.zeros((len(suffixes), width), dtype=torch.long)
         # Padding after a suffix repeats its last position: never attended, and never out of range.
@@ -236,4 +313,4 @@ class SharedContextHFLM(HFLM):
         inputs["cache" if "cache" in parameters else "past_key_values"] = cache
         if "position_ids" in parameters:
             inputs["position_ids"] = lengths.unsqueeze(1) + offsets
-        return F.log_softmax(self._call(**inputs).logits, dim=-1, dtype=self.softmax_dtype)
+        return self._call(**inputs).logits
