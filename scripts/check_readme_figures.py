@@ -190,7 +190,8 @@ SKIPPED: dict[str, str] = {
         "the stock loaders' and lm-eval's agreement is asserted by the tests themselves",
     "python3 scripts/bench_cli.py --only startup,inspect": "timings: they depend on the machine and its load",
     "python3 scripts/bench_kernels.py --host": "timings (host time of a kernel call): they depend on the machine and its load",
-    "python3 scripts/bench_cli.py --only eval,run": "timings: they depend on the machine and its load",
+    "python3 scripts/bench_cli.py --only eval --slow-repeat 5": "timings: they depend on the machine and its load",
+    "python3 scripts/bench_eval_scoring.py": "timings: they depend on the machine and its load",
     "normswap geometry whisper-tiny --compare out/whisper-tiny-rms --audio bundled":
         "the tiny random Whisper it measures is built by the tests, not by a command in the docs",
 }
