@@ -15,6 +15,7 @@ from lm_eval.models.huggingface import HFLM  # noqa: E402
 
 from normswap.architectures import ARCHITECTURES  # noqa: E402
 from normswap.checkpoint.source import example_model_path  # noqa: E402
+from normswap.evaluation import shared_context  # noqa: E402
 from normswap.evaluation.shared_context import SharedContextHFLM, group_requests  # noqa: E402
 
 VOCAB = 2048
@@ -106,6 +107,23 @@ def test_grouping_shares_contexts_runs_lone_requests_whole_and_leaves_truncated_
     assert shared[0].suffixes == [[3], [3, 5]]
     # one-token contexts have no prefix to share, even when two requests have the same one
     assert [(g.indices, g.prefix + g.suffixes[0]) for g in lone] == [([2], [7, 8]), ([4], [7]), ([5], [4, 5])]
+
+
+def test_continuation_scores_match_one_log_softmax_across_chunks(monkeypatch):
+    torch.manual_seed(0)
+    logits = torch.randn(3, 7, 11)
+    continuations, starts = [[1, 2, 3], [4], [5, 6, 7, 8, 9]], [4, 0, 2]
+    reference = []
+    for row, (start, tokens) in enumerate(zip(starts, continuations, strict=True)):
+        log_probs = torch.log_softmax(logits[row, start:start + len(tokens)], dim=-1)
+        picked = log_probs.gather(1, torch.tensor(tokens).unsqueeze(-1))
+        reference.append((float(picked.sum()), bool((log_probs.argmax(-1) == torch.tensor(tokens)).all())))
+    logits[1, 0, 4] = 50.0  # one greedy continuation
+    reference[1] = (float(torch.log_softmax(logits[1, 0], -1)[4]), True)
+    monkeypatch.setattr(shared_context, "SOFTMAX_CHUNK_BYTES", 2 * 11 * 4)  # two positions per chunk
+    got = shared_context.continuation_scores(logits, starts, continuations)
+    for (value, greedy), (want, want_greedy) in zip(got, reference, strict=True):
+        assert value == pytest.approx(want, abs=1e-6) and greedy == want_greedy
 
 
 def test_plain_path_on_request_and_for_unlisted_families(tokenizer, monkeypatch):

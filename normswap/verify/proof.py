@@ -197,7 +197,10 @@ class WrittenProof:
         return _figures(self.plan, tensors, results, identical)
 
     def _buffer(self, role: str, nbytes: int) -> torch.Tensor:
-        return self._local.__dict__.setdefault("buffers", ScratchBuffers())(role, nbytes)
+        buffers = getattr(self._local, "buffers", None)
+        if buffers is None:
+            buffers = self._local.buffers = ScratchBuffers()
+        return buffers(role, nbytes)
 
     def _stored(self, fd: int, position: int, nbytes: int, role: str) -> torch.Tensor:
         return safetensors_io.read_at(fd, position, self._buffer(role, nbytes))
