@@ -41,6 +41,19 @@ def release_memory(collect: bool = True) -> None:
         _LIBC.malloc_trim(0)
 
 
+def available_memory() -> int | None:
+    """Bytes the system can hand out without swapping (Linux's MemAvailable), or None where
+    it does not say."""
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def map_large_allocations(threshold: int = 4 << 20) -> None:
     """Have glibc serve allocations above ``threshold`` with their own mappings, returned to the
     system when freed. By default glibc raises that threshold (up to 32 MB) after each large free,

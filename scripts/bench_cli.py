@@ -10,8 +10,9 @@ In one run, each step a fresh process, repeated ``--repeat`` times (min and medi
 * ``inspect``: ``import torch`` against ``normswap inspect normswap:austen-gpt2`` (text, and
   ``--json --fold-gains``), interleaved (and from ``--before TREE``), for the inspect target;
 * ``normswap eval austen-rms --baseline normswap:austen-gpt2 --tasks local`` (the bundled model
-  converted once first) and ``normswap run austen-gpt2``, each also with
-  ``--plain-lm-eval`` (lm-eval's own HFLM path), interleaved, with the speed-up between them;
+  converted once first) and ``normswap run austen-gpt2``, each also with ``--one-at-a-time``
+  (normswap's scoring, the two models one after the other) and ``--plain-lm-eval`` (lm-eval's
+  own HFLM path, one model at a time), interleaved, with the speed-ups between them;
 * ``convert``: for a synthetic fp16 GPT-2 checkpoint (``--convert-sizes``; default the 1.5B one,
   3.1 GB in 4 shards), ``cp`` of its files, the stock class's import (``verify``'s share that is
   transformers' start-up), ``convert --verify none``, ``verify`` alone and the default ``convert``
@@ -126,8 +127,9 @@ def side_by_side(commands: dict[str, list[str]], work: Path, repeat: int, before
 
 
 def bench_commands(work: Path, slow_repeat: int, steps: set[str]) -> dict:
-    """eval and run, each also with ``--plain-lm-eval`` (lm-eval's own HFLM path), interleaved run by
-    run so that load from elsewhere hits both alike; ``speedup`` is plain median / default median."""
+    """eval and run, each also with ``--one-at-a-time`` and ``--plain-lm-eval`` (lm-eval's own HFLM
+    path), interleaved run by run so that load from elsewhere hits them alike; ``speedup_over_plain``
+    is plain median / default median, ``speedup_of_side_by_side`` one-at-a-time median / default median."""
     commands: dict[str, list[str]] = {}
     if "eval" in steps:
         converted = work / "austen-rms"
@@ -142,6 +144,7 @@ def bench_commands(work: Path, slow_repeat: int, steps: set[str]) -> dict:
     variants = {}
     for name, command in commands.items():
         variants[name] = command
+        variants[f"{name} (one at a time)"] = [*command, "--one-at-a-time"]
         variants[f"{name} (plain lm-eval)"] = [*command, "--plain-lm-eval"]
     runs: dict[str, list[dict]] = {name: [] for name in variants}
     for _ in range(slow_repeat):
@@ -154,6 +157,7 @@ def bench_commands(work: Path, slow_repeat: int, steps: set[str]) -> dict:
                      "median": round(statistics.median(seconds), 3), "runs": runs[name]}
     for name in commands:
         out[name]["speedup_over_plain"] = round(out[f"{name} (plain lm-eval)"]["median"] / out[name]["median"], 3)
+        out[name]["speedup_of_side_by_side"] = round(out[f"{name} (one at a time)"]["median"] / out[name]["median"], 3)
     return out
 
 

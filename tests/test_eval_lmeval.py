@@ -103,7 +103,7 @@ def test_local_tasks_run_on_the_model(capsys, tmp_path, model_src, small_text):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path", ["shared", "plain"])
+@pytest.mark.parametrize("path", ["shared", "plain", "pair"])
 def test_no_progress_leaves_stderr_empty(tmp_path, path):
     """--no-progress silences every bar (lm-eval's request bars pass ``disable=`` explicitly) and
     the tokenizer's warning about documents longer than the context, which lm-eval encodes whole."""
@@ -116,6 +116,8 @@ def test_no_progress_leaves_stderr_empty(tmp_path, path):
             "--tasks", "persuasion_lastword,persuasion_rolling", "--limit", "3", "--no-progress"]
     if path == "plain":
         argv.append("--plain-lm-eval")
+    if path == "pair":  # side by side on two or three idle cores: the copy draws no bar either
+        argv += ["--baseline", "normswap:austen-gpt2"]
     env = {**os.environ, "PYTHONPATH": str(root)}
     done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
     assert done.returncode == 0, done.stderr

@@ -39,10 +39,8 @@ def evaluate(
                   causal_text=True)
     evaluator = Evaluator(settings, workdir=workdir)
     try:
-        results: list[ModelEval] = []
-        if baseline is not None:
-            results.append(evaluator.evaluate("original", baseline))
-        results.append(evaluator.evaluate("converted" if baseline is not None else "model", model))
+        results: list[ModelEval] = (list(evaluator.evaluate_pair(str(baseline), str(model))) if baseline is not None
+                                    else [evaluator.evaluate("model", str(model))])
     finally:
         evaluator.close()
     comparison: Comparison | None = None

@@ -51,6 +51,9 @@ def add_eval_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--plain-lm-eval", action="store_true", default=default,
                        help="score with lm-eval's own HFLM path, without running a shared context once "
                             "for all its choices (same scores, slower)")
+    group.add_argument("--one-at-a-time", action="store_true", default=default,
+                       help="score the baseline and the model one after the other (default on a CPU with two "
+                            "or three idle cores: side by side, the baseline on one core)")
     group.add_argument("--trust-remote-code", action="store_true", default=default,
                        help="load a model whose type transformers lacks with its own code (auto_map); "
                             "converted checkpoints always load with normswap's classes, never their code")
@@ -102,6 +105,7 @@ def settings_from_args(args: argparse.Namespace, **overrides: Any) -> EvalSettin
         device=resolve_device(args.device), device_map=args.device_map, trust_remote_code=bool(args.trust_remote_code),
         threads=getattr(args, "threads", None),
         share_contexts=not getattr(args, "plain_lm_eval", False),
+        side_by_side=not getattr(args, "one_at_a_time", False),
         progress=not progress_off(args),
         audio=getattr(args, "audio", None), images=getattr(args, "images", None),
     )

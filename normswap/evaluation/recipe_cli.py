@@ -47,6 +47,7 @@ def _merged_settings(recipe, args: argparse.Namespace, trust_remote_code: bool =
         images=args.images or base.images,
         threads=args.threads if args.threads is not None else base.threads,
         plain_lm_eval=bool(args.plain_lm_eval),
+        one_at_a_time=bool(args.one_at_a_time),
     )
     return settings_from_args(merged)
 

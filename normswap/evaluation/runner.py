@@ -3,16 +3,25 @@
 Every model of a run shares one text source, one tokenised-text length limit (``max_length``), one
 batch size, one dtype and one lm-eval task manager, so the only difference between an original
 and its converted checkpoint is the checkpoint.
+
+On a CPU with two or three idle cores, the two models of a comparison are scored side by side
+(``Evaluator.evaluate_pair``): the baseline in a forked copy of this process on one core, the
+model here on the others. A small model's forward passes use a second core poorly (the bundled
+model's scoring took 14.5 s on one thread and 10.5 s on two), so one model per core finishes
+both sooner. The copy cannot start a thread pool of its own (one the parent started does not
+survive the fork), so with more idle cores, where one model gets the pool's whole speed-up, the
+models take turns.
 """
 
 from __future__ import annotations
 
 import gc
 import os
+import sys
 import tempfile
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +35,10 @@ from normswap.evaluation import lmeval
 from normswap.evaluation.hub import require_hub
 from normswap.evaluation.perplexity import model_max_length, strided_perplexity
 from normswap.evaluation.text import TextSource, load_text
+from normswap.memory import available_memory
+from normswap.runtime import background
 from normswap.runtime.reference import tokenize_text
-from normswap.threads import cpu_threads
+from normswap.threads import cpu_threads, default_threads, pinned_threads
 
 STRIDED_TASK = "strided"
 
@@ -52,6 +63,7 @@ class EvalSettings:
     images: str | None = None  # vision models: folder of images, class subfolders as labels
     threads: int | None = None  # CPU intra-op threads; None: the idle cores (normswap.threads)
     share_contexts: bool = True  # False: lm-eval's plain HFLM path (see evaluation/shared_context.py)
+    side_by_side: bool = True  # False: the models of a comparison one at a time (see Evaluator.evaluate_pair)
 
     def __post_init__(self) -> None:
         """Every field checked when the settings are made, not deep inside a run."""
@@ -83,6 +95,17 @@ class ModelEval:
     metrics: dict[str, float] = field(default_factory=dict)
     per_doc: dict[str, dict[int, list[float]]] = field(default_factory=dict)
     details: dict[str, Any] = field(default_factory=dict)
+
+    def as_json(self) -> dict[str, Any]:
+        """Plain JSON (document numbers as strings), which ``from_json`` reads back exactly."""
+        return {**asdict(self), "per_doc": {task: {str(doc): values for doc, values in documents.items()}
+                                            for task, documents in self.per_doc.items()}}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ModelEval:
+        per_doc = {task: {int(doc): values for doc, values in documents.items()}
+                   for task, documents in data["per_doc"].items()}
+        return cls(**{**data, "per_doc": per_doc})
 
 
 def release_memory() -> None:
@@ -195,13 +218,65 @@ class Evaluator:
         started = time.perf_counter()
         if data_parallel_world() > 1:
             return self._evaluate_data_parallel(result, started)
-        model, tokenizer = load_for_eval(source, self.settings)
+        return self._scored(result, [*load_for_eval(source, self.settings)], started)
+
+    def evaluate_pair(self, baseline: str, model: str) -> tuple[ModelEval, ModelEval]:
+        """The baseline's scores (``original``) and the model's (``converted``), side by side
+        where that finishes sooner (see the module docstring), else one after the other.
+
+        Side by side, the baseline is loaded here first, which fixes ``max_length`` and builds the
+        tasks as one at a time would, and is then scored by a forked copy of this process, which
+        shares its memory. Both models are in memory at once, so they must fit in half the memory
+        the system has free (the model's size taken as the baseline's, plus half for an untied
+        head). The copy's scores come back as JSON, exactly."""
+        cores = self._side_by_side_cores()
+        if cores is None:
+            return self.evaluate("original", baseline), self.evaluate("converted", model)
+        original = ModelEval(label="original", source=str(baseline))
+        started = time.perf_counter()
+        held = [*load_for_eval(baseline, self.settings)]
+        available = available_memory()
+        size = sum(t.nbytes for t in (*held[0].parameters(), *held[0].buffers()))
+        if available is None or 2.5 * size > available / 2:
+            return self._scored(original, held, started), self.evaluate("converted", model)
+        self._fix_max_length(held[0])
+        if self.plan.all:
+            self._task_list()
+        copy = background.InProcess(_ScoredAlone(self, original, held, started), name=f"the evaluation of {baseline}")
+        held.clear()  # the copy holds its own; this process's are freed before the model loads
+        release_memory()
+        try:
+            with pinned_threads(cores - 1):
+                converted = self.evaluate("converted", model)
+        except BaseException:
+            copy.cancel()
+            raise
+        return ModelEval.from_json(copy.result()), converted
+
+    def _side_by_side_cores(self) -> int | None:
+        """The idle cores when the two models of a comparison are to be scored side by side
+        (two or three, on a CPU, with a fork, the thread count not the user's), else None."""
+        settings = self.settings
+        if not (settings.side_by_side and settings.share_contexts) or settings.device_map or settings.threads:
+            return None
+        if (settings.device or _default_device()) != "cpu" or data_parallel_world() > 1:
+            return None
+        if sys.platform != "linux" or not hasattr(os, "fork"):
+            return None
+        cores = default_threads()
+        return cores if cores in (2, 3) else None
+
+    def _scored(self, result: ModelEval, held: list, started: float) -> ModelEval:
+        """``result`` with the scores of the model ``held`` holds with its tokenizer; ``held`` is
+        emptied, so the model is freed before this returns."""
+        model, tokenizer = held
+        held.clear()
         on_cpu = next(model.parameters()).device.type == "cpu"
         try:
             with cpu_threads(self.settings.threads) if on_cpu else nullcontext():
                 self._score(result, model, tokenizer)
         finally:
-            del model
+            del model, tokenizer
             release_memory()
         result.details["seconds"] = round(time.perf_counter() - started, 2)
         return result
@@ -259,3 +334,21 @@ class Evaluator:
         result.details["seconds"] = round(time.perf_counter() - started, 2)
         result.details["data_parallel_processes"] = data_parallel_world()
         return result
+
+
+class _ScoredAlone:
+    """The baseline's scoring as work for a forked copy (``background.InProcess``): on its one
+    core, without progress bars (the model's own run draws them), its ``ModelEval`` as JSON.
+    ``held`` holds the model and its tokenizer (``Evaluator._scored``); the parent empties it once
+    the copy is made."""
+
+    def __init__(self, evaluator: Evaluator, result: ModelEval, held: list, started: float) -> None:
+        self.evaluator, self.result, self.held, self.started = evaluator, result, held, started
+
+    def work_alone(self) -> None:
+        self.evaluator.settings = replace(self.evaluator.settings, progress=False)
+        with pinned_threads(1):
+            self.evaluator._scored(self.result, self.held, self.started)
+
+    def figures(self) -> dict:
+        return self.result.as_json()

@@ -1,7 +1,7 @@
 """Work run in the background of the caller's: in a thread of its own, or in a forked copy of this process.
 
-Verification runs its weights proof beside a
-block-by-block comparison. A ``Work`` is any such job: threads share it through ``work()``, a
+Verification runs its weights proof beside a block-by-block comparison; evaluation scores the
+baseline beside the model it is compared with. A ``Work`` is any such job: threads share it through ``work()``, a
 process of its own runs it whole through ``work_alone()``, ``figures()`` is its answer (plain
 JSON), ``failure`` its first error so far, ``cancel()`` stops it and ``nbytes`` says how big it is.
 This module knows how the work runs, not what it is: the fork, the pipe, signals and the
@@ -28,7 +28,15 @@ from normswap.errors import NormswapError, VerificationError
 from normswap.threads import PARALLEL_BYTES
 
 
-class Work(Protocol):
+class WorkAlone(Protocol):
+    """Work that a process of its own runs whole (``InProcess``): ``figures()`` is its answer, as JSON."""
+
+    def work_alone(self) -> None: ...
+
+    def figures(self) -> dict: ...
+
+
+class Work(WorkAlone, Protocol):
     nbytes: int
 
     @property
@@ -36,11 +44,7 @@ class Work(Protocol):
 
     def work(self) -> None: ...
 
-    def work_alone(self) -> None: ...
-
     def cancel(self) -> None: ...
-
-    def figures(self) -> dict: ...
 
 
 class InThread:
@@ -105,8 +109,8 @@ def in_process(work: Work, cores: int) -> InProcess | None:
 
 
 class InProcess:
-    """A ``Work`` (the weights proof) worked on by a forked copy of this process, on one core, with the
-    interface of ``InThread`` plus ``done()``.
+    """A ``Work`` (the weights proof, ``name``: what messages call it) worked on by a forked copy of
+    this process, on one core, with the interface of ``InThread`` plus ``done()``.
 
     The copy shares this process's memory until either writes to it, and reads the checkpoints
     through the same disk cache. It runs nothing but the proof: interrupts are this process's to
@@ -119,9 +123,9 @@ class InProcess:
     traceback. A copy that dies without answering (the system killed it) is one
     ``NormswapError``."""
 
-    def __init__(self, work: Work) -> None:
+    def __init__(self, work: WorkAlone, name: str = "the weights proof") -> None:
 
-        self.job = work
+        self.job, self.name = work, name
         self._data = bytearray()
         self._answer: dict | None = None
         # the threads of a lockstep comparison each check the copy: one at a time reads its pipe,
@@ -180,7 +184,7 @@ class InProcess:
                 except ValueError:
                     answer = None
                 if not isinstance(answer, dict):
-                    answer = {"error": {"kind": "normswap", "message": died(status)}}
+                    answer = {"error": {"kind": "normswap", "message": died(status, self.name)}}
                 self._answer = answer
             return self._answer
 
@@ -203,7 +207,7 @@ class InProcess:
 
     def _failure(self) -> BaseException | None:
         error = self._collect().get("error")
-        return None if error is None else rebuilt_error(error)
+        return None if error is None else rebuilt_error(error, self.name)
 
     def cancel(self) -> None:
         """End the copy (an interrupt) and reap it."""
@@ -211,7 +215,7 @@ class InProcess:
         with self._collecting:
             if self._answer is not None:
                 return
-            self._answer = {"error": {"kind": "normswap", "message": "the weights proof was cancelled"}}
+            self._answer = {"error": {"kind": "normswap", "message": f"{self.name} was cancelled"}}
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGKILL)
             self._reap()
@@ -226,18 +230,18 @@ class InProcess:
         return self._failure() or error
 
 
-def died(status: int) -> str:
-    """The line for a proof's process that ended (wait ``status``) without answering."""
+def died(status: int, name: str = "the weights proof") -> str:
+    """The line for the process of ``name`` that ended (wait ``status``) without answering."""
 
     if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGBUS:  # a mapped page of a shrunk file
-        return "the weights proof's process was killed by SIGBUS: a weight file shrank while it was read"
+        return f"{name}'s process was killed by SIGBUS: a weight file shrank while it was read"
     how = (f"was killed by signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status)
            else f"exited with status {os.waitstatus_to_exitcode(status)}")
-    return f"the weights proof's process {how} before it answered (out of memory?)"
+    return f"{name}'s process {how} before it answered (out of memory?)"
 
 
-def _work_in_child(work: Work, read: int, write: int, mask: set, parent: int) -> None:
-    """The forked copy's whole life: the proof on one core, its answer into ``write``, exit.
+def _work_in_child(work: WorkAlone, read: int, write: int, mask: set, parent: int) -> None:
+    """The forked copy's whole life: the work on one core, its answer into ``write``, exit.
     Interrupts are held until it ignores them (``mask``: the signal mask to restore then), and it
     ends with ``parent`` (``_end_with_parent``)."""
 
@@ -288,7 +292,7 @@ def error_record(error: BaseException) -> dict:
             "traceback": "".join(traceback.format_exception(error))}
 
 
-def rebuilt_error(record: dict) -> BaseException:
+def rebuilt_error(record: dict, name: str = "the weights proof") -> BaseException:
     kind, message = record.get("kind"), str(record.get("message", ""))
     if kind == "verification":
         return VerificationError(message)
@@ -301,6 +305,6 @@ def rebuilt_error(record: dict) -> BaseException:
             return OSError(message)
         return OSError(record["errno"], record.get("strerror") or message, record.get("filename"), None,
                        record.get("filename2"))
-    error = RuntimeError(f"{record.get('type', 'error')} in the weights proof's process: {message}")
+    error = RuntimeError(f"{record.get('type', 'error')} in {name}'s process: {message}")
     error.add_note(str(record.get("traceback", "")))
     return error
