@@ -355,12 +355,14 @@ STREAMING_CONSTANT = 32e6
 
 def _verified_bound(width: int, vocab: int) -> float:
     """The peak a conversion verified layer by layer may add over its start, whatever the depth:
-    ``STREAMING_CONSTANT`` plus what the forward passes must hold at once, one layer's float32
-    weights per model (three models: the original, the stock and the RMSNorm forms), the probe's
-    logits (three models × 16 positions × the vocabulary, float32) and one 16 MB slice of the
-    head's rows, as read and in float32."""
-    layer, logits, head_slice = 2 * 4 * width * width * 4, 16 * vocab * 4, 2 * (16 << 20)
-    return STREAMING_CONSTANT + 3 * layer + 3 * logits + head_slice
+    ``STREAMING_CONSTANT`` plus what the forward passes must hold at once: a unit's float32
+    weights per model (three models: the original, the stock and the RMSNorm forms), a unit being
+    a linear layer (GPT-2's largest, [d, 4d], twice: the memory kept for reuse) or a block of its
+    rows of at most ``LAYER_SLICE_BYTES``; the probe's logits (three models × 16 positions × the
+    vocabulary, float32) and one 16 MB slice of the head's rows, as read and in float32."""
+    unit = 2 * min(4 * width * width * 4, verify_offload.LAYER_SLICE_BYTES)
+    logits, head_slice = 16 * vocab * 4, 2 * (16 << 20)
+    return STREAMING_CONSTANT + 3 * unit + 3 * logits + head_slice
 
 
 @pytest.mark.slow
@@ -394,11 +396,13 @@ def test_peak_memory_does_not_grow_with_depth(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc peak-RSS reset")
-def test_peak_memory_does_not_grow_with_width_or_vocabulary(tmp_path):
+def test_peak_memory_does_not_grow_with_width_or_vocabulary(tmp_path, monkeypatch):
     """Conversion streams every tensor by blocks of rows: its peak stays within
-    ``STREAMING_CONSTANT`` whatever the width or the vocabulary (a 67 MB float32 table, 33 MB MLP
+    ``STREAMING_CONSTANT`` whatever the width or the vocabulary (a 67 MB float32 table, 17 MB MLP
     weights). Verification adds what its forward passes must hold (``_verified_bound``), and
-    nothing that grows with a whole table."""
+    nothing that grows with a whole table or a whole layer: with 2 MB blocks of rows, the bound at
+    width 1024 is below what whole layers would take."""
+    monkeypatch.setattr(verify_offload, "LAYER_SLICE_BYTES", 2 << 20)
     def gpt2(name: str, width: int, vocab: int) -> Path:
         torch.manual_seed(0)
         config = GPT2Config(n_layer=2, n_embd=width, n_head=4, vocab_size=vocab, n_positions=32,
@@ -418,6 +422,8 @@ def test_peak_memory_does_not_grow_with_width_or_vocabulary(tmp_path):
         assert streamed < STREAMING_CONSTANT, (name, streamed)
         verified = _peak_rss_growth(convert(name, "layerwise"))
         assert verified < _verified_bound(width, vocab), (name, verified)
+    whole_layers = 3 * 4 * 1024 * 1024 * 4  # one [d, 4d] float32 layer per model
+    assert _verified_bound(1024, 4096) < STREAMING_CONSTANT + 2 * (16 << 20) + whole_layers
 
 
 # ---------------------------------------------------------------------------------------------
@@ -451,6 +457,39 @@ def test_layerwise_agrees_with_whole_model(tmp_path, monkeypatch, capsys):
     assert main(["convert", str(src), "--out", str(tmp_path / "cli"), "--verify", "layerwise", "--quiet"]) == 0
     config = json.loads((tmp_path / "cli" / "config.json").read_text())
     assert config["normswap"]["verification"]["mode"] == "layerwise"
+
+
+@pytest.mark.parametrize("family", ["gpt2", "opt"])
+def test_layers_loaded_by_row_blocks_give_the_figures_of_whole_layers(tmp_path, monkeypatch, family):
+    """Linear layers whose weight is bigger than ``LAYER_SLICE_BYTES`` run from blocks of rows (GPT-2's
+    Conv1D summed over its input rows, OPT's nn.Linear by output rows, biases and an uneven last
+    block included): the figures are those of whole layers to float32 rounding."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    if family == "gpt2":
+        src = tiny_gpt2(tmp_path / "src", n_layer=2)
+    else:
+        torch.manual_seed(0)
+        src = save(make_hard(OPTForCausalLM(OPTConfig(
+            num_hidden_layers=2, hidden_size=32, num_attention_heads=4, ffn_dim=37, word_embed_proj_dim=32,
+            vocab_size=VOCAB, max_position_embeddings=32, bos_token_id=0, eos_token_id=0, pad_token_id=1))),
+            tmp_path / "src")
+    out = tmp_path / "rms"
+    normswap.convert_checkpoint(src, out, verification="none")
+    whole = normswap.verify_checkpoint(src, out, layerwise=True)
+    calls = []
+    forward = verify_offload.RowBlocks.forward
+    monkeypatch.setattr(verify_offload.RowBlocks, "forward", lambda self, x: calls.append(len(self.parts)) or forward(self, x))
+    monkeypatch.setattr(verify_offload, "LAYER_SLICE_BYTES", 2000)  # 3 of GPT-2's rows of 128, 15 of OPT's of 32
+    blocked = normswap.verify_checkpoint(src, out, layerwise=True)
+    assert calls and min(calls) >= 3 and whole["passed"] and blocked["passed"]
+    for loader in ("stock", "remote_code"):
+        a, b = whole["loaders"][loader], blocked["loaders"][loader]
+        assert b["max_abs_diff"] == pytest.approx(a["max_abs_diff"], abs=2e-6)
+        assert b["perplexity_reference"] == pytest.approx(a["perplexity_reference"], rel=1e-6)
+        assert b["top1_agreement"] == a["top1_agreement"]
+        for x, y in zip(a["layers"], b["layers"], strict=True):
+            assert y["max_abs_diff"] == pytest.approx(x["max_abs_diff"], abs=2e-6)
 
 
 def test_layerwise_pinpoints_a_corrupted_block(tmp_path):

@@ -6,8 +6,9 @@ residual block (``block_units``), and every module outside the block list, is on
 ``device_map``, offloaded, with the checkpoint itself as the offload store (``Float32Weights``:
 tensors read from the shards on demand; nothing is copied to an offload folder). accelerate's
 hooks then load a unit's weights just before it runs and drop them right after, so memory holds
-one layer (or a few rows of the embedding, or a slice of the head) at a time. With a GPU
-present the execution device is the GPU, else the CPU.
+one unit at a time: a block of rows of a linear layer's weight (``RowBlocks``: at most
+``LAYER_SLICE_BYTES`` in float32, whatever the width), a few rows of the embedding, or a slice of
+the head. With a GPU present the execution device is the GPU, else the CPU.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ if TYPE_CHECKING:
 # Above this many bytes of float32 weights, automatic verification goes layer by layer
 # (a whole-model comparison holds one float32 copy of the model).
 LAYERWISE_ABOVE_BYTES = 1 << 30
+# A linear layer of a block whose float32 weight is bigger is loaded this many bytes of rows at a time.
+LAYER_SLICE_BYTES = 16 << 20
 
 
 def float32_bytes(path: Path) -> int:
@@ -172,14 +175,40 @@ class Float32Weights(Mapping):
         missing = [name for name, _ in model.named_parameters(remove_duplicate=False) if name not in self.sources]
         if missing:
             raise NormswapError(f"{reader.path} has no weight for {missing[0]}")
+        self.rows: dict[str, tuple[str, int, int]] = {}  # a part's parameter -> (source, first row, rows)
+        self._staging: torch.Tensor | None = None
         if shared is not None:
             shared.expect(shared_key(source) for source in self.sources.values())
 
+    def split(self, name: str, parts: list[tuple[str, int, int]]) -> None:
+        """Serve the parameter ``name`` as ``parts`` instead: (part's parameter, first row, rows)
+        of its tensor, each read (and shared) on its own."""
+        source = self.sources.pop(name)
+        self.rows.update((part, (source, start, count)) for part, start, count in parts)
+        if self.shared is not None:
+            key = self.shared_key(source)
+            self.shared.expected[key] -= 1
+            self.shared.expect((key, start) for _, start, _ in parts)
+
     def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self.rows:
+            source, start, count = self.rows[name]
+            if self.shared is not None:
+                return self.shared.get((self.shared_key(source), start), lambda: self._read_rows(source, start, count))
+            return self._read_rows(source, start, count)
         source = self.sources[name]
         if self.shared is not None:
             return self.shared.get(self.shared_key(source), lambda: self._read(source))
         return self._read(source)
+
+    def _read_rows(self, source: str, start: int, count: int) -> torch.Tensor:
+        info = self.reader.tensors[source]
+        shape = (count, *info.shape[1:])
+        out = torch.empty(shape, dtype=torch.float32) if self.pool is None else self.pool.empty(shape, torch.float32)
+        nbytes = count * (info.nbytes // info.shape[0])
+        if self._staging is None or self._staging.numel() < nbytes:  # one buffer, reused part after part
+            self._staging = torch.empty(nbytes, dtype=torch.uint8)
+        return out.copy_(self.reader.read_rows(source, start, count, self._staging))
 
     def _read(self, source: str) -> torch.Tensor:
         dtype = self.reader.tensors[source].dtype
@@ -188,13 +217,14 @@ class Float32Weights(Mapping):
 
     def __contains__(self, name: object) -> bool:
         # Mapping's default reads the tensor to answer; accelerate asks before every read.
-        return name in self.sources
+        return name in self.sources or name in self.rows
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self.sources)
+        yield from self.sources
+        yield from self.rows
 
     def __len__(self) -> int:
-        return len(self.sources)
+        return len(self.sources) + len(self.rows)
 
 
 def find_blocks(model: nn.Module, path: str | None) -> tuple[str, nn.ModuleList] | None:
@@ -249,6 +279,93 @@ def block_units(block: nn.Module, prefix: str) -> list[str]:
         return [prefix]
     return [unit for name, child in block._modules.items() if child is not None
             for unit in block_units(child, f"{prefix}.{name}")]
+
+
+class _Rows(nn.Module):
+    """One block of stored rows of a linear layer's weight (and its bias rows, or the whole bias),
+    a unit of its own: ``RowBlocks``."""
+
+    def __init__(self, rows: int, columns: int, bias: int | None, linear: bool) -> None:
+        super().__init__()
+        self.linear = linear
+        self.weight = nn.Parameter(torch.empty(rows, columns, device="meta"), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(torch.empty(bias, device="meta"), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
+        """nn.Linear's rows: their outputs, x·Wᵀ + b. Conv1D's (``into``: the sum so far, or None
+        for the first block, which holds the bias): the sum plus x·W, x being the columns of the
+        input that these rows multiply."""
+        if self.linear:
+            return nn.functional.linear(x, self.weight, self.bias)
+        if into is not None:
+            return into.addmm_(x, self.weight)
+        return x @ self.weight if self.bias is None else torch.addmm(self.bias, x, self.weight)
+
+
+class RowBlocks(nn.Module):
+    """A linear layer computed from blocks of its weight's stored rows, each block a unit
+    (``block_units``) that the offload hooks load just before it runs and drop right after:
+    memory holds one block, not the layer (at OPT-6.7B's width, fc1 is 268 MB in float32).
+
+    An nn.Linear weight [out, in] stores an output per row: each block gives its outputs,
+    x·W_jᵀ + b_j, and they are concatenated (each output is the dot product the whole layer
+    takes). transformers' Conv1D stores [in, out] (y = x·W + b) an input per row: the output is b
+    plus Σ_j x_j·W_j over the blocks, x_j the columns of x that block j's rows multiply (float32
+    sums in another order than one product's, which is within float32 rounding)."""
+
+    def __init__(self, layer: nn.Module, rows: int) -> None:
+        super().__init__()
+        self.linear = isinstance(layer, nn.Linear)
+        total, columns = layer.weight.shape
+        bias = layer.bias
+        self.starts = list(range(0, total, rows))
+        self.parts = nn.ModuleList(
+            _Rows(min(rows, total - start), columns,
+                  None if bias is None else min(rows, total - start) if self.linear else (columns if not index else None),
+                  self.linear)
+            for index, start in enumerate(self.starts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.linear:
+            return torch.cat([part(x) for part in self.parts], dim=-1)
+        flat, out = x.reshape(-1, x.shape[-1]), None
+        for part, start in zip(self.parts, self.starts, strict=True):
+            out = part(flat[:, start: start + part.weight.shape[0]], out)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def load_by_row_blocks(model: nn.Module, weights: Float32Weights, blocks_path: str,
+                       slice_bytes: int | None = None) -> None:
+    """Replace each linear layer (nn.Linear, transformers' Conv1D) of the blocks whose float32
+    weight is bigger than ``slice_bytes`` (default ``LAYER_SLICE_BYTES``) by ``RowBlocks`` of at
+    most that many bytes each, served by ``weights`` block by block. A weight another parameter
+    is tied to stays whole. The model is consumed, as by ``stream_vocabulary``."""
+    slice_bytes = LAYER_SLICE_BYTES if slice_bytes is None else slice_bytes
+    readers: dict[str, int] = {}
+    for source in weights.sources.values():
+        readers[source] = readers.get(source, 0) + 1
+    blocks = model.get_submodule(blocks_path)
+    for name, layer in list(blocks.named_modules(prefix=blocks_path)):
+        if not (isinstance(layer, nn.Linear) or type(layer).__name__ == "Conv1D") or not hasattr(layer, "weight"):
+            continue
+        source = weights.sources.get(f"{name}.weight")
+        if source is None or readers[source] > 1 or layer.weight.dim() != 2:
+            continue
+        info = weights.reader.tensors[source]
+        total, columns = layer.weight.shape
+        if tuple(info.shape) != (total, columns) or not info.dtype.is_floating_point or 4 * total * columns <= slice_bytes:
+            continue
+        blocked = RowBlocks(layer, max(1, slice_bytes // (4 * columns)))
+        counts = [part.weight.shape[0] for part in blocked.parts]
+        weights.split(f"{name}.weight", [(f"{name}.parts.{index}.weight", start, count)
+                                         for index, (start, count) in enumerate(zip(blocked.starts, counts, strict=True))])
+        if layer.bias is not None and blocked.linear:
+            weights.split(f"{name}.bias", [(f"{name}.parts.{index}.bias", start, count)
+                                           for index, (start, count) in enumerate(zip(blocked.starts, counts, strict=True))])
+        elif layer.bias is not None:
+            weights.sources[f"{name}.parts.0.bias"] = weights.sources.pop(f"{name}.bias")
+        parent, _, attribute = name.rpartition(".")
+        setattr(model.get_submodule(parent), attribute, blocked)
 
 
 class RowsFromCheckpoint(nn.Module):
@@ -350,6 +467,7 @@ def dispatched(model: nn.Module, checkpoint: Path, blocks_path: str, device: tor
     with CheckpointReader(checkpoint) as reader:
         weights = Float32Weights(model, reader, shared, shared_key)
         stream_vocabulary(model, weights, device)
+        load_by_row_blocks(model, weights, blocks_path)
         with _quiet():
             dispatch_model(model, device_map=device_map_for(model, blocks_path), main_device=str(device),
                            state_dict=weights, offload_index={}, offload_buffers=False)
