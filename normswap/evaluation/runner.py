@@ -243,8 +243,9 @@ class Evaluator:
         if self.plan.all:
             self._task_list()
         copy = background.InProcess(_ScoredAlone(self, original, held, started), name=f"the evaluation of {baseline}")
-        held.clear()  # the copy holds its own; this process's are freed before the model loads
-        release_memory()
+        # the copy holds its own; this process's are freed by their counts before the model loads. No
+        # collection here: an interrupt that lands in one of its callbacks is swallowed
+        held.clear()
         try:
             with pinned_threads(cores - 1):
                 converted = self.evaluate("converted", model)
