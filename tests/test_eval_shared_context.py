@@ -208,13 +208,16 @@ def test_tasks_built_once_score_the_same_for_every_model():
     assert set(first.per_doc) == {"persuasion_cloze", "persuasion_lastword", "persuasion_rolling"}
 
 
-@pytest.mark.parametrize("argv, shared", [([], True), (["--plain-lm-eval"], False)])
-def test_plain_lm_eval_option_selects_lm_evals_own_path(argv, shared):
+@pytest.mark.parametrize("argv, shared, side_by_side", [
+    ([], True, True), (["--plain-lm-eval"], False, True), (["--one-at-a-time"], True, False)])
+def test_scoring_path_options(argv, shared, side_by_side):
+    """--plain-lm-eval selects lm-eval's own path; --one-at-a-time scores a pair's models in turn."""
     import argparse
 
     from normswap.evaluation import cli
 
     parser = argparse.ArgumentParser()
     cli.configure(parser)
-    args = parser.parse_args(["out/model", "--device", "cpu", *argv])
-    assert cli.settings_from_args(args).share_contexts is shared
+    settings = cli.settings_from_args(parser.parse_args(["out/model", "--device", "cpu", *argv]))
+    assert settings.share_contexts is shared
+    assert settings.side_by_side is side_by_side

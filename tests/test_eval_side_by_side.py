@@ -3,7 +3,6 @@ a forked copy, the model here, with the scores of one model after the other."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
@@ -13,7 +12,7 @@ pytest.importorskip("lm_eval")
 
 from normswap.checkpoint.source import EXAMPLE_MODEL, example_model_path  # noqa: E402
 from normswap.errors import NormswapError  # noqa: E402
-from normswap.evaluation import cli, runner  # noqa: E402
+from normswap.evaluation import runner  # noqa: E402
 from normswap.evaluation.runner import EvalSettings, Evaluator, ModelEval  # noqa: E402
 from normswap.runtime import background  # noqa: E402
 
@@ -104,11 +103,3 @@ def test_a_failure_on_either_side_is_its_own_one_line_error(copies, monkeypatch,
     with pytest.raises(NormswapError, match=f"^cannot score the {failing} model$"):
         pair(perplexity=False, tasks=["persuasion_lastword"])
     assert len(copies) == 1 and copies[0]._read == -1  # the copy answered, or was ended, and is reaped
-
-
-@pytest.mark.parametrize("argv, side_by_side", [([], True), (["--one-at-a-time"], False)])
-def test_one_at_a_time_option(argv, side_by_side):
-    parser = argparse.ArgumentParser()
-    cli.configure(parser)
-    args = parser.parse_args(["out/model", "--device", "cpu", *argv])
-    assert cli.settings_from_args(args).side_by_side is side_by_side
