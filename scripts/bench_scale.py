@@ -13,13 +13,18 @@ repositories are, then measures in interleaved rounds, each step a fresh process
 
 Each step reports wall seconds, its ratio to the floor of the same round, and the peak memory
 of its whole process tree (``verify``'s weights proof runs in a forked copy), sampled every
-50 ms: summed Pss (each shared page counted once) and summed RSS. The ``startup`` step
-(``normswap inspect``: planning, no weights read) is measured beside them, and across sizes
-each step's seconds are fitted as a fixed cost plus a per-GB cost. Results go to ``benchmarks/results/bench_scale.json`` and are printed as a
-table; the checkpoints are deleted afterwards.
+50 ms: summed Pss (each shared page counted once) and summed RSS, and what the tree read from
+storage (Linux's ``read_bytes``: page-cache misses), also against the bytes the step must read
+(the source; both folders for ``verify``). With ``--cold`` (root) the page cache is emptied
+before every step, so that a figure near 1.0 says each byte came from the disk once. The
+``startup`` step (``normswap inspect``: planning, no weights read) is measured beside them, and
+across sizes each step's seconds are fitted as a fixed cost plus a per-GB cost. Results go to
+``benchmarks/results/bench_scale.json`` and are printed as a table; the checkpoints are deleted
+afterwards.
 
     python scripts/bench_scale.py                                    # 1.5B and 6.7B, 2 rounds
     python scripts/bench_scale.py --sizes gpt2-xl,opt-6.7b,opt-13b   # 13B where the disk allows
+    python scripts/bench_scale.py --sizes opt-6.7b --rounds 1 --cold # reads from the disk, as root
     python scripts/bench_scale.py --quick --out /tmp/scale.json      # a tiny shape (the tests run it)
 """
 
@@ -37,6 +42,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -189,60 +195,90 @@ def floor_copy(source: Path, destination: Path) -> None:
 # Measuring
 
 
-def measured(command: list[str], interval: float = 0.05) -> dict:
-    """Run ``command`` after a ``sync``: wall seconds, and the peak summed Pss, RSS and anonymous
-    memory of its process tree, sampled every ``interval`` seconds."""
+def storage_read_bytes() -> int:
+    """The bytes this process and every descendant it has reaped caused to be read from storage
+    (Linux's ``read_bytes``: page-cache misses, by ``read`` or by a fault on mapped pages)."""
+    with open("/proc/self/io") as handle:
+        return next(int(line.split()[1]) for line in handle if line.startswith("read_bytes:"))
+
+
+def drop_page_cache() -> None:
+    """Empty the page cache (root only), so that a step reads what it reads from the disk."""
+    subprocess.run(["sync"], check=True)
+    Path("/proc/sys/vm/drop_caches").write_text("1\n")
+
+
+def measured(command: list[str], interval: float = 0.05, cold: bool = False) -> dict:
+    """Run ``command`` after a ``sync`` (and with ``cold`` an empty page cache): wall seconds, the
+    peak summed Pss, RSS and anonymous memory of its process tree, sampled every ``interval``
+    seconds, and what the tree read from storage (``storage_read_bytes``)."""
+    if cold:
+        drop_page_cache()
     subprocess.run(["sync"], check=True)
     load = os.getloadavg()[0]
     with tempfile.TemporaryFile("w+") as errors:  # a file, not a pipe: a chatty command never blocks on it
+        read_before = storage_read_bytes()
         started = time.perf_counter()
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=errors, text=True)
         peaks = sample_tree(process, interval)
         seconds = time.perf_counter() - started
+        read = storage_read_bytes() - read_before
         if process.returncode != 0:
             errors.seek(0)
             raise SystemExit(f"failed ({process.returncode}): {' '.join(command)}\n{errors.read()[-2000:]}")
     return {"seconds": round(seconds, 3), "peak_pss_mb": peaks["peak_pss_mb"],
             "peak_rss_mb": peaks["peak_summed_rss_mb"], "peak_anon_mb": peaks["peak_anon_mb"],
-            "load_before": round(load, 2)}
+            "storage_read_mb": round(read / 2**20, 1), "load_before": round(load, 2)}
 
 
 def normswap(*args: str) -> list[str]:
     return [sys.executable, "-m", "normswap", *args]
 
 
-def one_round(src: Path, work: Path) -> dict[str, dict]:
-    """Every step once, in turn, each in a fresh process; what they wrote is removed."""
+def folder_bytes(path: Path) -> int:
+    return sum(file.stat().st_size for file in path.rglob("*") if file.is_file())
+
+
+def one_round(src: Path, work: Path, cold: bool = False) -> dict[str, dict]:
+    """Every step once, in turn, each in a fresh process (with ``cold``, on an empty page cache);
+    what they wrote is removed. Each step's storage reads are also given against the bytes it
+    must read: the source for a conversion, both folders for ``verify``."""
     floor, out, verified = work / "floor", work / "rms", work / "rms-verified"
+    step = partial(measured, cold=cold)
     try:
-        steps = {"floor": measured([sys.executable, __file__, "--floor", str(src), str(floor)])}
+        steps = {"floor": step([sys.executable, __file__, "--floor", str(src), str(floor)])}
         shutil.rmtree(floor)
-        steps["startup"] = measured(normswap("inspect", str(src)))
-        steps["convert_no_verify"] = measured(normswap("convert", str(src), "--out", str(out), "--verify", "none",
-                                                       "--quiet"))
-        steps["verify"] = measured(normswap("verify", str(src), str(out), "--quiet"))
+        steps["startup"] = step(normswap("inspect", str(src)))
+        steps["convert_no_verify"] = step(normswap("convert", str(src), "--out", str(out), "--verify", "none",
+                                                   "--quiet"))
+        steps["verify"] = step(normswap("verify", str(src), str(out), "--quiet"))
+        needed = {"floor": folder_bytes(src), "convert_no_verify": folder_bytes(src), "convert_default": folder_bytes(src),
+                  "verify": folder_bytes(src) + folder_bytes(out)}
         shutil.rmtree(out)
-        steps["convert_default"] = measured(normswap("convert", str(src), "--out", str(verified), "--quiet"))
-        for step in STEPS:
-            steps[step]["over_floor"] = round(steps[step]["seconds"] / steps["floor"]["seconds"], 2)
+        steps["convert_default"] = step(normswap("convert", str(src), "--out", str(verified), "--quiet"))
+        for name in STEPS:
+            steps[name]["over_floor"] = round(steps[name]["seconds"] / steps["floor"]["seconds"], 2)
+            if name in needed:
+                steps[name]["storage_read_over_bytes"] = round(steps[name]["storage_read_mb"] * 2**20 / needed[name], 3)
         return steps
     finally:
         for path in (floor, out, verified):
             shutil.rmtree(path, ignore_errors=True)
 
 
-def bench_shape(shape: Shape, work: Path, rounds: int) -> dict:
+def bench_shape(shape: Shape, work: Path, rounds: int, cold: bool = False) -> dict:
     """Every step for one shape, ``rounds`` interleaved rounds; the checkpoint is removed after."""
     src = work / f"{shape.name}-src"
     started = time.perf_counter()
     record = {"size": shape.name, **build_checkpoint(shape, src)}
     record["build_seconds"] = round(time.perf_counter() - started, 1)
     try:
-        record["rounds"] = [one_round(src, work) for _ in range(rounds)]
+        record["rounds"] = [one_round(src, work, cold) for _ in range(rounds)]
     finally:
         shutil.rmtree(src, ignore_errors=True)
     record["median"] = {step: {key: round(statistics.median(r[step][key] for r in record["rounds"]), 3)
-                               for key in ("seconds", "over_floor", "peak_pss_mb", "peak_rss_mb", "peak_anon_mb")}
+                               for key in ("seconds", "over_floor", "peak_pss_mb", "peak_rss_mb", "peak_anon_mb",
+                                           "storage_read_mb")}
                         for step in STEPS}
     median = record["median"]
     measured = [step for step in STEPS if step != "floor"]
@@ -281,13 +317,15 @@ def cost_split(records: list[dict]) -> dict:
 def table(records: list[dict]) -> str:
     """One row per shape and step: median seconds, ratio to the floor, peak Pss, RSS and anonymous
     memory of the tree."""
-    lines = ["| size | step | median s | × floor (median) | peak Pss MB | peak RSS MB | peak anon MB | rounds |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| size | step | median s | × floor (median) | peak Pss MB | peak RSS MB | peak anon MB "
+             "| storage read GB | rounds |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for record in records:
         for step, figures in record["median"].items():
             lines.append(f"| {record['size']} ({record['bytes'] / 1e9:.2f} GB, {record['shards']} shards) | {step} "
                          f"| {figures['seconds']:.2f} | {figures['over_floor']:.2f} | {figures['peak_pss_mb']:.0f} "
-                         f"| {figures['peak_rss_mb']:.0f} | {figures['peak_anon_mb']:.0f} | {len(record['rounds'])} |")
+                         f"| {figures['peak_rss_mb']:.0f} | {figures['peak_anon_mb']:.0f} "
+                         f"| {figures['storage_read_mb'] * 2**20 / 1e9:.2f} | {len(record['rounds'])} |")
     return "\n".join(lines)
 
 
@@ -298,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of every step per size")
     parser.add_argument("--workdir", default="/tmp/normswap-bench-scale", help="where checkpoints go (deleted)")
     parser.add_argument("--out", default=str(RESULTS), help="JSON results file")
+    parser.add_argument("--cold", action="store_true",
+                        help="empty the page cache before every step (root only): reads come from the disk")
     parser.add_argument("--floor", nargs=2, metavar=("SRC", "DST"), help=argparse.SUPPRESS)  # the floor's process
     args = parser.parse_args(argv)
     if args.floor:
@@ -307,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [size for size in sizes if size not in SHAPES]
     if unknown:
         parser.error(f"unknown size {unknown[0]}; choose from {', '.join(SHAPES)}")
+    if args.cold and not os.access("/proc/sys/vm/drop_caches", os.W_OK):
+        parser.error("--cold empties the page cache, which needs root")
     work = Path(args.workdir)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -315,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for size in sizes:
             print(f"[bench_scale] {size} ...", file=sys.stderr, flush=True)
-            records.append(bench_shape(SHAPES[size], work, rounds))
+            records.append(bench_shape(SHAPES[size], work, rounds, args.cold))
             print(table(records[-1:]), file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -327,8 +369,11 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                     "torch": torch.__version__, "memory_gb": round(os.sysconf("SC_PAGE_SIZE")
                                                                    * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)},
-        "method": "rounds interleave the steps; each step a fresh process after sync; ratios are to the floor "
-                  "of the same round; memory is the process tree's peak summed Pss and RSS, sampled every 50 ms",
+        "method": "rounds interleave the steps; each step a fresh process after sync"
+                  + (" on an emptied page cache" if args.cold else "") + "; ratios are to the floor "
+                  "of the same round; memory is the process tree's peak summed Pss and RSS, sampled every 50 ms; "
+                  "storage reads are the tree's read_bytes (page-cache misses)",
+        "cold": args.cold,
         "results": records,
         "split": cost_split(records),
     }

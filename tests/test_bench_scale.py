@@ -23,7 +23,9 @@ def test_bench_scale_quick_writes_every_step(tmp_path):
     (round_,) = record["rounds"]
     assert set(round_) == {"floor", "startup", "convert_no_verify", "verify", "convert_default"}
     assert round_["floor"]["over_floor"] == 1.0
-    assert all(step["seconds"] > 0 and step["peak_pss_mb"] > 0 and step["peak_anon_mb"] > 0 for step in round_.values())
+    assert all(step["seconds"] > 0 and step["peak_pss_mb"] > 0 and step["peak_anon_mb"] > 0
+               and step["storage_read_mb"] >= 0 for step in round_.values())
+    assert "storage_read_over_bytes" in round_["verify"] and "storage_read_over_bytes" not in round_["startup"]
     assert set(record["targets"]) == {"convert_default_within_2x_floor", "verify_within_1.5x_floor",
                                       "peak_memory_within_1gb"}
     assert not (tmp_path / "work").exists()

@@ -4,9 +4,13 @@ a forked copy, the model here, with the scores of one model after the other."""
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 
 import pytest
+import torch
+from tqdm import tqdm
 
 pytest.importorskip("lm_eval")
 
@@ -45,12 +49,21 @@ def pair(**changes) -> tuple[ModelEval, ModelEval]:
         evaluator.close()
 
 
-def test_side_by_side_scores_as_one_at_a_time(copies, capfd):
+def test_side_by_side_scores_as_one_at_a_time(copies, capfd, monkeypatch):
+    score = Evaluator._score
+
+    def bars_noted(self, result, model, tokenizer):  # lm-eval's request building passes no disable=
+        result.details["bars_off"] = tqdm(total=1).disable
+        score(self, result, model, tokenizer)
+
+    monkeypatch.setattr(Evaluator, "_score", bars_noted)
     beside = pair()
     assert len(copies) == 1 and copies[0].done()
     assert "fork" not in capfd.readouterr().err  # nor any library's warning about one
+    assert beside[0].details.pop("bars_off") is True  # the copy's would be drawn over the model's
     alone = pair(side_by_side=False)
     assert len(copies) == 1
+    assert [m.details.pop("side_by_side") for m in (*beside, *alone)] == [True, True, False, False]
     for side, one in zip(beside, alone, strict=True):
         assert (side.label, side.source) == (one.label, one.source)
         assert side.metrics == pytest.approx(one.metrics, rel=1e-6)
@@ -88,6 +101,26 @@ def test_models_too_big_for_memory_twice_take_turns(copies, monkeypatch):
     monkeypatch.setattr(runner, "available_memory", lambda: 1 << 20)
     original, converted = pair(perplexity=False, tasks=["persuasion_lastword"])
     assert copies == [] and original.per_doc and converted.per_doc
+    assert original.details["side_by_side"] is converted.details["side_by_side"] is False
+
+
+def test_a_copy_that_dies_stops_the_model_at_its_next_forward_pass(copies, monkeypatch):
+    monkeypatch.setattr(runner._ScoredAlone, "work_alone", lambda self: os._exit(3))
+    reached = []
+
+    def scored_after_the_death(self, result, model, tokenizer):
+        assert result.label == "converted"
+        for _ in range(600):
+            if copies[0].done():
+                break
+            time.sleep(0.05)
+        model(input_ids=torch.tensor([[1, 2]]))
+        reached.append(result.label)
+
+    monkeypatch.setattr(Evaluator, "_score", scored_after_the_death)
+    with pytest.raises(NormswapError, match=r"^the process of the evaluation of .+ exited with status 3 before it"):
+        pair(perplexity=False, tasks=["persuasion_lastword"])
+    assert reached == []
 
 
 @pytest.mark.parametrize("failing", ["original", "converted"])

@@ -32,7 +32,7 @@ from normswap.runtime import background
 from normswap.runtime import offload as verify_offload
 from normswap.verify import proof as weights_proof
 from normswap.verify.checkpoint import proven_and_compared
-from normswap.verify.layerwise import sampled_blocks
+from normswap.verify.layerwise import probed_tensors, sampled_blocks
 
 VOCAB = 97
 ROOT = Path(__file__).resolve().parents[1]
@@ -564,7 +564,7 @@ def test_the_proof_process_dies_is_cancelled_or_fails_in_one_error(tmp_path, mon
         return background.InProcess(weights_proof.WeightsProof(src, out, plan))
 
     killed = started(lambda self: os._exit(9))  # no answer: one line saying how the process ended
-    with pytest.raises(NormswapError, match=r"weights proof's process exited with status 9 before it answered"):
+    with pytest.raises(NormswapError, match=r"process of the weights proof exited with status 9 before it answered"):
         killed.result()
     with pytest.raises(ChildProcessError):
         os.waitpid(killed.pid, os.WNOHANG)  # reaped
@@ -572,7 +572,7 @@ def test_the_proof_process_dies_is_cancelled_or_fails_in_one_error(tmp_path, mon
     def broken(self):
         raise ZeroDivisionError("a bug")
 
-    with pytest.raises(RuntimeError, match="ZeroDivisionError in the weights proof's process: a bug") as bug:
+    with pytest.raises(RuntimeError, match="the weights proof failed in its process: ZeroDivisionError: a bug") as bug:
         started(broken).result()
     assert "ZeroDivisionError" in "".join(bug.value.__notes__)  # the copy's traceback
 
@@ -723,6 +723,14 @@ def test_sampled_blocks_are_the_first_of_every_kind():
     kinds = ["full", "full", "full", "sliding", "full", "sliding"]
     assert sampled_blocks({"layer_types": kinds, "n_layer": 6}, 6) == [0, 1, 2, 3]
     assert sampled_blocks({"attention_layers": ["global", "local"] * 4, "other": [1, 2]}, 8) == [0, 1]
+    names = ["lm_head.weight", "model.layers.0.mlp.weight", "model.layers.10.mlp.weight", "model.layers.2.norm",
+             "model.layers.3.mlp.weight", "model.norm.weight", "model.layers.1.layers_x"]
+    kinds = ["full"] * 11
+    kinds[2] = "sliding"
+    assert probed_tensors(names, {"layer_types": kinds}, "model.layers") == [
+        "lm_head.weight", "model.layers.0.mlp.weight", "model.layers.2.norm", "model.norm.weight",
+        "model.layers.1.layers_x"]
+    assert probed_tensors(names, {}, None) == [] and probed_tensors(["a.b"], {}, "h") == []
 
 
 def test_a_proven_checkpoint_runs_sampled_blocks_beside_the_proof(tmp_path, monkeypatch, capsys):
@@ -730,8 +738,21 @@ def test_a_proven_checkpoint_runs_sampled_blocks_beside_the_proof(tmp_path, monk
     out = tmp_path / "rms"
     normswap.convert_checkpoint(src, out, verification="none")
     monkeypatch.setattr(verify_offload, "LAYERWISE_ABOVE_BYTES", 0)  # auto picks block by block
+    orders = []
+    made = weights_proof.WeightsProof.__init__
+
+    def noted(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        orders.append([self.tensors[index].name for index in self.order])
+
+    monkeypatch.setattr(weights_proof.WeightsProof, "__init__", noted)
     sampled = normswap.verify_checkpoint(src, out)
     assert sampled["passed"] and sampled["mode"] == "layerwise" and sampled["proof"]["recomputed"]
+    # the tensors the forward passes read come first, so that the page cache still holds them
+    unread = [index for index, name in enumerate(orders[0]) if name.startswith(("transformer.h.2.", "transformer.h.3.",
+                                                                              "transformer.h.4."))]
+    assert unread == list(range(len(orders[0]) - len(unread), len(orders[0])))
+    assert sampled["proof"] == normswap.prove_checkpoint(src, out)  # figures of the plan's order
     assert sampled["blocks"] == {"run": [0, 1], "of": 5}
     assert [layer["layer"] for layer in sampled["loaders"]["stock"]["layers"]] == [0, 1]
     every = normswap.verify_checkpoint(src, out, layerwise=True)  # asked for: every block

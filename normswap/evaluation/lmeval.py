@@ -164,6 +164,15 @@ def make_lm(model, tokenizer, *, batch_size: int, max_length: int | None, share_
     return lm
 
 
+def bars_off_by_default() -> None:
+    """Turn off, in this process, every bar that does not ask to be drawn: lm-eval's request
+    building passes no ``disable=``. ``TQDM_DISABLE`` cannot do it once tqdm is imported, since
+    tqdm reads it then (a forked copy of a process that imported it)."""
+    from tqdm import std
+
+    std.tqdm.__init__ = functools.partialmethod(std.tqdm.__init__, disable=True)
+
+
 def _without_request_bars(lm) -> None:
     """Turn off the model's request bars. They pass ``disable=`` explicitly, so ``TQDM_DISABLE``
     cannot reach them, and the rolling scorer asks ``_loglikelihood_tokens`` for a bar with an

@@ -231,14 +231,15 @@ class Evaluator:
         head). The copy's scores come back as JSON, exactly."""
         cores = self._side_by_side_cores()
         if cores is None:
-            return self.evaluate("original", baseline), self.evaluate("converted", model)
+            return _one_at_a_time(self.evaluate("original", baseline), self.evaluate("converted", model))
         original = ModelEval(label="original", source=str(baseline))
         started = time.perf_counter()
         held = [*load_for_eval(baseline, self.settings)]
         available = available_memory()
         size = sum(t.nbytes for t in (*held[0].parameters(), *held[0].buffers()))
         if available is None or 2.5 * size > available / 2:
-            return self._scored(original, held, started), self.evaluate("converted", model)
+            return _one_at_a_time(self._scored(original, held, started), self.evaluate("converted", model))
+        original.details["side_by_side"] = True
         self._fix_max_length(held[0])
         if self.plan.all:
             self._task_list()
@@ -248,11 +249,22 @@ class Evaluator:
         held.clear()
         try:
             with pinned_threads(cores - 1):
-                converted = self.evaluate("converted", model)
+                converted = self._scored_beside(model, copy)
         except BaseException:
             copy.cancel()
             raise
+        converted.details["side_by_side"] = True
         return ModelEval.from_json(copy.result()), converted
+
+    def _scored_beside(self, source: str, copy: background.InProcess) -> ModelEval:
+        """The model's scores while ``copy`` scores the baseline. Every forward pass checks the
+        copy first, so that its failure, or its death, stops this model at once."""
+        result = ModelEval(label="converted", source=str(source))
+        started = time.perf_counter()
+        held = [*load_for_eval(source, self.settings)]
+        held[0].register_forward_pre_hook(lambda module, args: copy.check())
+        copy.check()
+        return self._scored(result, held, started)
 
     def _side_by_side_cores(self) -> int | None:
         """The idle cores when the two models of a comparison are to be scored side by side
@@ -337,9 +349,18 @@ class Evaluator:
         return result
 
 
+def _one_at_a_time(original: ModelEval, converted: ModelEval) -> tuple[ModelEval, ModelEval]:
+    """The pair, each marked as scored alone (``details["side_by_side"]``: what ran, where the
+    settings say what was asked)."""
+    for result in (original, converted):
+        result.details["side_by_side"] = False
+    return original, converted
+
+
 class _ScoredAlone:
     """The baseline's scoring as work for a forked copy (``background.InProcess``): on its one
-    core, without progress bars (the model's own run draws them), its ``ModelEval`` as JSON.
+    core, without progress bars (the model's own run draws them, and the copy's would be drawn over
+    them), its ``ModelEval`` as JSON.
     ``held`` holds the model and its tokenizer (``Evaluator._scored``); the parent empties it once
     the copy is made."""
 
@@ -348,6 +369,7 @@ class _ScoredAlone:
 
     def work_alone(self) -> None:
         self.evaluator.settings = replace(self.evaluator.settings, progress=False)
+        lmeval.bars_off_by_default()
         with pinned_threads(1):
             self.evaluator._scored(self.result, self.held, self.started)
 

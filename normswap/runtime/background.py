@@ -234,10 +234,10 @@ def died(status: int, name: str = "the weights proof") -> str:
     """The line for the process of ``name`` that ended (wait ``status``) without answering."""
 
     if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGBUS:  # a mapped page of a shrunk file
-        return f"{name}'s process was killed by SIGBUS: a weight file shrank while it was read"
+        return f"the process of {name} was killed by SIGBUS: a weight file shrank while it was read"
     how = (f"was killed by signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status)
            else f"exited with status {os.waitstatus_to_exitcode(status)}")
-    return f"{name}'s process {how} before it answered (out of memory?)"
+    return f"the process of {name} {how} before it answered (out of memory?)"
 
 
 def _work_in_child(work: WorkAlone, read: int, write: int, mask: set, parent: int) -> None:
@@ -305,6 +305,6 @@ def rebuilt_error(record: dict, name: str = "the weights proof") -> BaseExceptio
             return OSError(message)
         return OSError(record["errno"], record.get("strerror") or message, record.get("filename"), None,
                        record.get("filename2"))
-    error = RuntimeError(f"{record.get('type', 'error')} in {name}'s process: {message}")
+    error = RuntimeError(f"{name} failed in its process: {record.get('type', 'error')}: {message}")
     error.add_note(str(record.get("traceback", "")))
     return error

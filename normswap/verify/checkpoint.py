@@ -9,7 +9,7 @@ against the conversion plan (``proof``), then runs the original and each load of
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from functools import partial
 from pathlib import Path
 
@@ -113,7 +113,8 @@ def verify_conversion(original: Checkpoint, converted: str | Path, verification:
 
     proven, (probe, loaders, mode, note) = proven_and_compared(
         original_dir, converted_dir, plan if proof else None, mode, compare, prepare=prepare,
-        beside=verification.layerwise is not True, written=written)
+        beside=verification.layerwise is not True, written=written,
+        first=by_layer.probed_tensors(plan.tensors, original_config, architecture.blocks) if plan else ())
     return summarise(probe, loaders, (atol, rtol), (mode, note), provenance.method, (original_dir, converted_dir),
                      **({"proof": proven} if proven is not None else {}))
 
@@ -122,7 +123,8 @@ def proven_and_compared(reference_dir: Path, converted_dir: Path, plan: Conversi
                         mode: tuple[str, str | None],
                         compare: Callable[[dict[str, str], Callable[[], None] | None], tuple],
                         prepare: Callable[[], object] | None = None, beside: bool = True,
-                        written: weights.WrittenProof | None = None) -> tuple[dict | None, tuple]:
+                        written: weights.WrittenProof | None = None,
+                        first: Collection[str] = ()) -> tuple[dict | None, tuple]:
     """(proof figures or None, ``compare(identical, check)``): the weights proof of ``plan``
     (none without one), then the forward comparison, after ``prepare()``: the checks of the
     folder's other contents and ``import_classes``, which fail before any figure is taken.
@@ -141,8 +143,10 @@ def proven_and_compared(reference_dir: Path, converted_dir: Path, plan: Conversi
     every core if the proof is done, else leaves it one. Elsewhere the proof's thread
     (``runtime.background.InThread``) starts after ``prepare()``, which would keep the lock from it, and
     this thread joins its work once the comparison is done. The forward passes share reads with
-    the proof only through the disk cache, and each tensor the plan keeps byte for byte
-    (``identical``, proven so by the proof) is read once for both checkpoints. ``check`` stops
+    the proof only through the page cache: the proof takes first the tensors ``first`` names,
+    those the comparison reads (``layerwise.probed_tensors``), so that the cache holds them
+    still however big the pair, and each tensor the plan keeps byte for byte (``identical``,
+    proven so by the proof) is read once for both checkpoints. ``check`` stops
     the comparison at its next block once the proof has failed, and the proof's failure is raised
     before the comparison's. An interrupt stops the proof too."""
     if written is not None:
@@ -158,7 +162,7 @@ def proven_and_compared(reference_dir: Path, converted_dir: Path, plan: Conversi
         proven = None if plan is None else weights.prove_weights(reference_dir, converted_dir, plan, identical)
         return proven, compare(identical, None)
     identical = weights.planned_identical(plan, reference_dir)
-    proof = weights.WeightsProof(reference_dir, converted_dir, plan)
+    proof = weights.WeightsProof(reference_dir, converted_dir, plan, first)
     cores = default_threads() or torch.get_num_threads()  # the user's thread count, when set
     proving: background.InThread | background.InProcess | None = background.in_process(proof, cores)
     try:
@@ -453,6 +457,7 @@ def _compare_rotated(reference_dir: Path, rotated_dir: Path, provenance: Provena
     proven, (probe, loaders, mode, note) = proven_and_compared(
         reference_dir, rotated_dir, plan if proof else None, mode, compare,
         prepare=partial(import_classes, reference_config, architecture), beside=layerwise is not True,
-        written=written)
+        written=written,
+        first=by_layer.probed_tensors(plan.tensors, reference_config, architecture.blocks) if plan else ())
     return summarise(probe, loaders, (atol, rtol), (mode, note), "exact", (reference_dir, rotated_dir),
                      reference="source", **({"proof": proven} if proven is not None else {}))

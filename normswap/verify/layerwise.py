@@ -19,7 +19,7 @@ RMSNorm forms run in lockstep on shared weight reads (``lockstep``), each of the
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -219,6 +219,29 @@ def sampled_blocks(config: dict, count: int) -> list[int]:
                 firsts.setdefault(kind, index)
             last = max(last, *firsts.values())
     return list(range(last + 1))
+
+
+def probed_tensors(names: Iterable[str], config: dict, blocks_path: str | None) -> list[str]:
+    """The tensors of ``names`` (a checkpoint's, in order) that a comparison of the
+    ``sampled_blocks`` reads: every tensor outside the blocks (embeddings, final norm, head) and
+    those of the blocks it runs. A tensor is a block's when its name holds the last component of
+    ``blocks_path`` followed by the block's index (``decoder.layers.3.``); the count of blocks is
+    read off the names. None are named without a ``blocks_path``."""
+    names = list(names)
+    if not blocks_path:
+        return []
+    leaf = blocks_path.rsplit(".", 1)[-1]
+    block_of: dict[str, int] = {}
+    for name in names:
+        parts = name.split(".")
+        index = next((int(parts[i + 1]) for i in range(len(parts) - 1)
+                      if parts[i] == leaf and parts[i + 1].isdigit()), None)
+        if index is not None:
+            block_of[name] = index
+    if not block_of:
+        return []
+    run = set(sampled_blocks(config, max(block_of.values()) + 1))
+    return [name for name in names if name not in block_of or block_of[name] in run]
 
 
 def _block_count(config) -> int | None:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -80,18 +80,23 @@ def prove_weights(source_dir: Path, converted_dir: Path, plan: ConversionPlan,
 class WeightsProof:
     """The proof of one checkpoint against its plan, as work any number of threads share.
 
-    Each ``work()`` call (one per thread) takes the next tensor in the plan's order until none is
-    left, on one core: the work is reads and elementwise float64 arithmetic, which release the
-    interpreter lock. A tensor that is not streamed by rows is computed whole in float64; one
-    such tensor at a time is, whatever the number of workers, so that memory holds one.
+    Each ``work()`` call (one per thread) takes the next tensor in the proof's order until none
+    is left, on one core: the work is reads and elementwise float64 arithmetic, which release the
+    interpreter lock. The order is the plan's, except that the tensors ``first`` names come first
+    (those a comparison beside the proof reads, ``layerwise.probed_tensors``: it then finds them
+    in the page cache, where the pair may be too big for the cache to hold until the proof came
+    to them). A tensor that is not streamed by rows is computed whole in float64; one such
+    tensor at a time is, whatever the number of workers, so that memory holds one.
     ``figures()`` gives those of a single pass whatever the split: the first wrong tensor in the
-    plan's order (a worker stops taking tensors past the first failure found, and every tensor
-    before it is proven by someone), and the worst tensor by ulps, the first of equals. With
+    proof's order (a worker stops taking tensors past the first failure found, and every tensor
+    before it is proven by someone), and the worst tensor by ulps, the first of equals in the
+    plan's order. With
     ``mapped`` (set in a process that runs nothing but the proof, ``work_alone``) both
     checkpoints are read over their files' mapped pages instead of copies of them
     (``CheckpointReader``'s ``mapped``)."""
 
-    def __init__(self, source_dir: Path, converted_dir: Path, plan: ConversionPlan) -> None:
+    def __init__(self, source_dir: Path, converted_dir: Path, plan: ConversionPlan,
+                 first: Collection[str] = ()) -> None:
         # block-sized float64 temporaries come and go per tensor: give them their own mappings,
         # so the heap does not keep a depth-proportional high-water mark
         map_large_allocations()
@@ -99,6 +104,9 @@ class WeightsProof:
             check_inventory(plan, output)
         self.paths, self.plan = (source_dir, converted_dir), plan
         self.tensors = [tensor for group in tensors_by_shard(plan).values() for tensor in group]
+        first = set(first)
+        # the proof's order: the tensors ``first`` names, then the rest, each part in the plan's order
+        self.order = sorted(range(len(self.tensors)), key=lambda index: self.tensors[index].name not in first)
         self.nbytes = sum(tensor.nbytes for tensor in self.tensors)
         self.results: list[tuple[int, float | None, int]] = []  # (index, ulps or None if identical, off)
         self.queue = WorkQueue(len(self.tensors))
@@ -116,12 +124,13 @@ class WeightsProof:
 
     def work(self) -> None:
         """Prove tensors, the next one not taken each time, until none is left or one fails."""
-        index: int | None = -1  # a failure to open the checkpoints comes before every tensor
+        turn: int | None = -1  # a failure to open the checkpoints comes before every tensor
         try:
             with (CheckpointReader(self.paths[0], self.mapped) as source,
                   CheckpointReader(self.paths[1], self.mapped) as output):
                 shared = ShardSource(source)
-                while (index := self.queue.take()) is not None:
+                while (turn := self.queue.take()) is not None:
+                    index = self.order[turn]
                     tensor = self.tensors[index]
                     if shared.keeps_bytes(tensor):
                         _prove_identical(tensor, source, output, shared)
@@ -135,7 +144,7 @@ class WeightsProof:
                         self.results.append(result)
         except Exception as error:  # raised by figures(), in the calling thread
             # a failure closing the checkpoints, once every tensor was taken, comes after them all
-            self.queue.fail(len(self.tensors) if index is None else index, error)
+            self.queue.fail(len(self.tensors) if turn is None else turn, error)
 
     def work_alone(self) -> None:
         """The whole proof on one core, in a process that runs nothing else: both checkpoints read
