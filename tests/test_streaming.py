@@ -731,6 +731,8 @@ def test_sampled_blocks_are_the_first_of_every_kind():
         "lm_head.weight", "model.layers.0.mlp.weight", "model.layers.2.norm", "model.norm.weight",
         "model.layers.1.layers_x"]
     assert probed_tensors(names, {}, None) == [] and probed_tensors(["a.b"], {}, "h") == []
+    odd = ["h.².w", "h." + "9" * 5000 + ".w", "h.0.w"]  # names are the checkpoint's: any text
+    assert probed_tensors(odd, {}, "h") == odd
 
 
 def test_a_proven_checkpoint_runs_sampled_blocks_beside_the_proof(tmp_path, monkeypatch, capsys):

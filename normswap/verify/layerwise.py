@@ -234,8 +234,9 @@ def probed_tensors(names: Iterable[str], config: dict, blocks_path: str | None) 
     block_of: dict[str, int] = {}
     for name in names:
         parts = name.split(".")
-        index = next((int(parts[i + 1]) for i in range(len(parts) - 1)
-                      if parts[i] == leaf and parts[i + 1].isdigit()), None)
+        index = next((int(parts[i + 1]) for i in range(len(parts) - 1)  # ASCII digits a block count can reach
+                      if parts[i] == leaf and parts[i + 1].isascii() and parts[i + 1].isdigit()
+                      and len(parts[i + 1]) <= 9), None)
         if index is not None:
             block_of[name] = index
     if not block_of:
