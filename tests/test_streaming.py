@@ -775,6 +775,21 @@ def test_a_proven_checkpoint_runs_sampled_blocks_beside_the_proof(tmp_path, monk
         normswap.verify_checkpoint(src, out)
 
 
+def test_convert_writes_last_what_its_forward_passes_read(tmp_path, monkeypatch):
+    # the newest pages of the page cache when the comparison after the write runs
+    from normswap.convert import write
+
+    src = tiny_gpt2(tmp_path / "src", n_layer=5)
+    written: list[str] = []
+    write_tensor = write.write_tensor
+    monkeypatch.setattr(write, "write_tensor", lambda fd, position, tensor, *rest: (
+        written.append(tensor.name), write_tensor(fd, position, tensor, *rest))[1])
+    normswap.convert_checkpoint(src, tmp_path / "rms")
+    unread = [index for index, name in enumerate(written) if name.startswith(("transformer.h.2.", "transformer.h.3.",
+                                                                           "transformer.h.4."))]
+    assert unread == list(range(len(unread))) and "lm_head.weight" in written[len(unread):]
+
+
 def test_each_command_parses_each_config_json_once(tmp_path, monkeypatch):
     # transformers' own loader opens config.json for the classes it builds; normswap's steps
     # (side-file checks, planning, provenance, verification, the card) share one parse

@@ -29,7 +29,7 @@ import json
 import math
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Protocol
 
@@ -59,6 +59,11 @@ class Witness(Protocol):
     def computed(self, plan: TensorPlan, start: int, value: torch.Tensor, fd: int, position: int) -> None:
         """``value``: float64 rows from row ``start`` of what the plan makes ``plan``, before the
         cast the writer stored at ``position`` of ``fd``."""
+
+    @property
+    def last(self) -> Collection[str]:
+        """The tensors the check after the write reads again (its forward passes), written last:
+        they and their sources are then the newest pages of the page cache when it runs."""
 
     def figures(self, output_dir: Path, identical: dict[str, str] | None = None) -> dict:
         """Once the write is done, the proof's figures for the checkpoint at ``output_dir``
@@ -322,7 +327,8 @@ def write_weights(out_dir: Path, plan: ConversionPlan, reader: CheckpointReader,
     """Every output shard, plus ``model.safetensors.index.json`` when there are several.
 
     ``workers`` threads (default ``threads.tensor_workers``; one for a pickled source) share the
-    tensors, each writing the next one in plan order at its place: writing into the page cache
+    tensors, each writing the next one in plan order (the ``witness``'s ``last`` tensors at the
+    end) at its place: writing into the page cache
     is bound by the memory copies of the core that makes them, so a second core adds its own.
     Only one tensor at a time is computed whole, so that memory holds one. The bytes are the
     same whatever the split, and whether a ``witness`` sees the blocks. The index follows
@@ -330,7 +336,8 @@ def write_weights(out_dir: Path, plan: ConversionPlan, reader: CheckpointReader,
     each tensor's shard, keys sorted.
     """
     by_shard = tensors_by_shard(plan)
-    order = [tensor for tensors in by_shard.values() for tensor in tensors]
+    last = set(witness.last) if witness is not None else set()
+    order = sorted((tensor for tensors in by_shard.values() for tensor in tensors), key=lambda t: t.name in last)
     total = sum(tensor.nbytes for tensor in order)
     if workers is None:
         workers = tensor_workers(total) if reader.is_safetensors else 1

@@ -171,7 +171,13 @@ class WrittenProof:
     which then fails with it."""
 
     def __init__(self, plan: ConversionPlan) -> None:
+        from normswap.architectures import ARCHITECTURES
+        from normswap.verify.layerwise import probed_tensors
+
         self.plan = plan
+        architecture = ARCHITECTURES.get(plan.model_type)
+        # what a comparison of the first blocks reads (the plan holds no config: blocks 0 and 1)
+        self.last = probed_tensors(plan.tensors, {}, None if architecture is None else architecture.blocks)
         self._results: dict[str, tuple[float | None, int]] = {}
         self._lock = threading.Lock()
         self._local = threading.local()  # each writer thread's ``ScratchBuffers``
