@@ -188,6 +188,8 @@ SKIPPED: dict[str, str] = {
         "builds 3.1 and 13.3 GB synthetic checkpoints and measures time (tens of minutes)",
     "python3 scripts/bench_scale.py --sizes gpt2-xl,opt-6.7b,opt-13b --rounds 1":
         "builds 3.1, 13.3 and 25.7 GB synthetic checkpoints (52 GB of disk) and measures time (tens of minutes)",
+    "python3 scripts/bench_scale.py --sizes opt-6.7b --rounds 1 --cold":
+        "empties the page cache (root) and builds a 13.3 GB synthetic checkpoint (tens of minutes)",
     'python3 -m pytest -q tests/test_rotate_commuting.py -k "generate or lm_eval"':
         "the stock loaders' and lm-eval's agreement is asserted by the tests themselves",
     "python3 scripts/bench_cli.py --only startup,inspect": "timings: they depend on the machine and its load",
