@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from normswap.architectures import ARCHITECTURES
 from normswap.checkpoint import safetensors_io
 from normswap.checkpoint.rotations import rotation_method
 from normswap.checkpoint.source import CheckpointReader, TensorInfo
@@ -171,7 +172,6 @@ class WrittenProof:
     which then fails with it."""
 
     def __init__(self, plan: ConversionPlan) -> None:
-        from normswap.architectures import ARCHITECTURES
         from normswap.verify.layerwise import probed_tensors
 
         self.plan = plan
