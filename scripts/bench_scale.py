@@ -252,8 +252,9 @@ def one_round(src: Path, work: Path, cold: bool = False) -> dict[str, dict]:
         steps["convert_no_verify"] = step(normswap("convert", str(src), "--out", str(out), "--verify", "none",
                                                    "--quiet"))
         steps["verify"] = step(normswap("verify", str(src), str(out), "--quiet"))
-        needed = {"floor": folder_bytes(src), "convert_no_verify": folder_bytes(src), "convert_default": folder_bytes(src),
-                  "verify": folder_bytes(src) + folder_bytes(out)}
+        source = folder_bytes(src)
+        needed = {"floor": source, "convert_no_verify": source, "convert_default": source,
+                  "verify": source + folder_bytes(out)}
         shutil.rmtree(out)
         steps["convert_default"] = step(normswap("convert", str(src), "--out", str(verified), "--quiet"))
         for name in STEPS:
